@@ -1,0 +1,57 @@
+"""The controller seam: the only thing that differs between static, heuristic, analytic and learned
+decoding. The engine owns this protocol; implementations live in ``policies``.
+
+Per cycle the engine drafts one step at a time and, after each step, asks ``should_continue``; when
+drafting stops it asks ``num_to_verify``; after verification it reports the cycle with ``observe``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.records import CycleRecord
+
+
+@dataclass(frozen=True)
+class DraftState:
+    """What a controller sees during a cycle (every field is a function of the committed prefix)."""
+
+    depth: int
+    """Draft steps done so far in this cycle (>= 1 when asked)."""
+    frontier_scores: np.ndarray
+    """[W] cumulative draft log-probs of the nodes the next step would expand, descending."""
+    step_probs: np.ndarray
+    """[W] draft probability of each frontier node given its parent (the last step's confidence)."""
+    node_scores: np.ndarray
+    """[N] cumulative draft log-probs of every node drafted so far, descending."""
+    context_len: int
+    """Committed tokens (prompt + generated) at the start of the cycle."""
+    max_depth: int
+    """Hard cap on depth this cycle (budget, context limit); the engine stops there regardless."""
+    history: Sequence[CycleRecord]
+    """Records of this request's previous cycles, oldest first."""
+
+
+class Controller(ABC):
+    """Decides draft depth (continue/stop after each step) and verification size, once per cycle."""
+
+    tree_width: int = 1
+    """Frontier width W and children per expanded node; 1 drafts a chain."""
+
+    def reset(self) -> None:  # noqa: B027 - optional hook
+        """Called at the start of every request (clear per-request state)."""
+
+    @abstractmethod
+    def should_continue(self, state: DraftState) -> bool:
+        """After a draft step: draft one more level?"""
+
+    @abstractmethod
+    def num_to_verify(self, state: DraftState) -> int:
+        """After drafting: how many of the drafted nodes (top by score) to verify; clamped to [0, N]."""
+
+    def observe(self, record: CycleRecord) -> None:  # noqa: B027 - optional hook
+        """Called after every cycle with its outcome (online estimates live here)."""

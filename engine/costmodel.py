@@ -1,0 +1,41 @@
+"""The article's cost model (sections 6-7): expected tokens per cycle and speedup.
+
+Letters follow the article: alpha = per-token acceptance probability, gamma = draft length, c = cost of
+one draft step relative to one target step, g(gamma) = cost of verifying gamma tokens relative to one
+target step (1 in the simplified model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """E(alpha, gamma) = (1 - alpha^(gamma+1)) / (1 - alpha): expected tokens emitted per cycle."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if gamma < 0:
+        raise ValueError(f"gamma must be >= 0, got {gamma}")
+    if alpha == 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def expected_tokens_general(accept_probs: Sequence[float]) -> float:
+    """General form: 1 + sum_i P(first i drafts all accepted), given P(accept i | first i-1 accepted)."""
+    total, survive = 1.0, 1.0
+    for prob in accept_probs:
+        survive *= prob
+        total += survive
+    return total
+
+
+def speedup(alpha: float, gamma: int, c: float, g: float | Callable[[int], float] = 1.0) -> float:
+    """S = E(alpha, gamma) / (g(gamma) + c * gamma): cycle output over cycle cost, in target steps."""
+    g_val = g(gamma) if callable(g) else g
+    return expected_tokens(alpha, gamma) / (g_val + c * gamma)
+
+
+def best_gamma(alpha: float, c: float, g: float | Callable[[int], float] = 1.0, max_gamma: int = 16) -> int:
+    """The gamma in 1..max_gamma with the largest speedup (the article's grid)."""
+    return max(range(1, max_gamma + 1), key=lambda gam: speedup(alpha, gam, c, g))

@@ -1,0 +1,381 @@
+"""The speculative decoding loop: prefill, then cycles of draft -> verify -> commit.
+
+Invariant between cycles (``_Request``): ``tokens`` are the committed ids (prompt + generated); the
+target cache holds ``tokens[:-1]`` (the last token is the *pending* input of the next target forward);
+the draft cache holds ``tokens[:draft_len]`` and ``tokens[draft_len:]`` are the draft's pending inputs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.control import Controller, DraftState
+from engine.kvcache import cache_len, keep_entries, new_cache
+from engine.models import ModelPair
+from engine.records import CycleRecord, GenerationResult
+from engine.sampling import (
+    SamplingConfig,
+    check_finite,
+    logits_to_probs,
+    make_target_drawer,
+    score_logprobs,
+    verify_chain,
+    verify_tree,
+)
+from engine.tree import DraftTree, ancestor_matrix, tree_attention_mask
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine-wide settings (the controller decides depth and size per cycle)."""
+
+    draft_mode: str = "deterministic"
+    """"deterministic": drafts are top-k expansions / argmax chains (exactly replayable);
+    "sampled": chain drafts sampled from the draft distribution (Leviathan rule; tree_width must be 1)."""
+    max_depth: int = 32
+    """Hard cap on draft depth per cycle, whatever the controller says."""
+    check_finite: bool = True
+    """Stop with an error on NaN/inf logits."""
+    validate_caches: bool = False
+    """Debug: after every cycle, check both KV caches against a fresh forward of the committed tokens
+    (slow; tests use it to prove the cache invariant)."""
+
+    def __post_init__(self) -> None:
+        if self.draft_mode not in ("deterministic", "sampled"):
+            raise ValueError(f"draft_mode must be 'deterministic' or 'sampled', got {self.draft_mode!r}")
+        if self.max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {self.max_depth}")
+
+
+class Clock:
+    """Wall clock that waits for the device first, so GPU work is charged to the phase that queued it."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def __call__(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+@dataclass
+class _Request:
+    tokens: list[int]
+    target_cache: object
+    draft_cache: object | None
+    draft_len: int
+    generator: torch.Generator
+    cycles: list[CycleRecord] = field(default_factory=list)
+
+
+class SpeculativeEngine:
+    """Exact speculative decoding over a ``ModelPair`` with a pluggable per-cycle ``Controller``."""
+
+    def __init__(self, pair: ModelPair, sampling: SamplingConfig | None = None, config: EngineConfig | None = None):
+        self.pair = pair
+        self.sampling = sampling or SamplingConfig()
+        self.config = config or EngineConfig()
+        self.device = pair.device
+        self.clock = Clock(self.device)
+
+    # ----------------------------------------------------------------------------------------------- API
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt: str | list[int] | torch.Tensor,
+        max_new_tokens: int = 128,
+        controller: Controller | None = None,
+        seed: int = 0,
+    ) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` after ``prompt`` (text is encoded as is, ids are used as is).
+
+        ``controller=None`` decodes autoregressively with the target only, through the same loop.
+        """
+        prompt_ids = self._prompt_ids(prompt)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if len(prompt_ids) >= self.pair.max_context:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context limit is {self.pair.max_context}")
+        self._check_controller(controller)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        generator = torch.Generator(device=self.device).manual_seed(int(seed))
+
+        t0 = self.clock()
+        req = self._prefill(prompt_ids, generator, with_draft=controller is not None)
+        prefill_s = self.clock() - t0
+        if controller is not None:
+            controller.reset()
+        finish = self._finish_reason(req, len(prompt_ids), max_new_tokens)
+        while finish is None:
+            remaining = max_new_tokens - (len(req.tokens) - len(prompt_ids))
+            room = self.pair.max_context - len(req.tokens)
+            cap = min(self.config.max_depth, remaining - 1, room - 1)
+            if controller is None or cap < 1:
+                record = self._autoregressive_step(req)
+            else:
+                record = self._speculative_cycle(req, controller, cap)
+                controller.observe(record)
+            req.cycles.append(record)
+            if self.config.validate_caches:
+                self._validate_caches(req)
+            finish = self._finish_reason(req, len(prompt_ids), max_new_tokens)
+
+        generated = req.tokens[len(prompt_ids):]
+        return GenerationResult(
+            tokens=generated,
+            text=self.pair.tokenizer.decode(generated),
+            prompt_len=len(prompt_ids),
+            finish_reason=finish,
+            prefill_s=prefill_s,
+            cycles=req.cycles,
+            peak_memory_bytes=_peak_memory(self.device),
+        )
+
+    # ------------------------------------------------------------------------------------------ phases
+    def _prefill(self, prompt_ids: list[int], generator: torch.Generator, with_draft: bool) -> _Request:
+        target_cache = new_cache(self.pair.target)
+        logits = self._forward(self.pair.target, prompt_ids, 0, target_cache, keep=1)  # [1, V]
+        if self.config.check_finite:
+            check_finite(logits, "target")
+        first = make_target_drawer(logits, self.sampling, generator)(0)
+        draft_cache = None
+        if with_draft:
+            draft_cache = new_cache(self.pair.draft)
+            self._forward(self.pair.draft, prompt_ids, 0, draft_cache, keep=1)
+        return _Request(prompt_ids + [first], target_cache, draft_cache, len(prompt_ids), generator)
+
+    def _autoregressive_step(self, req: _Request) -> CycleRecord:
+        t0 = self.clock()
+        ctx = len(req.tokens)
+        logits = self._forward(self.pair.target, req.tokens[-1:], ctx - 1, req.target_cache)  # [1, V]
+        t_fwd = self.clock() - t0
+        if self.config.check_finite:
+            check_finite(logits, "target")
+        req.tokens.append(make_target_drawer(logits, self.sampling, req.generator)(0))
+        return CycleRecord(ctx, 0, 0, 0, 0, 1, verify_s=self.clock() - t0, forward_s=t_fwd)
+
+    def _speculative_cycle(self, req: _Request, controller: Controller, cap: int) -> CycleRecord:
+        clock, ctx = self.clock, len(req.tokens)
+        t_start = clock()
+        tree, frontier, draft_probs, fwd_s, ctrl_s = self._draft(req, controller, cap)
+        t_drafted = clock()
+
+        num_verify = int(controller.num_to_verify(self._state(tree, frontier, ctx, cap, req)))
+        selected = tree.select(min(max(num_verify, 0), len(tree)))
+        t_chosen = clock()
+
+        path, next_token, verify_fwd_s = self._verify(req, tree, selected, draft_probs)
+        t_verified = clock()
+
+        new_tokens = [tree.tokens[i] for i in path] + [next_token]
+        emitted = self._commit(req, tree, selected, path, new_tokens)
+        t_end = clock()
+        return CycleRecord(
+            context_len=ctx, depth=max(tree.depths), num_drafted=len(tree), num_verified=len(selected),
+            accepted=len(path), emitted=emitted,
+            draft_s=t_drafted - t_start - ctrl_s, verify_s=t_verified - t_chosen,
+            controller_s=ctrl_s + (t_chosen - t_drafted), overhead_s=t_end - t_verified,
+            forward_s=fwd_s + verify_fwd_s,
+        )
+
+    def _draft(self, req: _Request, controller: Controller, cap: int):
+        """Draft level by level until the controller stops or ``cap`` is reached."""
+        clock, ctx, width = self.clock, len(req.tokens), controller.tree_width
+        sampled = self.config.draft_mode == "sampled"
+        tree, draft_probs, fwd_s, ctrl_s = DraftTree(), [], 0.0, 0.0
+
+        # step 1: run the draft's pending tokens; the last row predicts the root's children
+        t0 = clock()
+        pending = req.tokens[req.draft_len:]
+        logits = self._forward(self.pair.draft, pending, req.draft_len, req.draft_cache, keep=1)  # [1, V]
+        fwd_s += clock() - t0
+        req.draft_len = ctx
+        frontier = self._expand(tree, [-1], [0.0], logits, width, sampled, draft_probs, req.generator)
+
+        while max(tree.depths) < cap:
+            t0 = clock()
+            go = controller.should_continue(self._state(tree, frontier, ctx, cap, req))
+            ctrl_s += clock() - t0
+            if not go:
+                break
+            depth = tree.depths[frontier[0]]
+            base = cache_len(req.draft_cache)
+            for j, node in enumerate(frontier):
+                tree.draft_slot[node] = base - ctx + j
+            mask = None
+            if width > 1:  # each frontier node sees the committed prefix and its own ancestors only
+                slots = [tree.draft_slot[n] for n in range(len(tree)) if tree.draft_slot[n] >= 0]
+                allowed = np.zeros((len(frontier), len(slots)), dtype=bool)
+                for j, node in enumerate(frontier):
+                    for anc in tree.path_to(node):
+                        allowed[j, tree.draft_slot[anc]] = True
+                mask = tree_attention_mask(ctx, allowed, self.pair.dtype, self.device)
+            t0 = clock()
+            logits = self._forward(
+                self.pair.draft, [tree.tokens[n] for n in frontier], ctx - 1 + depth, req.draft_cache,
+                mask=mask, positions=[ctx - 1 + depth] * len(frontier),
+            )  # [W, V]
+            fwd_s += clock() - t0
+            scores = [tree.scores[n] for n in frontier]
+            frontier = self._expand(tree, frontier, scores, logits, width, sampled, draft_probs, req.generator)
+        return tree, frontier, draft_probs, fwd_s, ctrl_s
+
+    def _expand(self, tree, parents, parent_scores, logits, width, sampled, draft_probs, generator):
+        """Add the children of ``parents`` (one row of ``logits`` each); return the new frontier."""
+        if self.config.check_finite:
+            check_finite(logits, "draft")
+        logprobs = score_logprobs(logits, self.sampling)  # [P, V]
+        if sampled:  # chain of draws from the processed draft distribution (Leviathan)
+            probs = logits_to_probs(logits[-1], self.sampling)  # [V]
+            token = int(torch.multinomial(probs, 1, generator=generator))
+            draft_probs.append(probs)
+            return [tree.add(token, parents[-1], parent_scores[-1] + float(logprobs[-1, token]))]
+        top = torch.topk(logprobs, width, dim=-1)  # [P, k]
+        cand = (torch.as_tensor(parent_scores, dtype=torch.float32)[:, None] + top.values.cpu()).flatten()
+        tokens = top.indices.cpu().flatten().tolist()
+        new = [tree.add(tok, parents[i // width], float(s)) for i, (tok, s) in enumerate(zip(tokens, cand))]
+        if len(new) <= width:
+            return new
+        order = np.lexsort((np.arange(len(new)), -cand.numpy()))[:width]
+        return [new[i] for i in order]
+
+    def _verify(self, req, tree, selected, draft_probs):
+        """One target forward over the root and the selected nodes, then exact acceptance."""
+        ctx = len(req.tokens)
+        local = {node: j for j, node in enumerate(selected)}
+        parents = [local.get(tree.parents[n], -1) for n in selected]
+        positions = [ctx - 1] + [ctx - 1 + tree.depths[n] for n in selected]
+        mask = None
+        if any(p != j - 1 for j, p in enumerate(parents)):  # not a chain: tree mask
+            allowed = ancestor_matrix([-1] + [p + 1 for p in parents])
+            mask = tree_attention_mask(ctx - 1, allowed, self.pair.dtype, self.device)
+        t0 = self.clock()
+        logits = self._forward(
+            self.pair.target, [req.tokens[-1]] + [tree.tokens[n] for n in selected], ctx - 1,
+            req.target_cache, mask=mask, positions=positions,
+        )  # [1 + V, vocab]
+        fwd_s = self.clock() - t0
+        if self.config.check_finite:
+            check_finite(logits, "target")
+        if self.config.draft_mode == "sampled":
+            target_probs = logits_to_probs(logits, self.sampling)  # [V + 1, vocab]
+            tokens = torch.as_tensor([tree.tokens[n] for n in selected], device=logits.device)
+            q = torch.stack(draft_probs[: len(selected)]) if selected else target_probs[:0]
+            num_accepted, next_token = verify_chain(target_probs, q, tokens, req.generator)
+            return selected[:num_accepted], next_token, fwd_s
+        draw = make_target_drawer(logits, self.sampling, req.generator)
+        path_local, next_token = verify_tree([tree.tokens[n] for n in selected], parents, draw)
+        return [selected[j] for j in path_local], next_token, fwd_s
+
+    def _commit(self, req, tree, selected, path, new_tokens) -> int:
+        """Append the new tokens (cut after EOS; ``cap`` already bounds them by budget and context) and
+        compact both caches to the committed tokens."""
+        ctx = len(req.tokens)
+        eos = self.pair.eos_token_ids
+        for i, tok in enumerate(new_tokens):
+            if tok in eos:
+                new_tokens = new_tokens[: i + 1]
+                break
+        req.tokens.extend(new_tokens)
+        # target: [tokens[:ctx-1]] [root] [selected...] -> keep root + accepted path
+        local = {node: j for j, node in enumerate(selected)}
+        keep_entries(req.target_cache, ctx, [ctx + local[n] for n in path])
+        # draft: [tokens[:ctx]] [forwarded tree nodes...] -> keep the forwarded prefix of the path
+        forwarded = []  # the draft ran a prefix of the path (a node is run only when it is expanded)
+        for n in path:
+            if tree.draft_slot[n] < 0:
+                break
+            forwarded.append(tree.draft_slot[n])
+        keep_entries(req.draft_cache, ctx, [ctx + s for s in forwarded])
+        req.draft_len = ctx + len(forwarded)
+        return len(new_tokens)
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def _validate_caches(self, req: _Request) -> None:
+        """Raise AssertionError unless each cache equals a fresh forward over the tokens it should hold."""
+        for name, model, cache, length in (
+            ("target", self.pair.target, req.target_cache, len(req.tokens) - 1),
+            ("draft", self.pair.draft, req.draft_cache, req.draft_len),
+        ):
+            if cache is None:
+                continue
+            if cache_len(cache) != length:
+                raise AssertionError(f"{name} cache holds {cache_len(cache)} entries, expected {length}")
+            fresh = new_cache(model)
+            self._forward(model, req.tokens[:length], 0, fresh, keep=1)
+            for i, (got, want) in enumerate(zip(cache.layers, fresh.layers)):
+                for a, b in ((got.keys, want.keys), (got.values, want.values)):
+                    if not torch.allclose(a, b, rtol=1e-4, atol=1e-4):
+                        err = (a - b).abs().max().item()
+                        raise AssertionError(f"{name} cache layer {i} differs from a fresh forward (max {err:.2e})")
+
+    def _forward(self, model, ids, start, cache, keep=0, mask=None, positions=None) -> torch.Tensor:
+        """One forward of ``ids`` at positions ``start...`` (or ``positions``); returns logits [Q, V]."""
+        input_ids = torch.as_tensor([ids], device=self.device)
+        if positions is None:
+            positions = list(range(start, start + len(ids)))
+        position_ids = torch.as_tensor([positions], device=self.device)
+        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=cache,
+                    use_cache=True, logits_to_keep=keep)
+        return out.logits[0]
+
+    def _state(self, tree: DraftTree, frontier: list[int], ctx: int, cap: int, req: _Request) -> DraftState:
+        scores = np.asarray(tree.scores, dtype=np.float32)
+        frontier_scores = scores[frontier]
+        step = frontier_scores - np.asarray([tree.scores[p] if p >= 0 else 0.0 for p in
+                                             (tree.parents[n] for n in frontier)], dtype=np.float32)
+        return DraftState(
+            depth=tree.depths[frontier[0]] if frontier else 0, frontier_scores=-np.sort(-frontier_scores),
+            step_probs=np.exp(step), node_scores=-np.sort(-scores), context_len=ctx, max_depth=cap,
+            history=req.cycles,
+        )
+
+    def _finish_reason(self, req: _Request, prompt_len: int, max_new_tokens: int) -> str | None:
+        if req.tokens[-1] in self.pair.eos_token_ids:
+            return "eos"
+        if len(req.tokens) - prompt_len >= max_new_tokens:
+            return "length"
+        if len(req.tokens) >= self.pair.max_context:
+            return "context"
+        return None
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = list(self.pair.tokenizer.encode(prompt))
+        elif isinstance(prompt, torch.Tensor):
+            ids = prompt.flatten().tolist()
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("empty prompt: give at least one token")
+        vocab = self.pair.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        return ids
+
+    def _check_controller(self, controller: Controller | None) -> None:
+        if controller is None:
+            return
+        width = getattr(controller, "tree_width", None)
+        if not isinstance(width, int) or width < 1:
+            raise ValueError(f"controller.tree_width must be an integer >= 1, got {width!r}")
+        if self.config.draft_mode == "sampled":
+            if width != 1:
+                raise ValueError("draft_mode='sampled' drafts chains only: use tree_width=1")
+            if self.sampling.greedy:
+                raise ValueError("draft_mode='sampled' needs temperature > 0 (greedy drafts are deterministic)")
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

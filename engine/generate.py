@@ -1,0 +1,85 @@
+"""Command line: generate with speculative (or autoregressive) decoding and print the stats.
+
+    python -m engine.generate --prompt "Write a Python function that reverses a list."
+    python -m engine.generate --pair tiny --prompt "hello" --depth 3 --verify 8 --tree-width 2
+    python -m engine.generate --autoregressive --prompt "..."
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from engine.engine import EngineConfig, SpeculativeEngine
+from engine.models import load_pair
+from engine.sampling import SamplingConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m engine.generate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt", required=True, help="the user message (chat template applied unless --raw)")
+    ap.add_argument("--raw", action="store_true", help="encode the prompt as is, without the chat template")
+    ap.add_argument("--pair", default="qwen2.5-coder", help="named pair: qwen2.5-coder (default) or tiny")
+    ap.add_argument("--target", help="target model path or hub id (with --draft; overrides --pair)")
+    ap.add_argument("--draft", help="draft model path or hub id")
+    ap.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16, float64")
+    ap.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
+    ap.add_argument("--depth", type=int, default=4, help="static draft depth")
+    ap.add_argument("--verify", type=int, default=None, help="nodes to verify (default: depth)")
+    ap.add_argument("--tree-width", type=int, default=1, help="1 drafts a chain; k > 1 an EAGLE-2 style tree")
+    ap.add_argument("--policy", help="exported policy file (policy.pt) to use as the controller")
+    ap.add_argument("--autoregressive", action="store_true", help="target-only decoding (the baseline)")
+    ap.add_argument("--draft-mode", default=EngineConfig.draft_mode, choices=["deterministic", "sampled"])
+    ap.add_argument("--temperature", type=float, default=SamplingConfig.temperature)
+    ap.add_argument("--top-k", type=int, default=SamplingConfig.top_k)
+    ap.add_argument("--top-p", type=float, default=SamplingConfig.top_p)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="print the result (stats and cycles) as JSON")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+        pair = (load_pair(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
+                if args.target or args.draft else load_pair(args.pair, dtype=args.dtype, device=args.device))
+        engine = SpeculativeEngine(pair, sampling, EngineConfig(draft_mode=args.draft_mode))
+        controller = None if args.autoregressive else _controller(args)
+        prompt = pair.encode(args.prompt, chat=not args.raw)
+        result = engine.generate(prompt, max_new_tokens=args.max_new_tokens, controller=controller, seed=args.seed)
+    except (ValueError, FileNotFoundError, FloatingPointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=1, default=str))
+        return 0
+    print(result.text)
+    print()
+    print(f"pair={pair.name} dtype={str(pair.dtype).removeprefix('torch.')} device={pair.device} "
+          f"controller={controller!r} sampling={sampling} torch={torch.__version__}")
+    print(f"prompt tokens={result.prompt_len} finish={result.finish_reason}")
+    for key, value in result.stats.items():
+        print(f"  {key:22s} {value:12.4f}")
+    return 0
+
+
+def _controller(args):
+    if args.policy:
+        try:
+            from policies import load_policy
+        except ImportError as err:
+            raise ValueError("--policy: loading exported policies is not implemented yet (issue: train.py)") from err
+        return load_policy(args.policy)
+    from policies import StaticController
+
+    return StaticController(depth=args.depth, verify=args.verify, tree_width=args.tree_width)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""The draft tree of one cycle: nodes, parents, scores, the top-V selection and tree attention masks.
+
+Nodes are stored in creation order, so a parent always precedes its children. A node's *score* is the
+cumulative draft log-probability of its path; scores never increase along a path, so "the top-V nodes
+by score, ties broken by creation order" is always a connected sub-tree containing the root's children
+it needs (DESIGN.md section 3 relies on this for exact replay).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class DraftTree:
+    """All nodes drafted in one cycle (the root, i.e. the pending token, is implicit: parent -1)."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    draft_slot: list[int] = field(default_factory=list)
+    """Index of the node's entry in the draft KV cache tail (-1 while the draft has not run it)."""
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, token: int, parent: int, score: float) -> int:
+        self.tokens.append(int(token))
+        self.parents.append(int(parent))
+        self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
+        self.scores.append(float(score))
+        self.draft_slot.append(-1)
+        return len(self.tokens) - 1
+
+    def select(self, num_verify: int) -> list[int]:
+        """Indices of the top-``num_verify`` nodes by score (ties: earlier node first), in creation order."""
+        if num_verify <= 0 or not self.tokens:
+            return []
+        scores = np.asarray(self.scores)
+        order = np.lexsort((np.arange(len(scores)), -scores))  # score desc, then creation order
+        return sorted(order[:num_verify].tolist())
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root's child down to ``node``."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+
+def ancestor_matrix(parents: list[int]) -> np.ndarray:
+    """[N, N] bool: entry (i, j) is True when node j is node i or one of its ancestors.
+
+    ``parents`` index into the same list (-1 = root); parents precede children.
+    """
+    n = len(parents)
+    anc = np.zeros((n, n), dtype=bool)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            anc[i] = anc[parent]
+        anc[i, i] = True
+    return anc
+
+
+def tree_attention_mask(
+    num_cached: int, allowed_tail: np.ndarray, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Additive 4D mask [1, 1, Q, num_cached + T]: every query sees the first ``num_cached`` cache
+    entries (committed tokens) and, among the T tail entries, those marked in ``allowed_tail`` [Q, T]."""
+    q, t = allowed_tail.shape
+    allowed = np.ones((q, num_cached + t), dtype=bool)
+    allowed[:, num_cached:] = allowed_tail
+    mask = torch.zeros((1, 1, q, num_cached + t), dtype=dtype)
+    mask.masked_fill_(torch.from_numpy(~allowed)[None, None], torch.finfo(dtype).min)
+    return mask.to(device)
