@@ -84,27 +84,31 @@ def main() -> int:
     ap.add_argument("--pair", default="qwen2.5-coder")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--tune-tokens", type=int, default=64, help="new tokens per tune-prompt run")
     ap.add_argument("--quick", action="store_true", help="tiny grid, 1 rep, 32 tokens")
     ap.add_argument("--out", default="runs/bench_engine.json")
     args = ap.parse_args()
     if args.quick:
-        args.reps, args.max_new_tokens = 1, 32
+        args.reps, args.max_new_tokens, args.tune_tokens = 1, 32, 32
 
     pair = load_pair(args.pair, dtype=args.dtype)
     engine = SpeculativeEngine(pair, SamplingConfig(temperature=0.0))
     measure_ids = {lang: pair.encode(p) for lang, p in MEASURE_PROMPTS.items()}
     tune_ids = [pair.encode(p) for p in TUNE_PROMPTS.values()]
 
-    hf_defaults = {k: getattr(pair.draft.generation_config, k, None)
-                   for k in ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")}
+    # transformers 5.x defaults (GenerationConfig._get_default_generation_params); the confidence threshold
+    # adapts during generation when scikit-learn is installed (it is a dev dependency here)
+    hf_defaults = {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
+                   "assistant_confidence_threshold": 0.4}
     run_ours(engine, tune_ids[0], StaticController(2), 8)  # warm-up (allocator, kernels), not measured
     run_hf(pair, tune_ids[0], 8, dict(hf_defaults))
 
     chain_grid = CHAIN_GRID[:2] if args.quick else CHAIN_GRID
     tree_grid = TREE_GRID[:2] if args.quick else TREE_GRID
-    best_chain, chain_scores = tune(engine, tune_ids, chain_grid, args.max_new_tokens)
-    best_tree, tree_scores = tune(engine, tune_ids, tree_grid, args.max_new_tokens)
+    best_chain, chain_scores = tune(engine, tune_ids, chain_grid, args.tune_tokens)
+    best_tree, tree_scores = tune(engine, tune_ids, tree_grid, args.tune_tokens)
+    print(f"tune (tokens/s on tune prompts): chains {chain_scores}\n trees {tree_scores}")
     print(f"tune: best chain {best_chain} best tree {best_tree}")
 
     decoders = {
@@ -114,7 +118,7 @@ def main() -> int:
         "hf_autoregressive": lambda ids: run_hf(pair, ids, args.max_new_tokens, None),
         "hf_assisted_default": lambda ids: run_hf(pair, ids, args.max_new_tokens, dict(hf_defaults)),
         "hf_assisted_heuristic": lambda ids: run_hf(pair, ids, args.max_new_tokens, {
-            "num_assistant_tokens": 5, "num_assistant_tokens_schedule": "heuristic",
+            "num_assistant_tokens": 5, "num_assistant_tokens_schedule": "heuristic_transient",
             "assistant_confidence_threshold": 0.0}),
     }
     raw = {name: {lang: [] for lang in measure_ids} for name in decoders}

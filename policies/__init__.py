@@ -1,6 +1,7 @@
-"""Controllers that decide draft depth and verification size (static now; heuristic, analytic and
-learned ones plug into the same ``engine.Controller`` seam)."""
+"""Controllers that decide draft depth and verification size. All implement ``engine.Controller``; the
+engine never imports this package."""
 
+from policies.heuristic import ConfidenceController, HeuristicController
 from policies.static import StaticController
 
-__all__ = ["StaticController"]
+__all__ = ["ConfidenceController", "HeuristicController", "StaticController"]
