@@ -26,7 +26,7 @@ from engine.sampling import (
     verify_chain,
     verify_tree,
 )
-from engine.tree import DraftTree, ancestor_matrix, tree_attention_mask
+from engine.tree import DraftTree, ancestor_matrix, expand_topk, tree_attention_mask
 
 
 @dataclass(frozen=True)
@@ -237,14 +237,7 @@ class SpeculativeEngine:
             token = int(torch.multinomial(probs, 1, generator=generator))
             draft_probs.append(probs)
             return [tree.add(token, parents[-1], parent_scores[-1] + float(logprobs[-1, token]))]
-        top = torch.topk(logprobs, width, dim=-1)  # [P, k]
-        cand = (torch.as_tensor(parent_scores, dtype=torch.float32)[:, None] + top.values.cpu()).flatten()
-        tokens = top.indices.cpu().flatten().tolist()
-        new = [tree.add(tok, parents[i // width], float(s)) for i, (tok, s) in enumerate(zip(tokens, cand))]
-        if len(new) <= width:
-            return new
-        order = np.lexsort((np.arange(len(new)), -cand.numpy()))[:width]
-        return [new[i] for i in order]
+        return expand_topk(tree, parents, parent_scores, logprobs, width)
 
     def _verify(self, req, tree, selected, draft_probs):
         """One target forward over the root and the selected nodes, then exact acceptance."""

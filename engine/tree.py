@@ -53,6 +53,23 @@ class DraftTree:
         return path[::-1]
 
 
+def expand_topk(
+    tree: DraftTree, parents: list[int], parent_scores: list[float], logprobs: torch.Tensor, width: int
+) -> list[int]:
+    """One EAGLE-2 style level: each parent (row of ``logprobs`` [P, V]) gets its top-``width`` children,
+    all added to the tree; the new frontier is the top-``width`` of them by cumulative score (ties: the
+    earlier node). The engine and the trace recorder both draft through this function, so a recorded tree
+    is the tree the engine would draft."""
+    top = torch.topk(logprobs, width, dim=-1)  # [P, k]
+    cand = (torch.as_tensor(parent_scores, dtype=torch.float32)[:, None] + top.values.float().cpu()).flatten()
+    tokens = top.indices.cpu().flatten().tolist()
+    new = [tree.add(tok, parents[i // width], float(s)) for i, (tok, s) in enumerate(zip(tokens, cand))]
+    if len(new) <= width:
+        return new
+    order = np.lexsort((np.arange(len(new)), -cand.numpy()))[:width]
+    return [new[i] for i in order]
+
+
 def ancestor_matrix(parents: list[int]) -> np.ndarray:
     """[N, N] bool: entry (i, j) is True when node j is node i or one of its ancestors.
 

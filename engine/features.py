@@ -1,0 +1,89 @@
+"""Observation features for the depth and size decisions (DESIGN.md section 4).
+
+One function per decision, used by the gymnasium environments (live and replay) and by exported
+learned controllers on the inference path, so training and deployment see identical numbers. Every
+feature is a function of the ``DraftState`` (itself a function of the committed prefix) and of a few
+constants describing the device's cost profile. Float32, with finite bounds (``*_BOUNDS``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from engine.control import DraftState
+from engine.records import CycleRecord
+
+FEATURE_VERSION = 1
+MAX_WIDTH = 8
+"""Frontier entries observed by the depth policy (wider frontiers are cut, narrower padded with 0)."""
+MAX_NODES = 64
+"""Node entries observed by the size policy."""
+HISTORY = 16
+"""Cycles the history features look back over."""
+NUM_DEVICE_FEATURES = 3
+DEPTH_SCALE, NODES_SCALE, LOG_CONTEXT_SCALE = 16.0, 64.0, float(np.log(32768.0))
+
+
+def device_features(profile, tree_width: int, context: int = 512) -> np.ndarray:
+    """[3] cost-profile constants a policy can condition on: draft step / one-token verify (the article's
+    c), and verify(16) / verify(1), verify(64) / verify(1) (how fast verification cost grows: g)."""
+    if profile is None:
+        return np.zeros(NUM_DEVICE_FEATURES, dtype=np.float32)
+    base = profile.verify_s(1, context)
+    feats = [profile.draft_step_s(tree_width, context) / base, profile.verify_s(16, context) / base,
+             profile.verify_s(64, context) / base]
+    return np.clip(np.asarray(feats, dtype=np.float32), 0.0, 64.0)
+
+
+def history_features(history: Sequence[CycleRecord]) -> np.ndarray:
+    """[4]: EMA of accepted length (decay 0.7 over the last 16 cycles), last accepted, last depth,
+    last verified size, each scaled to about [0, 1]."""
+    recent = [r for r in history[-HISTORY:] if r.depth > 0]
+    if not recent:
+        return np.zeros(4, dtype=np.float32)
+    ema = recent[0].accepted
+    for r in recent[1:]:
+        ema = 0.7 * ema + 0.3 * r.accepted
+    last = recent[-1]
+    return np.asarray([ema / DEPTH_SCALE, last.accepted / DEPTH_SCALE, last.depth / DEPTH_SCALE,
+                       last.num_verified / NODES_SCALE], dtype=np.float32)
+
+
+def _padded(values: np.ndarray, size: int) -> np.ndarray:
+    out = np.zeros(size, dtype=np.float32)
+    n = min(len(values), size)
+    out[:n] = values[:n]
+    return out
+
+
+def _common(state: DraftState, device: np.ndarray) -> np.ndarray:
+    return np.concatenate([
+        np.asarray([state.depth / DEPTH_SCALE, state.max_depth / DEPTH_SCALE,
+                    np.log(max(state.context_len, 1)) / LOG_CONTEXT_SCALE], dtype=np.float32),
+        history_features(state.history), device.astype(np.float32),
+    ])
+
+
+def depth_observation(state: DraftState, device: np.ndarray) -> np.ndarray:
+    """Depth decision (continue/stop): path probabilities exp(score) of the frontier (sorted), the last
+    step's conditional probabilities (sorted), then depth, cap, context and history, device features."""
+    frontier = np.exp(np.asarray(state.frontier_scores, dtype=np.float32))
+    step = np.sort(np.asarray(state.step_probs, dtype=np.float32))[::-1]
+    obs = np.concatenate([_padded(frontier, MAX_WIDTH), _padded(step, MAX_WIDTH), _common(state, device)])
+    return np.clip(obs, 0.0, DEPTH_OBS_HIGH).astype(np.float32)
+
+
+def size_observation(state: DraftState, device: np.ndarray) -> np.ndarray:
+    """Size decision: path probabilities exp(score) of the top-64 nodes (sorted), their running sum
+    (expected accepted tokens if that many are verified, scaled), then the common features."""
+    nodes = _padded(np.exp(np.asarray(state.node_scores, dtype=np.float32)), MAX_NODES)
+    expected = np.cumsum(nodes) / NODES_SCALE
+    obs = np.concatenate([nodes, expected[[0, 1, 3, 7, 15, 31, 63]], _common(state, device)])
+    return np.clip(obs, 0.0, SIZE_OBS_HIGH).astype(np.float32)
+
+
+DEPTH_OBS_DIM = 2 * MAX_WIDTH + 3 + 4 + NUM_DEVICE_FEATURES
+SIZE_OBS_DIM = MAX_NODES + 7 + 3 + 4 + NUM_DEVICE_FEATURES
+DEPTH_OBS_HIGH = SIZE_OBS_HIGH = 64.0

@@ -1,0 +1,145 @@
+"""Episode backends: where the cycles of an episode come from.
+
+Both speak the protocol of ``envs.replay.replay_cycles``: ``send(reply)`` returns the next message,
+``("depth", DraftState)``, ``("size", DraftState)`` or ``("cycle", CycleRecord)``, and raises
+``StopIteration`` when the request is finished. The environments answer the messages; they never know
+which backend they drive.
+
+* ``ReplayBackend``: exact replay of recorded traces; times from a cost profile.
+* ``LiveBackend``: the real engine on real models; times are the engine's device-synchronised clocks.
+  The engine's loop calls its controller, so the engine runs in a worker thread whose controller hands
+  each question to the environment and waits for the answer (one request at a time).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from engine.control import Controller, DraftState
+from engine.engine import SpeculativeEngine
+from engine.records import CycleRecord
+from envs.replay import ReplayTrace, charge_times, replay_cycles, replay_generate, throughput
+
+
+class ReplayBackend:
+    def __init__(self, traces: Sequence[ReplayTrace], profile, time_noise: bool = False):
+        if not traces:
+            raise ValueError("no traces: record some with `python -m envs.record`")
+        widths = {rt.width for rt in traces}
+        if len(widths) != 1:
+            raise ValueError(f"traces of one tree width expected, got widths {sorted(widths)}")
+        self.traces, self.profile, self.time_noise = list(traces), profile, time_noise
+        self.width = self.traces[0].width
+        self.num_episodes = len(self.traces)
+
+    def new_episode(self, index: int, rng: np.random.Generator):
+        noise_rng = np.random.default_rng(int(rng.integers(2**31))) if self.time_noise else None
+        return replay_cycles(self.traces[index], self.profile, noise_rng)
+
+    def throughput_of(self, controller: Controller) -> float:
+        return throughput([replay_generate(rt, controller, self.profile) for rt in self.traces])
+
+
+class _Abort(Exception):
+    """Unwinds the engine thread when an episode is abandoned (reset or close mid-request)."""
+
+
+class _BridgeController(Controller):
+    def __init__(self, width: int, questions: queue.Queue, answers: queue.Queue):
+        self.tree_width = width
+        self.questions, self.answers = questions, answers
+
+    def _ask(self, kind: str, payload):
+        self.questions.put((kind, payload))
+        answer = self.answers.get()
+        if answer is _Abort:
+            raise _Abort
+        return answer
+
+    def should_continue(self, state: DraftState) -> bool:
+        return bool(self._ask("depth", state))
+
+    def num_to_verify(self, state: DraftState) -> int:
+        return int(self._ask("size", state))
+
+    def observe(self, record: CycleRecord) -> None:
+        self._ask("cycle", record)
+
+
+class LiveLoop:
+    """One live request driven message by message (the generator protocol, over a worker thread)."""
+
+    def __init__(self, engine: SpeculativeEngine, prompt_ids: list[int], max_new_tokens: int, seed: int, width: int,
+                 recharge_profile=None):
+        self.questions: queue.Queue = queue.Queue(maxsize=1)
+        self.answers: queue.Queue = queue.Queue(maxsize=1)
+        controller = _BridgeController(width, self.questions, self.answers)
+        self.result = None
+        self.recharge_profile, self.width = recharge_profile, width
+        self._thread = threading.Thread(
+            target=self._run, args=(engine, prompt_ids, max_new_tokens, controller, seed), daemon=True)
+        self._started = False
+
+    def _run(self, engine, prompt_ids, max_new_tokens, controller, seed) -> None:
+        try:
+            self.questions.put(("done", engine.generate(prompt_ids, max_new_tokens, controller=controller, seed=seed)))
+        except _Abort:
+            pass
+        except BaseException as err:  # noqa: BLE001 - re-raised in the environment's thread
+            self.questions.put(("error", err))
+
+    def send(self, reply):
+        if not self._started:
+            self._started = True
+            self._thread.start()
+        else:
+            self.answers.put(reply)
+        kind, payload = self.questions.get()
+        if kind == "done":
+            self.result = payload
+            raise StopIteration
+        if kind == "error":
+            raise payload
+        if kind == "cycle" and self.recharge_profile is not None:
+            controller_s = payload.controller_s
+            charge_times(payload, self.recharge_profile, None, pending=1, width=self.width)
+            payload.controller_s = controller_s
+        return kind, payload
+
+    def close(self) -> None:
+        if self._started and self._thread.is_alive():
+            self.answers.put(_Abort)
+            self._thread.join(timeout=60)
+
+
+class LiveBackend:
+    def __init__(self, engine: SpeculativeEngine, prompts: Sequence[list[int]], tree_width: int,
+                 max_new_tokens: int = 128, profile=None, timing: str = "wall"):
+        """``timing``: "wall" charges the engine's measured times (the point of the live backend);
+        "profile" recharges every cycle from ``profile`` so that rewards are deterministic (used to run
+        gymnasium's determinism checks, which wall-clock rewards cannot pass)."""
+        if not prompts:
+            raise ValueError("no prompts for the live backend")
+        if timing not in ("wall", "profile") or (timing == "profile" and profile is None):
+            raise ValueError("timing must be 'wall', or 'profile' with a profile")
+        self.engine, self.prompts, self.width = engine, list(prompts), tree_width
+        self.max_new_tokens, self.profile, self.timing = max_new_tokens, profile, timing
+        self.num_episodes = len(self.prompts)
+        self._loop: LiveLoop | None = None
+
+    def new_episode(self, index: int, rng: np.random.Generator) -> LiveLoop:
+        if self._loop is not None:
+            self._loop.close()
+        seed = int(rng.integers(2**31))
+        self._loop = LiveLoop(self.engine, self.prompts[index], self.max_new_tokens, seed, self.width,
+                              self.profile if self.timing == "profile" else None)
+        return self._loop
+
+    def throughput_of(self, controller: Controller) -> float:
+        results = [self.engine.generate(p, self.max_new_tokens, controller=controller) for p in self.prompts]
+        tokens = sum(len(r.tokens) - 1 for r in results)
+        return tokens / sum(sum(c.total_s for c in r.cycles) for r in results)

@@ -1,0 +1,253 @@
+"""Exact trace replay of the engine's cycle loop, the hindsight oracle and the static grid.
+
+``ReplayTrace`` turns a recorded ``Trace`` into what the live engine would see and do at each position:
+the ``DraftState`` a controller is shown after each draft step, and the number of tokens accepted for
+any (depth, size). ``replay_generate`` runs a controller through the same loop as
+``SpeculativeEngine.generate`` (same depth cap, same EOS/budget rules) and returns the same
+``CycleRecord``s, with times taken from a cost profile instead of a clock.
+
+Accepted length, exactly: the trajectory z walks down the *full* recorded tree along a unique path
+n_1, n_2, ... (sibling tokens are distinct). A controller's sub-tree S (top-V by score among depth <= D)
+is ancestor-closed, so the accepted length is the number of leading path nodes inside S: n_i is in S iff
+i <= D and its rank among depth-<=D nodes is < V.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.control import Controller, DraftState
+from engine.records import CycleRecord
+from envs.trace import Trace, TraceError
+
+SIZE_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+@dataclass
+class Position:
+    """Precomputed replay facts of one position's tree."""
+
+    scores: np.ndarray
+    parents: np.ndarray
+    depths: np.ndarray
+    frontiers: list[np.ndarray]
+    """frontiers[d-1]: node indices of the frontier after draft step d (what step d+1 would expand)."""
+    order_by_depth: list[np.ndarray]
+    """order_by_depth[d-1]: nodes of depth <= d, best first (score desc, then creation order)."""
+    zpath: np.ndarray
+    """n_1, n_2, ...: the tree path the trajectory walks down (node indices)."""
+    zpath_rank: np.ndarray
+    """[max_depth, len(zpath)]: rank of n_i among depth-<=d nodes (row d-1)."""
+    views: dict = field(default_factory=dict)
+    """depth -> (frontier scores, step probs, node scores): the DraftState arrays, built once."""
+
+
+class ReplayTrace:
+    """A trace plus lazily built per-position replay facts."""
+
+    def __init__(self, trace: Trace, max_new_tokens: int | None = None, engine_max_depth: int = 32):
+        self.trace = trace
+        meta = trace.meta
+        self.width = int(meta.get("tree_width", 1))
+        self.max_depth = int(meta.get("max_depth", 0)) or int(trace.node_depths.max(initial=0))
+        self.max_new_tokens = int(max_new_tokens or meta.get("max_new_tokens") or len(trace.tokens))
+        if self.max_new_tokens < len(trace.tokens):
+            raise TraceError(f"{trace.prompt_id}: max_new_tokens {self.max_new_tokens} < trajectory length")
+        self.max_context = int(meta.get("max_context", 2**31 - 1))
+        self.engine_max_depth = engine_max_depth
+        self._positions: dict[int, Position] = {}
+
+    def position(self, t: int) -> Position:
+        pos = self._positions.get(t)
+        if pos is None:
+            pos = self._positions[t] = self._build(t)
+        return pos
+
+    def _build(self, t: int) -> Position:
+        tokens, parents, depths, scores = self.trace.nodes(t)
+        depths = depths.astype(np.int64)
+        n = len(tokens)
+        order = np.lexsort((np.arange(n), -scores.astype(np.float64)))  # best first, ties: earlier node
+        frontiers, order_by_depth = [], []
+        for d in range(1, self.max_depth + 1):
+            level = order[depths[order] == d]
+            frontiers.append(level[: self.width])
+            order_by_depth.append(order[depths[order] <= d])
+        # the trajectory's walk down the full tree
+        children: dict[tuple[int, int], int] = {(int(p), int(tok)): i for i, (p, tok) in
+                                                 enumerate(zip(parents, tokens))}
+        zpath, node = [], -1
+        for tok in self.trace.tokens[t + 1:]:
+            child = children.get((node, int(tok)))
+            if child is None:
+                break
+            zpath.append(child)
+            node = child
+        zpath = np.asarray(zpath, dtype=np.int64)
+        rank = np.full((self.max_depth, len(zpath)), n, dtype=np.int64)
+        for d in range(1, self.max_depth + 1):
+            inv = np.full(n, n, dtype=np.int64)
+            inv[order_by_depth[d - 1]] = np.arange(len(order_by_depth[d - 1]))
+            rank[d - 1] = inv[zpath]
+        return Position(scores.astype(np.float32), parents, depths, frontiers, order_by_depth, zpath, rank)
+
+    # -------------------------------------------------------------------------------- engine semantics
+    def context_len(self, t: int) -> int:
+        return self.trace.prompt_len + t + 1
+
+    def depth_cap(self, t: int) -> int:
+        """The engine's cap: min(engine max depth, remaining budget - 1, context room - 1, recorded depth)."""
+        remaining = self.max_new_tokens - (t + 1)
+        room = self.max_context - self.context_len(t)
+        return min(self.engine_max_depth, remaining - 1, room - 1, self.max_depth)
+
+    def done(self, t: int) -> bool:
+        return t + 1 >= len(self.trace.tokens)
+
+    def state(self, t: int, depth: int, history: Sequence[CycleRecord]) -> DraftState:
+        """The DraftState the live engine shows a controller after draft step ``depth`` at position t."""
+        pos = self.position(t)
+        view = pos.views.get(depth)
+        if view is None:
+            frontier = pos.frontiers[depth - 1]
+            parents = pos.parents[frontier]
+            parent_scores = np.where(parents >= 0, pos.scores[np.maximum(parents, 0)], 0.0)
+            view = pos.views[depth] = (
+                np.sort(pos.scores[frontier])[::-1],
+                np.exp(pos.scores[frontier] - parent_scores).astype(np.float32),
+                pos.scores[pos.order_by_depth[depth - 1]],
+            )
+        return DraftState(
+            depth=depth,
+            frontier_scores=view[0],
+            step_probs=view[1],
+            node_scores=view[2],
+            context_len=self.context_len(t),
+            max_depth=self.depth_cap(t),
+            history=history,
+        )
+
+    def num_drafted(self, t: int, depth: int) -> int:
+        return len(self.position(t).order_by_depth[depth - 1])
+
+    def accepted(self, t: int, depth: int, num_verify: int) -> int:
+        """Drafted tokens accepted at position t when drafting ``depth`` levels and verifying the top
+        ``num_verify`` nodes."""
+        pos = self.position(t)
+        k = min(depth, len(pos.zpath))
+        inside = pos.zpath_rank[depth - 1, :k] < num_verify
+        return int(k if inside.all() else np.argmin(inside))
+
+    def emitted(self, t: int, accepted: int) -> int:
+        """Tokens committed: accepted + recovered/bonus, except when the accepted path ends the trajectory
+        (EOS accepted inside the block)."""
+        return min(accepted + 1, len(self.trace.tokens) - 1 - t)
+
+    def pending_after(self, t: int, depth: int, accepted: int) -> int:
+        """Draft pending inputs of the next cycle: the accepted nodes the draft never ran (only frontier
+        nodes of steps < depth are run) plus the recovered/bonus token."""
+        pos = self.position(t)
+        ran = 0
+        for i in range(accepted):
+            if i + 1 >= depth or pos.zpath[i] not in pos.frontiers[i]:
+                break
+            ran += 1
+        return accepted - ran + 1
+
+
+def replay_cycles(
+    rt: ReplayTrace, profile=None, rng: np.random.Generator | None = None, speculative: bool = True
+) -> Generator[tuple[str, object], object, None]:
+    """The engine's cycle loop on a trace, as a coroutine: yields ``("depth", DraftState)`` (send a bool:
+    continue?), ``("size", DraftState)`` (send the number of nodes to verify) and ``("cycle",
+    CycleRecord)`` (send None) after every cycle. Times come from ``profile`` (expected values, or with
+    sampled noise when ``rng`` is given). ``speculative=False`` decodes autoregressively."""
+    records: list[CycleRecord] = []
+    t, pending = 0, 1
+    while not rt.done(t):
+        cap = rt.depth_cap(t)
+        if not speculative or cap < 1:
+            rec = CycleRecord(rt.context_len(t), 0, 0, 0, 0, 1)
+            charge_times(rec, profile, rng, pending=0, width=rt.width)
+            pending += 1
+        else:
+            depth = 1
+            while depth < cap and (yield ("depth", rt.state(t, depth, records))):
+                depth += 1
+            num_drafted = rt.num_drafted(t, depth)
+            num_verify = yield ("size", rt.state(t, depth, records))
+            num_verify = min(max(int(num_verify), 0), num_drafted)
+            accepted = rt.accepted(t, depth, num_verify)
+            rec = CycleRecord(rt.context_len(t), depth, num_drafted, num_verify, accepted, rt.emitted(t, accepted))
+            charge_times(rec, profile, rng, pending=pending, width=rt.width)
+            pending = rt.pending_after(t, depth, accepted)
+        records.append(rec)
+        yield ("cycle", rec)
+        t += rec.emitted
+
+
+def replay_generate(
+    rt: ReplayTrace,
+    controller: Controller | None,
+    profile=None,
+    rng: np.random.Generator | None = None,
+    measure_controller: bool = False,
+) -> list[CycleRecord]:
+    """Run ``controller`` through ``replay_cycles`` (None: autoregressive); returns the cycle records,
+    as ``SpeculativeEngine.generate`` would. ``measure_controller`` charges the controller's real call
+    time to ``controller_s``."""
+    if controller is not None:
+        if controller.tree_width != rt.width:
+            raise ValueError(f"controller tree_width {controller.tree_width} != trace tree_width {rt.width}")
+        controller.reset()
+    loop = replay_cycles(rt, profile, rng, speculative=controller is not None)
+    records, ctrl_s, reply = [], 0.0, None
+    while True:
+        try:
+            kind, payload = loop.send(reply)
+        except StopIteration:
+            return records
+        t0 = time.perf_counter()
+        if kind == "depth":
+            reply = controller.should_continue(payload)
+        elif kind == "size":
+            reply = controller.num_to_verify(payload)
+        else:
+            reply = None
+            if measure_controller:
+                payload.controller_s, ctrl_s = ctrl_s, 0.0
+            if controller is not None:
+                controller.observe(payload)
+            records.append(payload)
+            continue
+        ctrl_s += time.perf_counter() - t0
+
+
+def charge_times(rec: CycleRecord, profile, rng, pending: int, width: int) -> None:
+    """Fill the record's times from the cost profile (no profile: times stay 0)."""
+    if profile is None:
+        return
+    ctx = rec.context_len
+    if rec.depth == 0:
+        rec.verify_s = profile.verify_s(0, ctx)
+        rec.overhead_s = profile.overhead_s(0)
+    else:
+        rec.draft_s = profile.draft_step_s(pending, ctx) + (rec.depth - 1) * profile.draft_step_s(width, ctx)
+        rec.verify_s = profile.verify_s(rec.num_verified, ctx)
+        rec.overhead_s = profile.overhead_s(rec.num_verified)
+    if rng is not None:
+        scale = profile.noise_scale(rng) if hasattr(profile, "noise_scale") else 1.0
+        rec.draft_s *= scale
+        rec.verify_s *= scale
+    rec.forward_s = rec.draft_s + rec.verify_s
+
+
+def throughput(records_per_trace: Sequence[Sequence[CycleRecord]]) -> float:
+    """Total decode tokens over total decode time (sum N / sum T: the quantity to maximise)."""
+    tokens = sum(r.emitted for recs in records_per_trace for r in recs)
+    seconds = sum(r.total_s for recs in records_per_trace for r in recs)
+    return tokens / seconds if seconds > 0 else float("nan")

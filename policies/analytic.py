@@ -1,0 +1,90 @@
+"""The article's cost model (sections 6-7) made operational with online acceptance estimates and a
+measured cost profile: the baseline a learned policy must beat to be worth its complexity.
+
+Expected accepted tokens when verifying the top-V nodes: sum of their calibrated path probabilities
+min(1, kappa * exp(score)) (each node is accepted iff its whole path is; the sum over nodes of P(node
+accepted) is the expected accepted length). kappa corrects the draft's over/under-confidence online:
+an exponential average of accepted / predicted over past cycles.
+
+* Size: V maximising (1 + E(V)) / (t_draft + t_verify(V) + t_overhead(V)), V on the ladder.
+* Depth: continue while the best ratio after one more level (its nodes predicted from the frontier and
+  the last step's probabilities) beats the best ratio now.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.control import Controller, DraftState
+from engine.records import CycleRecord
+
+LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+class AnalyticController(Controller):
+    """Cost-model controller; ``profile`` provides draft_step_s(width, ctx), verify_s(nodes, ctx) and
+    overhead_s(nodes) (``engine.profile.CostProfile``)."""
+
+    def __init__(self, profile, tree_width: int = 1, max_depth: int = 16, ladder: tuple[int, ...] = LADDER,
+                 smoothing: float = 0.2):
+        if profile is None:
+            raise ValueError("AnalyticController needs a cost profile (python -m engine.profile)")
+        self.profile, self.tree_width, self.max_depth = profile, tree_width, max_depth
+        self.ladder, self.smoothing = np.asarray(ladder), smoothing
+        self.reset()
+
+    def reset(self) -> None:
+        self.kappa = 1.0
+        self._predicted = 0.0
+
+    # ------------------------------------------------------------------------------------- the model
+    def _expected(self, path_probs: np.ndarray) -> np.ndarray:
+        """[len(ladder)] expected accepted tokens for each ladder size (nodes sorted best first)."""
+        calibrated = np.minimum(1.0, self.kappa * path_probs)
+        cum = np.concatenate([[0.0], np.cumsum(calibrated)])
+        return cum[np.minimum(self.ladder, len(path_probs))]
+
+    def _best(self, path_probs: np.ndarray, draft_s: float, ctx: int) -> tuple[float, int]:
+        expected = self._expected(path_probs)
+        sizes = np.minimum(self.ladder, len(path_probs))
+        cost = np.asarray([draft_s + self.profile.verify_s(int(v), ctx) + self.profile.overhead_s(int(v))
+                           for v in sizes])
+        ratio = (1.0 + expected) / cost
+        i = int(np.argmax(ratio))
+        return float(ratio[i]), int(sizes[i])
+
+    def _draft_s(self, depth: int, ctx: int) -> float:
+        return depth * self.profile.draft_step_s(self.tree_width, ctx)
+
+    # ------------------------------------------------------------------------------------ decisions
+    def should_continue(self, state: DraftState) -> bool:
+        if state.depth >= self.max_depth:
+            return False
+        ctx = state.context_len
+        probs = np.exp(state.node_scores)
+        now, _ = self._best(probs, self._draft_s(state.depth, ctx), ctx)
+        # next level: every frontier node gets `width` children; predict their path probabilities from the
+        # frontier's and the last step's conditional probabilities (the best child per frontier node
+        # shares the parent's last-step confidence; siblings get geometrically less)
+        step = float(np.clip(np.max(state.step_probs), 1e-6, 1.0))
+        frontier = np.exp(state.frontier_scores)
+        child = np.outer(frontier, step * (1.0 - step) ** np.arange(self.tree_width)).ravel()
+        nxt_probs = np.sort(np.concatenate([probs, child]))[::-1]
+        nxt, _ = self._best(nxt_probs, self._draft_s(state.depth + 1, ctx), ctx)
+        return nxt > now
+
+    def num_to_verify(self, state: DraftState) -> int:
+        ctx = state.context_len
+        probs = np.exp(state.node_scores)
+        _, size = self._best(probs, self._draft_s(state.depth, ctx), ctx)
+        self._predicted = float(np.minimum(1.0, self.kappa * probs[:size]).sum())
+        return size
+
+    def observe(self, record: CycleRecord) -> None:
+        if record.num_verified == 0 or self._predicted <= 1e-6:
+            return
+        ratio = float(np.clip(record.accepted / self._predicted, 0.2, 3.0))
+        self.kappa = float(np.clip(self.kappa * ratio ** self.smoothing, 0.05, 20.0))
+
+    def __repr__(self) -> str:
+        return f"AnalyticController(tree_width={self.tree_width}, max_depth={self.max_depth})"

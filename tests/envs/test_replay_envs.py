@@ -1,0 +1,157 @@
+"""Replay semantics against a plain reference, the oracle bound, and the gymnasium environments."""
+
+from __future__ import annotations
+
+import warnings
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+from stable_baselines3.common.env_checker import check_env as sb3_check_env
+from tests_envs_helpers import make_synthetic_trace
+
+import envs  # noqa: F401 - registers the environment ids
+from engine.sampling import verify_tree
+from engine.tree import DraftTree
+from envs import EnvConfig, ReplayBackend, ReplayTrace, replay_generate, throughput
+from envs.oracle import OracleController, oracle_plan, oracle_throughput, static_grid
+from envs.replay import SIZE_LADDER
+from policies import AnalyticController, HeuristicController, StaticController
+
+
+def reference_accepted(rt: ReplayTrace, t: int, depth: int, num_verify: int) -> int:
+    """Plain reference: rebuild the engine's DraftTree from the trace, select the top-V nodes of depth
+    <= D with the engine's own DraftTree.select, and walk it with the engine's verify_tree, drawing the
+    trajectory's tokens in order (as the live engine would in greedy mode)."""
+    tokens, parents, depths, scores = rt.trace.nodes(t)
+    keep = [i for i in range(len(tokens)) if depths[i] <= depth]
+    tree = DraftTree()
+    remap = {-1: -1}
+    for i in keep:
+        remap[i] = tree.add(int(tokens[i]), remap[int(parents[i])], float(scores[i]))
+    selected = tree.select(num_verify)
+    local = {node: j for j, node in enumerate(selected)}
+    sel_parents = [local.get(tree.parents[n], -1) for n in selected]
+    future = rt.trace.tokens[t + 1:].tolist() + [-1] * (depth + 2)  # -1: past the end, matches nothing
+    path, _ = verify_tree([tree.tokens[n] for n in selected], sel_parents, lambda row: future.pop(0))
+    return len(path)
+
+
+@pytest.mark.parametrize("width", [1, 2, 3])
+def test_replay_accepted_matches_reference(width):
+    rt = ReplayTrace(make_synthetic_trace(seed=width, length=40, width=width, max_depth=5))
+    checked = nonzero = 0
+    for t in range(len(rt.trace.tokens) - 1):
+        for depth in range(1, 6):
+            for size in (1, 2, 3, 4, 6, 8, 64):
+                got = rt.accepted(t, depth, size)
+                assert got == reference_accepted(rt, t, depth, size), (t, depth, size)
+                checked += 1
+                nonzero += got > 0
+    assert checked > 1000 and nonzero > checked // 4
+
+
+def test_replay_generate_commits_the_whole_trajectory(linear_profile):
+    rt = ReplayTrace(make_synthetic_trace(seed=7, length=50, width=2))
+    for ctrl in (StaticController(3, 4, tree_width=2), StaticController(6, 64, tree_width=2), None):
+        recs = replay_generate(rt, ctrl, linear_profile)
+        assert sum(r.emitted for r in recs) == len(rt.trace.tokens) - 1
+        assert all(r.accepted <= r.num_verified <= r.num_drafted and r.emitted <= r.accepted + 1 for r in recs)
+        assert all(r.total_s > 0 for r in recs)
+    with pytest.raises(ValueError, match="tree_width"):
+        replay_generate(rt, StaticController(3, 4, tree_width=1), linear_profile)
+
+
+def test_budget_cap_as_in_engine(linear_profile):
+    # the trajectory was cut by the budget: the last cycles must not draft past it
+    rt = ReplayTrace(make_synthetic_trace(seed=3, length=30, width=1, max_depth=6, follow=1.0))
+    recs = replay_generate(rt, StaticController(6, 6), linear_profile)
+    position = 0
+    for rec in recs:
+        remaining = rt.max_new_tokens - (position + 1)
+        assert rec.depth <= max(remaining - 1, 0)
+        position += rec.emitted
+
+
+def test_oracle_bounds_every_static_setting(linear_profile):
+    traces = [ReplayTrace(make_synthetic_trace(seed, length=40, width=2, max_depth=5)) for seed in range(3)]
+    grid = static_grid(traces, linear_profile, depths=range(1, 6))
+    oracle = oracle_throughput(traces, linear_profile)
+    assert oracle >= max(grid.values()) - 1e-9
+    for ctrl in (AnalyticController(linear_profile, tree_width=2),):
+        assert oracle >= throughput([replay_generate(rt, ctrl, linear_profile) for rt in traces]) - 1e-9
+    for rt in traces:  # the plan is playable: the oracle controller realises exactly the DP's time
+        plan = oracle_plan(rt, linear_profile)
+        recs = replay_generate(rt, OracleController(rt, plan), linear_profile)
+        assert sum(r.total_s for r in recs) == pytest.approx(plan.total_s, rel=1e-12)
+
+
+def _backend(linear_profile, width=2):
+    return ReplayBackend([ReplayTrace(make_synthetic_trace(s, length=40, width=width)) for s in range(3)],
+                         linear_profile)
+
+
+@pytest.mark.parametrize("env_id,kw", [("draftpilot/ReplayDepth-v0", "size_controller"),
+                                       ("draftpilot/ReplaySize-v0", "depth_controller")])
+@pytest.mark.parametrize("reward", ["average", "throughput"])
+def test_env_checkers_pass_without_warnings(linear_profile, env_id, kw, reward):
+    other = StaticController(4, 8, tree_width=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        env = gym.make(env_id, backend=_backend(linear_profile), config=EnvConfig(reward=reward), **{kw: other})
+        check_env(env.unwrapped)
+        sb3_check_env(env.unwrapped)
+    assert [str(w.message) for w in caught] == []
+
+
+def _rollout(env, seed, actions):
+    obs, _ = env.reset(seed=seed)
+    out = [obs]
+    for a in actions:
+        obs, reward, term, _, info = env.step(a)
+        out.append((obs, reward, term))
+        if term:
+            break
+    return out
+
+
+def test_seeded_reset_is_reproducible(linear_profile):
+    env = gym.make("draftpilot/ReplaySize-v0", backend=_backend(linear_profile, width=1),
+                   depth_controller=HeuristicController(3, 6))
+    env2 = gym.make("draftpilot/ReplaySize-v0", backend=_backend(linear_profile, width=1),
+                    depth_controller=HeuristicController(3, 6))
+    actions = np.random.default_rng(0).integers(len(SIZE_LADDER), size=30).tolist()
+    a, b = _rollout(env.unwrapped, 5, actions), _rollout(env2.unwrapped, 5, actions)
+    assert np.array_equal(a[0], b[0])
+    for x, y in zip(a[1:], b[1:]):
+        assert np.array_equal(x[0], y[0]) and x[1] == y[1] and x[2] == y[2]
+
+
+def test_average_reward_sums_to_tokens_minus_rho_time(linear_profile):
+    env = gym.make("draftpilot/ReplayDepth-v0", backend=_backend(linear_profile),
+                   size_controller=StaticController(6, 8, tree_width=2), config=EnvConfig(rho=20.0)).unwrapped
+    env.reset(seed=1)
+    total, rng, term = 0.0, np.random.default_rng(1), False
+    while not term:
+        _, reward, term, _, info = env.step(int(rng.integers(2)))
+        total += reward
+    expected = info["episode_tokens"] - 20.0 * info["episode_s"]
+    assert total == pytest.approx(expected, abs=1e-9)
+    assert info["episode_tokens"] == len(env.backend.traces[env.episode_index].trace.tokens) - 1
+
+
+def test_bad_inputs(linear_profile):
+    with pytest.raises(ValueError, match="no traces"):
+        ReplayBackend([], linear_profile)
+    with pytest.raises(ValueError, match="tree width"):
+        ReplayBackend([ReplayTrace(make_synthetic_trace(0, width=1)), ReplayTrace(make_synthetic_trace(1, width=2))],
+                      linear_profile)
+    with pytest.raises(ValueError, match="tree_width"):
+        gym.make("draftpilot/ReplayDepth-v0", backend=_backend(linear_profile), size_controller=StaticController(4))
+    with pytest.raises(ValueError, match="reward"):
+        EnvConfig(reward="tokens")
+    env = gym.make("draftpilot/ReplaySize-v0", backend=_backend(linear_profile),
+                   depth_controller=StaticController(4, 8, tree_width=2)).unwrapped
+    with pytest.raises(RuntimeError, match="reset"):
+        env.step(0)
