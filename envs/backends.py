@@ -36,6 +36,9 @@ class ReplayBackend:
         self.width = self.traces[0].width
         self.num_episodes = len(self.traces)
 
+    def __deepcopy__(self, memo):
+        return self  # read-only after construction; gymnasium deep-copies make() kwargs
+
     def new_episode(self, index: int, rng: np.random.Generator):
         noise_rng = np.random.default_rng(int(rng.integers(2**31))) if self.time_noise else None
         return replay_cycles(self.traces[index], self.profile, noise_rng)
@@ -129,15 +132,14 @@ class LiveBackend:
         self.engine, self.prompts, self.width = engine, list(prompts), tree_width
         self.max_new_tokens, self.profile, self.timing = max_new_tokens, profile, timing
         self.num_episodes = len(self.prompts)
-        self._loop: LiveLoop | None = None
+
+    def __deepcopy__(self, memo):
+        return self  # shared by design (models, engine); per-episode state lives in each LiveLoop
 
     def new_episode(self, index: int, rng: np.random.Generator) -> LiveLoop:
-        if self._loop is not None:
-            self._loop.close()
         seed = int(rng.integers(2**31))
-        self._loop = LiveLoop(self.engine, self.prompts[index], self.max_new_tokens, seed, self.width,
-                              self.profile if self.timing == "profile" else None)
-        return self._loop
+        return LiveLoop(self.engine, self.prompts[index], self.max_new_tokens, seed, self.width,
+                        self.profile if self.timing == "profile" else None)
 
     def throughput_of(self, controller: Controller) -> float:
         results = [self.engine.generate(p, self.max_new_tokens, controller=controller) for p in self.prompts]

@@ -66,6 +66,8 @@ class _DecisionEnv(gym.Env):
         self.device = device_features(self.profile, self.width)
         self.rho = float(self.config.rho or reference_rho(backend))
         self._loop = None
+        self.last_result = None
+        """The live engine's GenerationResult of the last finished episode (None in replay)."""
 
     # --------------------------------------------------------------------------------------- episode
     def reset(self, *, seed: int | None = None, options: dict | None = None):
@@ -75,6 +77,7 @@ class _DecisionEnv(gym.Env):
         # an episode can hold no decision at all (EOS at once, a budget of one or two tokens): skip it
         for k in range(self.backend.num_episodes):
             self.episode_index = (first + k) % self.backend.num_episodes
+            self.close()  # an unfinished live request must release its engine thread
             self._loop = self.backend.new_episode(self.episode_index, self.np_random)
             self.other.reset()
             self.ep_tokens, self.ep_seconds, self._continues = 0, 0.0, 0
@@ -97,7 +100,7 @@ class _DecisionEnv(gym.Env):
             try:
                 kind, payload = self._loop.send(reply)
             except StopIteration:
-                self._loop = None
+                self.last_result, self._loop = getattr(self._loop, "result", None), None
                 info.update(episode_tokens=self.ep_tokens, episode_s=self.ep_seconds,
                             episode_tokens_per_s=self.ep_tokens / max(self.ep_seconds, 1e-12), rho=self.rho)
                 if self.config.rho_update and self.ep_seconds > 0:
@@ -112,7 +115,7 @@ class _DecisionEnv(gym.Env):
                 self.ep_seconds += payload.total_s - payload.controller_s
                 self.other.observe(payload)
                 info = {"accepted": payload.accepted, "emitted": payload.emitted, "depth": payload.depth,
-                        "num_verified": payload.num_verified, "cycle_s": payload.total_s}
+                        "num_verified": payload.num_verified, "cycle_s": payload.total_s - payload.controller_s}
                 reply = None
             elif kind == "depth":
                 reply = self.other.should_continue(payload)

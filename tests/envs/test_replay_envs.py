@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
 from stable_baselines3.common.env_checker import check_env as sb3_check_env
-from tests_envs_helpers import make_synthetic_trace
 
 import envs  # noqa: F401 - registers the environment ids
 from engine.sampling import verify_tree
@@ -18,6 +17,7 @@ from envs import EnvConfig, ReplayBackend, ReplayTrace, replay_generate, through
 from envs.oracle import OracleController, oracle_plan, oracle_throughput, static_grid
 from envs.replay import SIZE_LADDER
 from policies import AnalyticController, HeuristicController, StaticController
+from tests_envs_helpers import make_synthetic_trace
 
 
 def reference_accepted(rt: ReplayTrace, t: int, depth: int, num_verify: int) -> int:
