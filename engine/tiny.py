@@ -2,8 +2,9 @@
 
 Target: a 2-layer Qwen2 with random weights (seeded) and a sharpened output layer, so its next-token
 distributions are peaked like a real LM's rather than near-uniform. Draft: the same network with its
-weights perturbed by seeded noise, so it agrees with the target often but not always (acceptance is
-between roughly 0.4 and 0.9, measured in tests).
+weights perturbed by seeded noise, so it agrees with the target often but not always. Measured with
+depth-1 chains over six short prompts (48 tokens): greedy acceptance 0.35-0.88 (mean 0.52), sampled
+drafts at temperature 1 0.77-0.88 (mean 0.81).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def tiny_config() -> Qwen2Config:
 
 
 def build_tiny_pair(
-    dtype: torch.dtype = torch.float32, seed: int = 0, noise: float = 0.35, sharpness: float = 6.0
+    dtype: torch.dtype = torch.float32, seed: int = 0, noise: float = 0.25, sharpness: float = 6.0
 ) -> tuple[Qwen2ForCausalLM, Qwen2ForCausalLM, ByteTokenizer]:
     """(target, draft, tokenizer). ``noise`` is the draft's relative weight perturbation; ``sharpness``
     scales the target's output layer (larger: more peaked distributions)."""

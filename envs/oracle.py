@@ -41,14 +41,14 @@ def oracle_plan(rt: ReplayTrace, profile, sizes: Sequence[int] = SIZE_LADDER) ->
         for p in range(1, max_pending + 1):
             value, act = np.inf, (0, 0)
             if cap < 1:  # the engine itself decodes this step autoregressively
-                value = profile.verify_s(0, ctx) + profile.overhead_s(0) + best[t + 1, min(p + 1, max_pending)]
+                value = profile.verify_s(0, ctx) + profile.overhead_s(0, depth=0) + best[t + 1, min(p + 1, max_pending)]
             for depth in range(1, cap + 1):
-                draft = profile.draft_step_s(p, ctx) + (depth - 1) * profile.draft_step_s(rt.width, ctx)
+                draft = profile.draft_chunk_s(p, ctx) + (depth - 1) * profile.draft_step_s(rt.width, ctx)
                 drafted = rt.num_drafted(t, depth)
                 for size in sorted({min(s, drafted) for s in sizes}):
                     acc = rt.accepted(t, depth, size)
                     nxt = t + rt.emitted(t, acc)
-                    cost = draft + profile.verify_s(size, ctx) + profile.overhead_s(size)
+                    cost = draft + profile.verify_s(size, ctx) + profile.overhead_s(size, depth=depth, tree_width=rt.width)
                     total = cost + best[nxt, min(rt.pending_after(t, depth, acc), max_pending)]
                     if total < value:
                         value, act = total, (depth, size)

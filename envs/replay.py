@@ -234,11 +234,11 @@ def charge_times(rec: CycleRecord, profile, rng, pending: int, width: int) -> No
     ctx = rec.context_len
     if rec.depth == 0:
         rec.verify_s = profile.verify_s(0, ctx)
-        rec.overhead_s = profile.overhead_s(0)
+        rec.overhead_s = profile.overhead_s(0, depth=0)
     else:
-        rec.draft_s = profile.draft_step_s(pending, ctx) + (rec.depth - 1) * profile.draft_step_s(width, ctx)
+        rec.draft_s = profile.draft_chunk_s(pending, ctx) + (rec.depth - 1) * profile.draft_step_s(width, ctx)
         rec.verify_s = profile.verify_s(rec.num_verified, ctx)
-        rec.overhead_s = profile.overhead_s(rec.num_verified)
+        rec.overhead_s = profile.overhead_s(rec.num_verified, depth=rec.depth, tree_width=width)
     if rng is not None:
         scale = profile.noise_scale(rng) if hasattr(profile, "noise_scale") else 1.0
         rec.draft_s *= scale

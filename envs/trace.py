@@ -16,6 +16,8 @@ string (pair, sampling, tree width, max depth, format version, ...).
 from __future__ import annotations
 
 import json
+import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,8 +84,8 @@ class Trace:
                     node_parents=data["node_parents"], node_depths=data["node_depths"],
                     node_scores=data["node_scores"], meta=meta,
                 )
-        except (OSError, KeyError, ValueError, json.JSONDecodeError) as err:
-            raise TraceError(f"{path}: not a readable trace file ({err})") from err
+        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as err:
+            raise TraceError(f"{path}: not a readable trace file, truncated or corrupt ({err})") from err
         if meta.get("format_version") != FORMAT_VERSION:
             raise TraceError(f"{path}: trace format version {meta.get('format_version')}, expected {FORMAT_VERSION}")
         trace.validate(str(path))

@@ -44,17 +44,15 @@ class AnalyticController(Controller):
         cum = np.concatenate([[0.0], np.cumsum(calibrated)])
         return cum[np.minimum(self.ladder, len(path_probs))]
 
-    def _best(self, path_probs: np.ndarray, draft_s: float, ctx: int) -> tuple[float, int]:
+    def _best(self, path_probs: np.ndarray, depth: int, ctx: int) -> tuple[float, int]:
         expected = self._expected(path_probs)
         sizes = np.minimum(self.ladder, len(path_probs))
-        cost = np.asarray([draft_s + self.profile.verify_s(int(v), ctx) + self.profile.overhead_s(int(v))
-                           for v in sizes])
+        draft_s = depth * self.profile.draft_step_s(self.tree_width, ctx)
+        cost = np.asarray([draft_s + self.profile.verify_s(int(v), ctx)
+                           + self.profile.overhead_s(int(v), depth=depth, tree_width=self.tree_width) for v in sizes])
         ratio = (1.0 + expected) / cost
         i = int(np.argmax(ratio))
         return float(ratio[i]), int(sizes[i])
-
-    def _draft_s(self, depth: int, ctx: int) -> float:
-        return depth * self.profile.draft_step_s(self.tree_width, ctx)
 
     # ------------------------------------------------------------------------------------ decisions
     def should_continue(self, state: DraftState) -> bool:
@@ -62,7 +60,7 @@ class AnalyticController(Controller):
             return False
         ctx = state.context_len
         probs = np.exp(state.node_scores)
-        now, _ = self._best(probs, self._draft_s(state.depth, ctx), ctx)
+        now, _ = self._best(probs, state.depth, ctx)
         # next level: every frontier node gets `width` children; predict their path probabilities from the
         # frontier's and the last step's conditional probabilities (the best child per frontier node
         # shares the parent's last-step confidence; siblings get geometrically less)
@@ -70,13 +68,13 @@ class AnalyticController(Controller):
         frontier = np.exp(state.frontier_scores)
         child = np.outer(frontier, step * (1.0 - step) ** np.arange(self.tree_width)).ravel()
         nxt_probs = np.sort(np.concatenate([probs, child]))[::-1]
-        nxt, _ = self._best(nxt_probs, self._draft_s(state.depth + 1, ctx), ctx)
+        nxt, _ = self._best(nxt_probs, state.depth + 1, ctx)
         return nxt > now
 
     def num_to_verify(self, state: DraftState) -> int:
         ctx = state.context_len
         probs = np.exp(state.node_scores)
-        _, size = self._best(probs, self._draft_s(state.depth, ctx), ctx)
+        _, size = self._best(probs, state.depth, ctx)
         self._predicted = float(np.minimum(1.0, self.kappa * probs[:size]).sum())
         return size
 

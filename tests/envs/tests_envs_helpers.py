@@ -16,10 +16,13 @@ class LinearProfile:
     def draft_step_s(self, width, context):
         return self.a + self.b * width
 
+    def draft_chunk_s(self, num_pending, context):
+        return self.a + self.b * num_pending
+
     def verify_s(self, num_nodes, context):
         return self.c + self.d * num_nodes
 
-    def overhead_s(self, num_nodes):
+    def overhead_s(self, num_nodes, depth=1, tree_width=1):
         return self.e
 
 

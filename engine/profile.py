@@ -1,0 +1,336 @@
+"""The device cost profile: what one cycle costs, measured by the engine itself (DESIGN.md section 3).
+
+Replay environments take their time from a ``CostProfile`` instead of a clock: draft step time by
+frontier width and context, the first draft step by the number of pending tokens, verification time by
+the number of verified nodes and context, the fixed per-cycle overhead, the controller call, prefill,
+each with its measured noise. This is the article's c and g(gamma) made empirical.
+
+*Context* everywhere is the committed token count at the start of the cycle (``CycleRecord.context_len``).
+Queries interpolate piecewise-linearly; below the grid they clamp, above it they extrapolate linearly
+with the last segment's slope (never decreasing: noise must not make a longer context cheaper).
+
+    python -m engine.profile --pair tiny --quick --out runs/profile_tiny.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PROFILE_VERSION = 1
+_IQR_PER_SIGMA = 0.6744897501960817  # standard normal quartile: IQR/median of lognormal = 2 sinh(q sigma)
+
+
+class ProfileError(ValueError):
+    """A cost profile file is unreadable, malformed or from another format version."""
+
+
+def spread_to_sigma(spread: float) -> float:
+    """Lognormal sigma whose IQR/median equals ``spread``."""
+    return math.asinh(max(float(spread), 0.0) / 2.0) / _IQR_PER_SIGMA
+
+
+def _lerp(xs: np.ndarray, table: np.ndarray, x: float, extrapolate: bool = True) -> np.ndarray:
+    """Piecewise-linear value of ``table`` [n, ...] at ``x`` along its first axis (grid ``xs``, ascending).
+    Below the grid: the first row. Above: linear extrapolation, floored at the last row (or the last
+    row itself when ``extrapolate`` is False)."""
+    if len(xs) == 1 or x <= xs[0]:
+        return table[0]
+    if x >= xs[-1] and not extrapolate:
+        return table[-1]
+    i = min(int(np.searchsorted(xs, x, side="right")) - 1, len(xs) - 2)
+    w = (x - xs[i]) / (xs[i + 1] - xs[i])
+    value = table[i] + w * (table[i + 1] - table[i])
+    return np.maximum(value, table[-1]) if x > xs[-1] else value
+
+
+def _lerp2(xs: np.ndarray, contexts: np.ndarray, table: np.ndarray, x: float, context: float,
+           extrapolate: bool = True) -> float:
+    return float(_lerp(contexts, _lerp(xs, table, x, extrapolate), context, extrapolate))
+
+
+@dataclass
+class CostProfile:
+    """Measured cycle costs on one device, pair and dtype (seconds; spreads are IQR/median over reps).
+
+    Tables are indexed [grid value, context]. Build one with ``engine.profiler.measure_profile`` or by
+    hand (tests); ``save``/``load`` round-trip it through JSON.
+    """
+
+    contexts: list[int]
+    """Context grid (committed tokens), ascending."""
+    widths: list[int]
+    """Frontier widths W of the draft steps after the first, ascending."""
+    draft_step_table: list[list[float]]
+    """[W, context] median time of one draft forward over a frontier of W nodes (tree mask if W > 1)."""
+    sizes: list[int]
+    """Verified-node counts V, ascending (0 = the root alone, an autoregressive target step)."""
+    verify_table: list[list[float]]
+    """[V, context] median time of the target forward over the root and V nodes."""
+    chunks: list[int] = field(default_factory=list)
+    """Pending-token counts P of the first draft step (a causal chunk); empty: use the width table."""
+    draft_chunk_table: list[list[float]] = field(default_factory=list)
+    """[P, context] median time of the first draft step over P pending tokens."""
+    prefill_lengths: list[int] = field(default_factory=list)
+    prefill_target_s: list[float] = field(default_factory=list)
+    prefill_draft_s: list[float] = field(default_factory=list)
+    overhead_base_s: float = 0.0
+    """Per-cycle time outside forwards and controller, at depth 1 and V = 0."""
+    overhead_per_node_s: float = 0.0
+    """Extra overhead per verified node (acceptance sampling over more rows, cache compaction)."""
+    overhead_per_draft_row_s: float = 0.0
+    """Extra overhead per draft logit row after the first (log-softmax, top-k, tree bookkeeping)."""
+    ar_overhead_s: float = 0.0
+    """Overhead of an autoregressive step (depth 0: no draft, no tree)."""
+    policy_call_s: float = 0.0
+    """One controller call measured with a trivial policy (the engine's state building); a learned
+    policy's own inference time comes on top."""
+    draft_step_spread: list[list[float]] = field(default_factory=list)
+    verify_spread: list[list[float]] = field(default_factory=list)
+    draft_chunk_spread: list[list[float]] = field(default_factory=list)
+    overhead_spread: float = 0.0
+    """IQR/median of measured overhead over its fitted value."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Conditions: device, dtype, pair, versions, threads, random_weights, date, measurement config."""
+    details: dict[str, Any] = field(default_factory=dict)
+    """Extra measurements kept for reports (prefill spreads, per-configuration overhead medians)."""
+    version: int = PROFILE_VERSION
+
+    def __post_init__(self) -> None:
+        self._arrays: dict[str, np.ndarray] = {}
+        shapes = {"draft_step": (self.widths, "draft_step_table"), "verify": (self.sizes, "verify_table"),
+                  "draft_chunk": (self.chunks, "draft_chunk_table")}
+        self._arrays["contexts"] = self._grid("contexts", self.contexts)
+        for key, (grid, table_name) in shapes.items():
+            if key == "draft_chunk" and not grid:
+                continue
+            self._arrays[key + "_grid"] = self._grid(key, grid)
+            table = np.asarray(getattr(self, table_name), dtype=np.float64)
+            want = (len(grid), len(self.contexts))
+            if table.shape != want or not np.all(np.isfinite(table)) or np.any(table < 0):
+                raise ProfileError(f"{table_name} must be a {want} table of finite times >= 0, got {table.shape}")
+            self._arrays[key] = table
+            spread = getattr(self, key + "_spread")
+            spread = np.zeros(want) if not len(spread) else np.asarray(spread, dtype=np.float64)
+            if spread.shape != want:
+                raise ProfileError(f"{key}_spread must have shape {want}, got {spread.shape}")
+            self._arrays[key + "_sigma"] = np.vectorize(spread_to_sigma, otypes=[float])(spread)
+        if len(self.prefill_target_s) != len(self.prefill_lengths) or (
+            self.prefill_draft_s and len(self.prefill_draft_s) != len(self.prefill_lengths)
+        ):
+            raise ProfileError("prefill times must have one entry per prefill length")
+
+    @staticmethod
+    def _grid(name: str, values: list[int]) -> np.ndarray:
+        grid = np.asarray(values, dtype=np.float64)
+        if grid.ndim != 1 or grid.size == 0 or np.any(np.diff(grid) <= 0):
+            raise ProfileError(f"{name} grid must be a non-empty ascending list, got {values!r}")
+        return grid
+
+    # ------------------------------------------------------------------------------------------ queries
+    def draft_step_s(self, width: int, context: int) -> float:
+        """One draft forward over a frontier of ``width`` nodes at ``context``."""
+        a = self._arrays
+        return _lerp2(a["draft_step_grid"], a["contexts"], a["draft_step"], width, context)
+
+    def draft_chunk_s(self, num_pending: int, context: int) -> float:
+        """The first draft step of a cycle: a causal chunk of ``num_pending`` tokens."""
+        a = self._arrays
+        if "draft_chunk" not in a:
+            return self.draft_step_s(num_pending, context)
+        return _lerp2(a["draft_chunk_grid"], a["contexts"], a["draft_chunk"], num_pending, context)
+
+    def verify_s(self, num_nodes: int, context: int) -> float:
+        """The target forward over the root and ``num_nodes`` verified nodes at ``context``."""
+        a = self._arrays
+        return _lerp2(a["verify_grid"], a["contexts"], a["verify"], num_nodes, context)
+
+    def overhead_s(self, num_nodes: int, depth: int = 1, tree_width: int = 1) -> float:
+        """Per-cycle time outside forwards and controller; ``depth=0`` is an autoregressive step."""
+        if depth <= 0:
+            return self.ar_overhead_s
+        draft_rows = (depth - 1) * tree_width  # logit rows after the first step's single row
+        return self.overhead_base_s + self.overhead_per_node_s * num_nodes + self.overhead_per_draft_row_s * draft_rows
+
+    def prefill_s(self, prompt_len: int, with_draft: bool = True) -> float:
+        """Target prefill (plus the draft's when ``with_draft``) of a ``prompt_len``-token prompt."""
+        if not self.prefill_lengths:
+            raise ProfileError("this profile has no prefill measurements")
+        lengths = np.asarray(self.prefill_lengths, dtype=np.float64)
+        total = float(_lerp(lengths, np.asarray(self.prefill_target_s), prompt_len))
+        if with_draft and self.prefill_draft_s:
+            total += float(_lerp(lengths, np.asarray(self.prefill_draft_s), prompt_len))
+        return total
+
+    def cycle_parts(self, depth: int, num_verified: int, context: int, tree_width: int = 1,
+                    num_pending: int = 1) -> dict[str, float]:
+        """The expected cycle time split into first draft step, later draft steps, verify and overhead."""
+        if depth <= 0:
+            return {"first_draft_s": 0.0, "more_draft_s": 0.0, "verify_s": self.verify_s(0, context),
+                    "overhead_s": self.ar_overhead_s}
+        return {
+            "first_draft_s": self.draft_chunk_s(num_pending, context),
+            "more_draft_s": (depth - 1) * self.draft_step_s(tree_width, context),
+            "verify_s": self.verify_s(num_verified, context),
+            "overhead_s": self.overhead_s(num_verified, depth, tree_width),
+        }
+
+    def cycle_s(self, depth: int, num_verified: int, context: int, tree_width: int = 1,
+                num_pending: int = 1, controller_calls: int = 0) -> float:
+        """Expected time T(D, V, context) of one cycle: the first draft step over ``num_pending`` tokens,
+        ``depth - 1`` frontier steps of width ``tree_width``, the verification, the overhead, and
+        ``controller_calls`` controller calls (0 by default: charge the policy separately)."""
+        parts = self.cycle_parts(depth, num_verified, context, tree_width, num_pending)
+        return sum(parts.values()) + controller_calls * self.policy_call_s
+
+    def sample_cycle_s(self, depth: int, num_verified: int, context: int, tree_width: int = 1,
+                       rng: np.random.Generator | None = None, num_pending: int = 1,
+                       controller_calls: int = 0) -> float:
+        """``cycle_s`` with measured noise: each forward and the overhead is scaled by an independent
+        lognormal factor of median 1 whose IQR/median is the measured spread of that cell."""
+        if rng is None:
+            raise ValueError("sample_cycle_s needs an explicit np.random.Generator (rng=...)")
+        a = self._arrays
+        parts = self.cycle_parts(depth, num_verified, context, tree_width, num_pending)
+        sigma_verify = _lerp2(a["verify_grid"], a["contexts"], a["verify_sigma"], num_verified, context, False)
+        total = parts["verify_s"] * math.exp(sigma_verify * rng.standard_normal())
+        total += parts["overhead_s"] * math.exp(spread_to_sigma(self.overhead_spread) * rng.standard_normal())
+        if depth > 0:
+            key = "draft_chunk" if "draft_chunk" in a else "draft_step"
+            sigma_first = _lerp2(a[key + "_grid"], a["contexts"], a[key + "_sigma"], num_pending, context, False)
+            total += parts["first_draft_s"] * math.exp(sigma_first * rng.standard_normal())
+            if depth > 1:
+                sigma_step = _lerp2(a["draft_step_grid"], a["contexts"], a["draft_step_sigma"], tree_width,
+                                    context, False)
+                step = self.draft_step_s(tree_width, context)
+                total += float(np.sum(step * np.exp(sigma_step * rng.standard_normal(depth - 1))))
+        return total + controller_calls * self.policy_call_s
+
+    def noise_scale(self, rng: np.random.Generator) -> float:
+        """One lognormal factor with the median spread of all forward cells (a coarse whole-cycle noise)."""
+        sigma = float(np.median(np.concatenate([self._arrays["verify_sigma"].ravel(),
+                                                self._arrays["draft_step_sigma"].ravel()])))
+        return math.exp(sigma * rng.standard_normal())
+
+    def c_ratio(self, context: int) -> float:
+        """The article's c: one draft step (W = 1) over one target step (V = 0) at ``context``."""
+        return self.draft_step_s(1, context) / self.verify_s(0, context)
+
+    # --------------------------------------------------------------------------------------- save/load
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # one top-level key per line, each value compact: diffable, and tables stay one line per table
+        items = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in _plain(self.to_dict()).items()]
+        path.write_text("{\n" + ",\n".join(items) + "\n}\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostProfile:
+        """Read a profile written by ``save``; raises ``FileNotFoundError`` or ``ProfileError``."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no cost profile at {path}: measure one with "
+                                    f"`python -m engine.profile --out {path}`")
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ProfileError(f"{path} is not a readable cost profile (invalid JSON: {err})") from err
+        if not isinstance(data, dict):
+            raise ProfileError(f"{path} is not a cost profile (top level is {type(data).__name__})")
+        if data.get("version") != PROFILE_VERSION:
+            raise ProfileError(f"{path} has cost profile format version {data.get('version')!r}; this code "
+                               f"reads version {PROFILE_VERSION}: measure it again with `python -m engine.profile`")
+        known = {f.name for f in fields(cls)}
+        missing = [f.name for f in fields(cls) if f.name not in data and f.name in ("contexts", "widths",
+                   "draft_step_table", "sizes", "verify_table")]
+        if missing:
+            raise ProfileError(f"{path} is not a complete cost profile: missing {missing}")
+        try:
+            return cls(**{k: v for k, v in data.items() if k in known})
+        except (TypeError, ValueError) as err:
+            raise ProfileError(f"{path} is not a valid cost profile: {err}") from err
+
+    # ----------------------------------------------------------------------------------------- display
+    def format_table(self) -> str:
+        """A compact plain-text report: times in ms with the spread in percent."""
+        ctx_head = "".join(f"{'ctx ' + str(c):>16}" for c in self.contexts)
+
+        def block(title: str, label: str, grid: list[int], table, spread) -> list[str]:
+            rows = [f"{title}", f"{label:>8}{ctx_head}"]
+            for i, g in enumerate(grid):
+                cells = "".join(f"{1e3 * table[i][j]:>9.2f} ±{100 * spread[i][j]:>3.0f}%"
+                                for j in range(len(self.contexts)))
+                rows.append(f"{g:>8}{cells}")
+            return rows
+
+        zeros = lambda grid: [[0.0] * len(self.contexts) for _ in grid]  # noqa: E731
+        lines = [f"cost profile: {self.meta.get('pair', '?')} {self.meta.get('dtype', '?')} on "
+                 f"{self.meta.get('device_name', '?')} ({self.meta.get('num_threads', '?')} threads"
+                 f"{', RANDOM WEIGHTS' if self.meta.get('random_weights') else ''}) -- ms, ±IQR/median"]
+        lines += block("draft step vs frontier width W", "W", self.widths, self.draft_step_table,
+                       self.draft_step_spread or zeros(self.widths))
+        if self.chunks:
+            lines += block("first draft step vs pending tokens P", "P", self.chunks, self.draft_chunk_table,
+                           self.draft_chunk_spread or zeros(self.chunks))
+        lines += block("verify vs verified nodes V (1 + V rows)", "V", self.sizes, self.verify_table,
+                       self.verify_spread or zeros(self.sizes))
+        lines.append("c = draft step(W=1) / verify(V=0): " + ", ".join(
+            f"ctx {c}: {self.c_ratio(c):.3f}" for c in self.contexts))
+        if self.prefill_lengths:
+            lines.append("prefill target / draft (ms): " + ", ".join(
+                f"{n}: {1e3 * t:.1f} / {1e3 * d:.1f}" for n, t, d in
+                zip(self.prefill_lengths, self.prefill_target_s,
+                    self.prefill_draft_s or [0.0] * len(self.prefill_lengths))))
+        lines.append(
+            f"overhead (ms): {1e3 * self.overhead_base_s:.2f} + {1e3 * self.overhead_per_node_s:.3f}/verified node"
+            f" + {1e3 * self.overhead_per_draft_row_s:.3f}/draft row (±{100 * self.overhead_spread:.0f}%);"
+            f" autoregressive step {1e3 * self.ar_overhead_s:.2f}; controller call {1e3 * self.policy_call_s:.3f}")
+        return "\n".join(lines)
+
+
+def _plain(obj: Any) -> Any:
+    """JSON-ready copy (numpy scalars and arrays to Python)."""
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return _plain(obj.tolist())
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def main(argv: list[str] | None = None) -> CostProfile:
+    from engine.profiler import ProfileConfig, add_config_arguments, config_from_args, measure_profile_cli
+
+    parser = argparse.ArgumentParser(prog="python -m engine.profile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pair", default="qwen2.5-coder", help="qwen2.5-coder (default) or tiny")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="the pair's architecture with random weights, no download (timing only)")
+    parser.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, ...")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda:0, ...")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--quick", action="store_true", help="small grids, 2 reps (explicit grid flags win)")
+    parser.add_argument("--out", required=True, help="where to write the JSON profile")
+    add_config_arguments(parser, ProfileConfig())
+    args = parser.parse_args(argv)
+    profile = measure_profile_cli(args, config_from_args(args))
+    profile.save(args.out)
+    print(profile.format_table())
+    print(f"saved {args.out}")
+    return profile
+
+
+if __name__ == "__main__":
+    main()

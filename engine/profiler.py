@@ -1,0 +1,339 @@
+"""Measuring a ``CostProfile``: the engine's own forwards, timed on the device (``python -m engine.profile``).
+
+Every timed call is exactly the forward the engine issues in a cycle (same ``_forward``, masks, positions
+and ``logits_to_keep``) on a KV cache holding the given context, cropped back (outside the clock) before
+each call. Token ids are random: time does not depend on them. Warm-up rounds are excluded; clocks
+synchronise the device; cells are timed round-robin in random order (see ``_Profiler``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from engine.control import Controller, DraftState
+from engine.engine import SpeculativeEngine
+from engine.kvcache import keep_entries, new_cache
+from engine.models import ModelPair
+from engine.profile import CostProfile
+from engine.tree import ancestor_matrix, tree_attention_mask
+
+LADDER = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """What to measure (grids) and how often."""
+
+    contexts: tuple[int, ...] = (128, 512, 1024, 2048)
+    """Context lengths (committed tokens); also the prefill lengths."""
+    widths: tuple[int, ...] = (1, 2, 4, 8)
+    """Frontier widths of the later draft steps."""
+    chunks: tuple[int, ...] = (1, 2, 3, 5, 9)
+    """Pending-token counts of the first draft step (usually 1 or 2; more after autoregressive steps)."""
+    sizes: tuple[int, ...] = LADDER
+    """Verified-node counts (the size ladder)."""
+    reps: int = 5
+    """Timed rounds (every cell is called once per round, in a fresh random order)."""
+    warmup: int = 1
+    """Untimed rounds before the timed ones."""
+    prefill_reps: int = 2
+    """Timed prefills per length (each also builds the cache the cells of that context use)."""
+    overhead_cycles: int = 8
+    """Engine cycles measured per overhead configuration."""
+    overhead_prompt_len: int = 32
+    """Prompt length of the overhead runs (short: overhead hardly depends on context, prefill is slow)."""
+    seed: int = 0
+
+    @classmethod
+    def quick(cls) -> ProfileConfig:
+        """Seconds on the tiny pair; a plumbing check elsewhere."""
+        return cls(contexts=(64, 256), widths=(1, 2), chunks=(1, 2), sizes=(0, 1, 4, 16), reps=2, warmup=1,
+                   prefill_reps=1, overhead_cycles=3, overhead_prompt_len=16)
+
+
+class _FixedController(Controller):
+    """Fixed depth and size (``policies.StaticController``'s behaviour; the engine may not import policies)."""
+
+    def __init__(self, depth: int, verify: int, tree_width: int):
+        self.depth, self.verify, self.tree_width = depth, verify, tree_width
+
+    def should_continue(self, state: DraftState) -> bool:
+        return state.depth < self.depth
+
+    def num_to_verify(self, state: DraftState) -> int:
+        return self.verify
+
+
+def _stats(samples: list[float]) -> tuple[float, float]:
+    """(median, IQR / median)."""
+    arr = np.asarray(samples, dtype=np.float64)
+    med = float(np.median(arr))
+    iqr = float(np.percentile(arr, 75) - np.percentile(arr, 25))
+    return med, (iqr / med if med > 0 else 0.0)
+
+
+@dataclass
+class _Cell:
+    """One timed forward: the model, the cache and exactly the arguments the engine passes."""
+
+    key: str
+    """"step", "chunk" or "verify"."""
+    row: int
+    """Index in the grid of its table."""
+    col: int
+    """Index of its context."""
+    model: Any
+    cache: Any
+    ids: list[int]
+    start: int
+    keep: int = 0
+    mask: torch.Tensor | None = None
+    positions: list[int] | None = None
+    samples: list[float] = field(default_factory=list)
+
+
+class _Profiler:
+    """Round-robin timing: every round calls every cell once, in a fresh random order, so drift in the
+    machine's load (shared machines) lands on all cells alike and shows up in their spread, instead of
+    biasing whichever cells ran during a busy minute."""
+
+    def __init__(self, pair: ModelPair, config: ProfileConfig, bar: tqdm):
+        self.pair, self.config, self.bar = pair, config, bar
+        self.engine = SpeculativeEngine(pair)
+        self.clock = self.engine.clock
+        self.rng = np.random.default_rng(config.seed)
+
+    def ids(self, n: int) -> list[int]:
+        return self.rng.integers(0, self.pair.vocab_size, size=n).tolist()
+
+    def prefills(self) -> tuple[list[list[float]], list[list[float]], list[tuple]]:
+        """Timed prefills (the engine's: keep=1) per context, target and draft; the last round's caches
+        are kept (they hold exactly ``ctx`` tokens) for the forward cells."""
+        target_s = [[] for _ in self.config.contexts]
+        draft_s = [[] for _ in self.config.contexts]
+        caches: list[tuple] = []
+        prompts = [self.ids(ctx) for ctx in self.config.contexts]
+        for _ in range(self.config.prefill_reps):
+            caches = []
+            for j in self.rng.permutation(len(prompts)):
+                pair_caches = []
+                for model, times in ((self.pair.target, target_s), (self.pair.draft, draft_s)):
+                    cache = new_cache(model)
+                    t0 = self.clock()
+                    self.engine._forward(model, prompts[j], 0, cache, keep=1)
+                    times[j].append(self.clock() - t0)
+                    pair_caches.append(cache)
+                    self.bar.update(1)
+                caches.append((j, *pair_caches))
+        caches.sort(key=lambda c: c[0])
+        return target_s, draft_s, [c[1:] for c in caches]
+
+    def cells(self, caches: list[tuple]) -> list[_Cell]:
+        pair, dtype, dev, cells = self.pair, self.pair.dtype, self.pair.device, []
+        for col, (ctx, (target_cache, draft_cache)) in enumerate(zip(self.config.contexts, caches)):
+            # later draft steps: W frontier nodes at one depth over the committed prefix (the engine's mask
+            # for W > 1; the few earlier tree nodes the engine's cache also holds are left out)
+            for row, w in enumerate(self.config.widths):
+                mask = tree_attention_mask(ctx, np.eye(w, dtype=bool), dtype, dev) if w > 1 else None
+                cells.append(_Cell("step", row, col, pair.draft, draft_cache, self.ids(w), ctx, 0, mask, [ctx] * w))
+            # first draft step: the cache holds ctx - P tokens, the P pending ones run causally (keep=1)
+            for row, p in enumerate(self.config.chunks):
+                cells.append(_Cell("chunk", row, col, pair.draft, draft_cache, self.ids(p), ctx - p, keep=1))
+            # verification: the cache holds ctx - 1 tokens; the root + V nodes of a binary tree, with the
+            # tree mask the engine builds for any non-chain (V <= 1 is a chain: causal, no mask)
+            for row, v in enumerate(self.config.sizes):
+                anc = ancestor_matrix([-1] + [(j - 1) // 2 for j in range(1, v + 1)])
+                positions = [ctx - 1 + int(anc[j].sum()) - 1 for j in range(v + 1)]  # by depth in the tree
+                mask = tree_attention_mask(ctx - 1, anc, dtype, dev) if v >= 2 else None
+                cells.append(_Cell("verify", row, col, pair.target, target_cache, self.ids(v + 1), ctx - 1, 0,
+                                   mask, positions))
+        return cells
+
+    def run(self, cells: list[_Cell]) -> None:
+        """Warm-up rounds (untimed), then ``reps`` timed rounds. Every call of a cell leaves its cache at
+        least as long as the cell's start, so cropping to ``start`` before a call restores its state."""
+        for rnd in range(self.config.warmup + self.config.reps):
+            for i in self.rng.permutation(len(cells)):
+                cell = cells[i]
+                keep_entries(cell.cache, cell.start, [])
+                t0 = self.clock()
+                self.engine._forward(cell.model, cell.ids, cell.start, cell.cache, keep=cell.keep,
+                                     mask=cell.mask, positions=cell.positions)
+                elapsed = self.clock() - t0
+                if rnd >= self.config.warmup:
+                    cell.samples.append(elapsed)
+                self.bar.update(1)
+
+    def overhead_configs(self) -> list[tuple[int, int, int]]:
+        """(depth, verify, width): V and depth varied apart so their shares can be told apart."""
+        wide = max(self.config.widths)
+        configs = [(1, 0, 1), (1, 1, 1), (4, 1, 1), (4, 4, 1), (2, 4, wide), (3, 16, wide)]
+        return list(dict.fromkeys(configs))
+
+    def overhead(self) -> dict:
+        """Per-cycle overhead from real cycles: total - forwards - controller, fitted as
+        base + per_node * V + per_draft_row * (depth - 1) * W. Requests are round-robin over the
+        configurations, like the forward cells."""
+        configs, need = self.overhead_configs(), self.config.overhead_cycles
+        samples: dict[tuple, list[float]] = {c: [] for c in configs}
+        ar: list[float] = []  # autoregressive steps (no controller): total - forward
+        rows, ctrl_calls = [], []
+        prompt = self.ids(self.config.overhead_prompt_len)
+        self.engine.generate(prompt, max_new_tokens=3, controller=_FixedController(2, 2, 1))  # warm-up
+        for attempt in range(4):  # EOS can end a request early: top up with other prompts
+            ids = prompt if attempt == 0 else self.ids(len(prompt))
+            if len(ar) < need:
+                res = self.engine.generate(ids, max_new_tokens=need + 2, controller=None)
+                ar += [r.total_s - r.forward_s for r in res.cycles[1:]]
+                self.bar.update(1)
+            for depth, verify, width in configs:
+                if len(samples[(depth, verify, width)]) >= need:
+                    continue
+                res = self.engine.generate(ids, max_new_tokens=need * (depth + 1) + 2,
+                                           controller=_FixedController(depth, verify, width))
+                for rec in res.cycles[1:]:  # the first cycle of a request warms the new shapes up
+                    if rec.depth == 0:
+                        continue  # autoregressive fallback near the budget
+                    over = rec.total_s - rec.forward_s - rec.controller_s
+                    samples[(depth, verify, width)].append(over)
+                    rows.append((rec.num_verified, (rec.depth - 1) * width, over))
+                    ctrl_calls.append(rec.controller_s / (rec.depth + 1))
+                self.bar.update(1)
+        per_config = []
+        for (depth, verify, width), got in samples.items():
+            med, spread = _stats(got) if got else (float("nan"), 0.0)
+            per_config.append({"depth": depth, "verify": verify, "width": width, "median_s": med,
+                               "spread": spread, "cycles": len(got)})
+        coef, spread = _fit_overhead(np.asarray(rows, dtype=np.float64).reshape(-1, 3))
+        return {"coef": coef, "spread": spread, "ar": _stats(ar)[0] if ar else 0.0,
+                "policy_call_s": float(np.median(ctrl_calls)) if ctrl_calls else 0.0, "configs": per_config}
+
+
+def _fit_overhead(rows: np.ndarray) -> tuple[np.ndarray, float]:
+    """Least squares of overhead on [1, V, draft rows] with non-negative coefficients (a negative share
+    is noise: drop that term and refit); returns (coefficients, IQR/median of measured / fitted)."""
+    x = np.column_stack([np.ones(len(rows)), rows[:, 0], rows[:, 1]])
+    y = rows[:, 2]
+    active = [0, 1, 2]
+    while True:
+        coef = np.zeros(3)
+        coef[active] = np.linalg.lstsq(x[:, active], y, rcond=None)[0]
+        negative = [i for i in active if coef[i] < 0 and i != 0]
+        if not negative:
+            break
+        active.remove(negative[0])
+    coef[0] = max(coef[0], 0.0)
+    fitted = x @ coef
+    ratio = y / np.where(fitted > 0, fitted, np.nan)
+    ratio = ratio[np.isfinite(ratio)]
+    return coef, (_stats(ratio.tolist())[1] if ratio.size else 0.0)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measure_profile(pair: ModelPair, config: ProfileConfig | None = None, random_weights: bool = False,
+                    progress: bool = True) -> CostProfile:
+    """Measure the cost profile of ``pair`` on its device and dtype."""
+    import transformers
+
+    config = config or ProfileConfig()
+    rows = max(max(config.sizes) + 1, max(config.widths), max(config.chunks))
+    if max(config.contexts) + rows > pair.max_context or min(config.contexts) <= max(config.chunks):
+        raise ValueError(f"contexts must lie in ({max(config.chunks)}, {pair.max_context - rows}] for this "
+                         f"pair and grid, got {config.contexts}")
+    meta = {
+        "pair": pair.name, "dtype": str(pair.dtype).removeprefix("torch."), "device": str(pair.device),
+        "device_name": device_name(pair.device), "torch": torch.__version__,
+        "transformers": transformers.__version__, "num_threads": torch.get_num_threads(),
+        "random_weights": bool(random_weights), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "loadavg_start": list(os.getloadavg()), "config": asdict(config),
+    }
+    ctxs, grids = config.contexts, {"step": config.widths, "chunk": config.chunks, "verify": config.sizes}
+    num_cells = len(ctxs) * sum(len(g) for g in grids.values())
+    total = 2 * len(ctxs) * config.prefill_reps + num_cells * (config.warmup + config.reps) + 7
+    with torch.inference_mode(), tqdm(total=total, desc="profile", disable=not progress) as bar:
+        prof = _Profiler(pair, config, bar)
+        prefill_target, prefill_draft, caches = prof.prefills()
+        cells = prof.cells(caches)
+        prof.run(cells)
+        over = prof.overhead()
+        bar.update(max(total - bar.n, 0))  # the overhead phase may need fewer or more requests than budgeted
+
+    tables = {key: np.zeros((len(grid), len(ctxs), 2)) for key, grid in grids.items()}  # [grid, ctx, (median, spread)]
+    for cell in cells:
+        tables[cell.key][cell.row, cell.col] = _stats(cell.samples)
+    target_stats = [_stats(t) for t in prefill_target]
+    draft_stats = [_stats(t) for t in prefill_draft]
+    meta["loadavg_end"] = list(os.getloadavg())
+    return CostProfile(
+        contexts=list(ctxs), widths=list(config.widths), draft_step_table=tables["step"][..., 0].tolist(),
+        sizes=list(config.sizes), verify_table=tables["verify"][..., 0].tolist(), chunks=list(config.chunks),
+        draft_chunk_table=tables["chunk"][..., 0].tolist(), prefill_lengths=list(ctxs),
+        prefill_target_s=[m for m, _ in target_stats], prefill_draft_s=[m for m, _ in draft_stats],
+        overhead_base_s=float(over["coef"][0]), overhead_per_node_s=float(over["coef"][1]),
+        overhead_per_draft_row_s=float(over["coef"][2]), ar_overhead_s=float(over["ar"]),
+        policy_call_s=over["policy_call_s"], draft_step_spread=tables["step"][..., 1].tolist(),
+        verify_spread=tables["verify"][..., 1].tolist(), draft_chunk_spread=tables["chunk"][..., 1].tolist(),
+        overhead_spread=float(over["spread"]), meta=meta,
+        details={"prefill_target_spread": [s for _, s in target_stats],
+                 "prefill_draft_spread": [s for _, s in draft_stats], "overhead_configs": over["configs"]},
+    )
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def add_config_arguments(parser: argparse.ArgumentParser, defaults: ProfileConfig) -> None:
+    """One flag per ``ProfileConfig`` field (tuples as comma-separated integers); default None = unset,
+    so ``--quick`` can tell explicit flags from defaults."""
+    for f in fields(ProfileConfig):
+        value = getattr(defaults, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, tuple):
+            parser.add_argument(flag, type=_int_list, default=None,
+                                help=f"comma-separated (default {','.join(map(str, value))})")
+        else:
+            parser.add_argument(flag, type=type(value), default=None, help=f"(default {value})")
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
+    if not values or sorted(set(values)) != list(values):
+        raise argparse.ArgumentTypeError(f"expected ascending distinct integers, got {text!r}")
+    return values
+
+
+def config_from_args(args: argparse.Namespace) -> ProfileConfig:
+    base = ProfileConfig.quick() if args.quick else ProfileConfig()
+    given = {f.name: getattr(args, f.name) for f in fields(ProfileConfig) if getattr(args, f.name) is not None}
+    return replace(base, **given)
+
+
+def measure_profile_cli(args: argparse.Namespace, config: ProfileConfig) -> CostProfile:
+    from engine.models import load_pair
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    pair = load_pair(args.pair, dtype=args.dtype, device=args.device, random_weights=args.random_weights)
+    return measure_profile(pair, config, random_weights=args.random_weights)
