@@ -40,8 +40,6 @@ TUNE_PROMPTS = {
     "zh": "用 Python 写一个函数，统计字符串中每个单词出现的次数。",
     "es": "Escribe una clase de Python que represente una pila con push, pop y peek.",
 }
-CHAIN_GRID = [(d, d, 1) for d in (3, 4, 5, 6)]
-TREE_GRID = [(4, 6, 2), (5, 8, 2), (4, 8, 3)]
 
 
 def run_ours(engine, ids, controller, max_new_tokens):
@@ -87,6 +85,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--tune-tokens", type=int, default=64, help="new tokens per tune-prompt run")
     ap.add_argument("--quick", action="store_true", help="tiny grid, 1 rep, 32 tokens")
+    ap.add_argument("--chain-depths", default="3,4,5,6", help="static chain grid (verify = depth)")
+    ap.add_argument("--tree-grid", default="4:6:2,5:8:2,4:8:3", help="depth:verify:width list, or 'none'")
+    ap.add_argument("--decoders", default="all", help="comma list of decoders to measure (default all)")
     ap.add_argument("--out", default="runs/bench_engine.json")
     args = ap.parse_args()
     if args.quick:
@@ -104,10 +105,12 @@ def main() -> int:
     run_ours(engine, tune_ids[0], StaticController(2), 8)  # warm-up (allocator, kernels), not measured
     run_hf(pair, tune_ids[0], 8, dict(hf_defaults))
 
-    chain_grid = CHAIN_GRID[:2] if args.quick else CHAIN_GRID
-    tree_grid = TREE_GRID[:2] if args.quick else TREE_GRID
+    chain_grid = [(int(d), int(d), 1) for d in args.chain_depths.split(",")]
+    tree_grid = [] if args.tree_grid == "none" else [tuple(int(x) for x in c.split(":")) for c in args.tree_grid.split(",")]
+    if args.quick:
+        chain_grid, tree_grid = chain_grid[:2], tree_grid[:2]
     best_chain, chain_scores = tune(engine, tune_ids, chain_grid, args.tune_tokens)
-    best_tree, tree_scores = tune(engine, tune_ids, tree_grid, args.tune_tokens)
+    best_tree, tree_scores = tune(engine, tune_ids, tree_grid, args.tune_tokens) if tree_grid else (None, {})
     print(f"tune (tokens/s on tune prompts): chains {chain_scores}\n trees {tree_scores}")
     print(f"tune: best chain {best_chain} best tree {best_tree}")
 
@@ -121,6 +124,10 @@ def main() -> int:
             "num_assistant_tokens": 5, "num_assistant_tokens_schedule": "heuristic_transient",
             "assistant_confidence_threshold": 0.0}),
     }
+    if best_tree is None:
+        decoders.pop("static_tree")
+    if args.decoders != "all":
+        decoders = {k: v for k, v in decoders.items() if k in args.decoders.split(",")}
     raw = {name: {lang: [] for lang in measure_ids} for name in decoders}
     for rep in tqdm(range(args.reps), desc="reps"):
         for lang, ids in measure_ids.items():
@@ -142,16 +149,21 @@ def report(raw, pair, args, best_chain, best_tree, chain_scores, tree_scores, hf
           f"hf assisted defaults={hf_defaults}")
     print(f"\n{'decoder':24s}" + "".join(f"{lang:>10s}" for lang in langs) + f"{'all':>10s}{'vs AR':>8s}")
     ar_all = statistics.median(med["autoregressive"].values())
+    totals = {name: sum(r["n"] for runs in by.values() for r in runs) / sum(r["s"] for runs in by.values() for r in runs)
+              for name, by in raw.items()}
     for name in raw:
         all_med = statistics.median(med[name].values())
         print(f"{name:24s}" + "".join(f"{med[name][lang]:10.2f}" for lang in langs)
               + f"{all_med:10.2f}{all_med / ar_all:8.2f}x")
     print("\n(tokens/s, median over reps per language; 'all' = median over languages)")
-    best_ours = max(("static_chain", "static_tree"), key=lambda n: statistics.median(med[n].values()))
-    for peer in ("hf_assisted_default", "hf_assisted_heuristic"):
+    print("aggregate tokens/s (all tokens / all time): "
+          + ", ".join(f"{n} {v:.3f} ({v / totals['autoregressive']:.2f}x)" for n, v in totals.items()))
+    ours = [n for n in ("static_chain", "static_tree") if n in raw]
+    best_ours = max(ours, key=lambda n: statistics.median(med[n].values()))
+    for peer in (p for p in ("hf_assisted_default", "hf_assisted_heuristic") if p in raw):
         ratios = [med[best_ours][lang] / med[peer][lang] for lang in langs]
         print(f"{best_ours} / {peer}: per language {[round(r, 3) for r in ratios]}  median {statistics.median(ratios):.3f}")
-    for name in ("static_chain", "static_tree"):
+    for name in ours:
         acc = {lang: round(statistics.mean(r["acc_rate"] for r in raw[name][lang]), 3) for lang in langs}
         mean_acc = {lang: round(statistics.mean(r["accepted"] for r in raw[name][lang]), 2) for lang in langs}
         over = statistics.median(r["overhead"] for lang in langs for r in raw[name][lang])
