@@ -54,8 +54,12 @@ def main() -> int:
     ap.add_argument("--tree-width", type=int, default=1)
     ap.add_argument("--reps", type=int, default=2, help="live repetitions per controller and prompt")
     ap.add_argument("--quick", action="store_true", help="2 prompts, 24 tokens, 1 rep")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default); use the "
+                    "profile's thread count, or live and replay time different machines")
     ap.add_argument("--out", default="runs/fidelity.json")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     prompts = dict(list(PROMPTS.items())[:2]) if args.quick else PROMPTS
     if args.quick:
         args.max_new_tokens, args.reps = 24, 1
