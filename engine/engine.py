@@ -211,8 +211,7 @@ class SpeculativeEngine:
                 tree.draft_slot[node] = base - ctx + j
             mask = None
             if width > 1:  # each frontier node sees the committed prefix and its own ancestors only
-                slots = [tree.draft_slot[n] for n in range(len(tree)) if tree.draft_slot[n] >= 0]
-                allowed = np.zeros((len(frontier), len(slots)), dtype=bool)
+                allowed = np.zeros((len(frontier), base - ctx + len(frontier)), dtype=bool)  # [W, tail]
                 for j, node in enumerate(frontier):
                     for anc in tree.path_to(node):
                         allowed[j, tree.draft_slot[anc]] = True
@@ -313,13 +312,9 @@ class SpeculativeEngine:
 
     def _forward(self, model, ids, start, cache, keep=0, mask=None, positions=None) -> torch.Tensor:
         """One forward of ``ids`` at positions ``start...`` (or ``positions``); returns logits [Q, V]."""
-        input_ids = torch.as_tensor([ids], device=self.device)
         if positions is None:
-            positions = list(range(start, start + len(ids)))
-        position_ids = torch.as_tensor([positions], device=self.device)
-        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=cache,
-                    use_cache=True, logits_to_keep=keep)
-        return out.logits[0]
+            positions = range(start, start + len(ids))
+        return forward_logits(model, ids, positions, cache, self.device, keep=keep, mask=mask)
 
     def _state(self, tree: DraftTree, frontier: list[int], ctx: int, cap: int, req: _Request) -> DraftState:
         scores = np.asarray(tree.scores, dtype=np.float32)
@@ -366,6 +361,16 @@ class SpeculativeEngine:
                 raise ValueError("draft_mode='sampled' drafts chains only: use tree_width=1")
             if self.sampling.greedy:
                 raise ValueError("draft_mode='sampled' needs temperature > 0 (greedy drafts are deterministic)")
+
+
+def forward_logits(model, ids, positions, cache, device, keep: int = 0, mask=None) -> torch.Tensor:
+    """Logits [Q, V] of one forward of ``ids`` at ``positions`` on top of ``cache`` (``keep``: only the
+    last rows, 0 = all; ``mask``: additive 4D tree mask or None for causal). The one place the engine and
+    the trace recorder call a model."""
+    out = model(input_ids=torch.as_tensor([list(ids)], device=device),
+                position_ids=torch.as_tensor([list(positions)], device=device),
+                attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=keep)
+    return out.logits[0]
 
 
 def _peak_memory(device: torch.device) -> int:

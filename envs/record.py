@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from engine.engine import SpeculativeEngine
+from engine.engine import SpeculativeEngine, forward_logits
 from engine.kvcache import keep_entries, new_cache
 from engine.models import ModelPair, load_pair
 from engine.sampling import SamplingConfig, check_finite, score_logprobs
@@ -90,11 +90,11 @@ def draft_trees(
     seq = [int(t) for t in prompt_ids] + [int(t) for t in tokens]
     n0, trees = len(prompt_ids), []
     cache = new_cache(model)
-    _forward(model, seq[:n0], range(n0), cache, device, keep=1)  # the prompt; tokens[0] comes next
+    forward_logits(model, seq[:n0], range(n0), cache, device, keep=1)  # the prompt; tokens[0] comes next
     for c0 in range(0, len(tokens), chunk):
         c1 = min(c0 + chunk, len(tokens))
         # roots: row i predicts the children of tokens[c0 + i]; the forward extends the cache to the prefix
-        logits = _forward(model, seq[n0 + c0 : n0 + c1], range(n0 + c0, n0 + c1), cache, device)  # [C, V]
+        logits = forward_logits(model, seq[n0 + c0 : n0 + c1], range(n0 + c0, n0 + c1), cache, device)  # [C, V]
         check_finite(logits, "draft")
         rows = {(t, ()): logits[t - c0] for t in range(c0, c1)}  # canonical node -> its logits row
         slots: dict[tuple, int] = {}  # canonical node -> its cache entry after the prefix
@@ -144,18 +144,10 @@ def _forward_nodes(model, nodes, slots, n0, prefix, cache, dtype, device) -> dic
     allowed[rows, cols] = True
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(torch.from_numpy(~allowed), torch.finfo(dtype).min)
     positions = [n0 + t + len(path) for t, path in nodes]
-    logits = _forward(model, [path[-1] for _, path in nodes], positions, cache, device,
+    logits = forward_logits(model, [path[-1] for _, path in nodes], positions, cache, device,
                       mask=mask[None, None].to(device))  # [Q, V]
     check_finite(logits, "draft")
     return dict(zip(nodes, logits))
-
-
-def _forward(model, ids, positions, cache, device, keep=0, mask=None) -> torch.Tensor:
-    """Logits [Q, V] of one forward (``keep``: last rows only, 0 = all), like ``SpeculativeEngine._forward``."""
-    out = model(input_ids=torch.as_tensor([list(ids)], device=device),
-                position_ids=torch.as_tensor([list(positions)], device=device),
-                attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=keep)
-    return out.logits[0]
 
 
 # ----------------------------------------------------------------------------------------------- traces
