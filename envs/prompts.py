@@ -1,0 +1,90 @@
+"""The project's prompt suites (DESIGN.md section 7) and a small loader.
+
+``prompts/suite.jsonl`` holds 40 base items written in four parallel languages (Italian, English, Chinese,
+Spanish): the same content, task and split in each, so request and answer lengths are comparable across
+languages. Each line is ``{"id": "<lang>-<task>-<NN>", "language", "task", "split", "prompt"}``; the
+splits are ``train`` (the learned policy, 20 per language), ``tune`` (static grids, 8) and ``test``
+(reporting only, 12; never tune on it).
+
+    from envs.prompts import interleave_languages, load_suite
+    quick = interleave_languages(load_suite(split="tune", limit_per_language=2))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from envs.record import read_prompts
+
+DEFAULT_SUITE: Path = Path(__file__).resolve().parents[1] / "prompts" / "suite.jsonl"
+"""The shipped suite: 160 prompts, 40 per language (20 train, 8 tune, 12 test)."""
+LANGUAGES = ("it", "en", "zh", "es")
+"""The suite's languages, in the order ``interleave_languages`` cycles through them."""
+SPLITS = ("train", "tune", "test")
+TASKS = ("code", "explanation", "math", "rewrite", "qa")
+UNKNOWN_LANGUAGE = "unknown"
+"""The language of an item without a ``language`` key (a user's own prompt file)."""
+
+
+def language_of(item: dict) -> str:
+    """The item's ``language``, or ``UNKNOWN_LANGUAGE`` when it has none."""
+    return str(item.get("language") or UNKNOWN_LANGUAGE)
+
+
+def load_suite(
+    path: str | Path | None = None, *, split: str | Sequence[str] | None = None,
+    languages: Sequence[str] | None = None, limit_per_language: int | None = None,
+) -> list[dict]:
+    """Prompts of a JSONL suite (``DEFAULT_SUITE`` when ``path`` is None), in file order.
+
+    The file is read and validated by ``envs.record.read_prompts`` (unique, file-name-safe ids, string
+    prompts); the items are returned as read. ``split`` keeps the items of that split or those splits (each
+    one of ``SPLITS``); an item without a ``split`` key is in no split, and asking for a split from a file
+    that has no ``split`` keys at all is an error. ``languages`` keeps those languages (an item without a
+    ``language`` key is ``"unknown"``). ``limit_per_language`` then keeps the first N items of each
+    language, so a quick run takes a balanced subset. Raises ValueError on an unknown split name, a negative
+    limit or an empty selection.
+    """
+    source = DEFAULT_SUITE if path is None else Path(path)
+    items = read_prompts(source)
+    splits = (split,) if isinstance(split, str) else None if split is None else tuple(split)
+    langs = (languages,) if isinstance(languages, str) else None if languages is None else tuple(languages)
+    if splits is not None:
+        unknown = [s for s in splits if s not in SPLITS]
+        if unknown:
+            raise ValueError(f"unknown split(s) {unknown}; the splits are {list(SPLITS)}")
+        if not any("split" in item for item in items):
+            raise ValueError(f"{source}: split={split!r} requested, but no prompt in the file has a 'split' key "
+                             "(load it without split=)")
+        items = [item for item in items if item.get("split") in splits]
+    if langs is not None:
+        items = [item for item in items if language_of(item) in langs]
+    if limit_per_language is not None:
+        if limit_per_language < 0:
+            raise ValueError(f"limit_per_language must be >= 0, got {limit_per_language}")
+        counts: dict[str, int] = {}
+        kept = []
+        for item in items:
+            lang = language_of(item)
+            if counts.get(lang, 0) < limit_per_language:
+                counts[lang] = counts.get(lang, 0) + 1
+                kept.append(item)
+        items = kept
+    if not items:
+        raise ValueError(f"{source}: no prompts selected by split={split!r}, languages={languages!r}, "
+                         f"limit_per_language={limit_per_language!r}")
+    return items
+
+
+def interleave_languages(items: list[dict]) -> list[dict]:
+    """``items`` reordered round-robin by language (it, en, zh, es, it, en, ...; languages outside
+    ``LANGUAGES`` follow in order of first appearance), each language keeping its own order, so that any
+    prefix of the result is balanced across languages."""
+    queues: dict[str, list[dict]] = {lang: [] for lang in LANGUAGES}
+    for item in items:
+        queues.setdefault(language_of(item), []).append(item)
+    out: list[dict] = []
+    for rank in range(max(map(len, queues.values()), default=0)):
+        out.extend(queue[rank] for queue in queues.values() if rank < len(queue))
+    return out
