@@ -1,16 +1,293 @@
-"""Train the depth and size policies with PPO (stable-baselines3) on exact trace replay.
+"""Train the depth and size policies with PPO (co-adaptive, as LTD) and export them to one policy file.
 
-Not implemented yet: this stub exists so the command line is stable. See README's roadmap.
+    python train.py                                  # main job: default pair, built-in suite, ~30 min on CPU
+    python train.py --pair tiny --quick              # plumbing check in seconds
+    python train.py --rounds 3 --size-steps 60000    # a bigger budget
+    python train.py --backend live --pair tiny       # train on the real engine with wall-clock reward
+    python train.py --resume runs/<run>              # continue an interrupted run (phase granularity)
+
+Pipeline: cost profile (measured once per pair/device/dtype, cached) -> traces of the train and validation
+prompts (recorded once, cached, resumable) -> replay environments -> PPO: size policy (depth from the best
+static setting), then depth (size from the size policy), alternating -> the joint controller with the best
+validation throughput is exported to ``<run>/policy.pt`` (load it with ``policies.load_policy``, or
+``python -m engine.generate --policy <run>/policy.pt``). TensorBoard: ``tensorboard --logdir runs``.
 """
 
+from __future__ import annotations
+
 import argparse
+import json
 import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from engine.features import device_features
+from envs import workspace
+from policies.cli import add_dataclass_args, from_args, load_config, save_config
+from policies.ppo import PPOConfig
+
+
+@dataclass
+class TrainConfig:
+    """One training run (saved as ``config.json`` in the run directory)."""
+
+    pair: str = "qwen2.5-coder"
+    """Model pair: a named pair (qwen2.5-coder, tiny) or "TARGET::DRAFT" paths / hub ids."""
+    dtype: str = "auto"
+    """Model dtype (auto: float32 on CPU, bfloat16 on CUDA)."""
+    device: str = "auto"
+    """auto (CUDA when present), cpu, cuda, ...: the live engine and the policy networks."""
+    threads: int = 0
+    """torch intra-op threads for the models (0: torch's default)."""
+    prompts: str | None = None
+    """Prompt suite JSONL ({"id", "language", "task", "split", "prompt"} per line); none: the built-in suite."""
+    train_split: str = "train"
+    """Split the policies are trained on."""
+    val_split: str = "tune"
+    """Split used for validation (best checkpoint) and the final comparison; never the test split."""
+    languages: str = "it,en,zh,es"
+    """Comma-separated languages of the suite to use."""
+    train_prompts: int = 3
+    """Train prompts per language."""
+    val_prompts: int = 1
+    """Validation prompts per language."""
+    max_new_tokens: int = 64
+    """Tokens generated per prompt (trajectory length of each trace)."""
+    temperature: float = 0.0
+    """0: greedy traces; > 0: sampled trajectories (the policy is then trained for sampling)."""
+    tree_width: int = 4
+    """Draft tree width W of the traces and of the exported controller (1: chains)."""
+    max_depth: int = 8
+    """Deepest draft level recorded (the depth policy's cap)."""
+    profile: str | None = None
+    """Cost profile JSON; none: measured on first use and cached under cache_dir."""
+    backend: str = "replay"
+    """replay (exact traces + cost profile) or live (the real engine, wall-clock reward)."""
+    reward: str = "average"
+    """average (emitted - rho * time, dense) or throughput (LTD's per-cycle emitted / time)."""
+    rounds: int = 2
+    """Co-adaptation rounds (each: size phase, then depth phase)."""
+    size_steps: int = 12_000
+    """Environment steps per size phase (one per cycle)."""
+    depth_steps: int = 40_000
+    """Environment steps per depth phase (one per draft step)."""
+    eval_every: int = 8_000
+    """Validate the joint controller every this many environment steps (and at each phase end)."""
+    time_noise: bool = False
+    """Replay: sample each cycle's time from the profile's measured spread instead of its median."""
+    seed: int = 0
+    """Seeds PPO, the environments and the trace sampling."""
+    cache_dir: str = "runs/cache"
+    """Where profiles and traces are cached (reused by later runs with the same settings)."""
+    run_dir: str = "runs"
+    """Parent directory of the run."""
+    run_name: str | None = None
+    """Run directory name; none: <pair>-<reward>-s<seed>-<timestamp>."""
+    progress: bool = True
+    """Progress bars."""
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    """PPO hyperparameters (flags below, same names)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ppo, dict):
+            self.ppo = PPOConfig(**self.ppo)
+        if self.backend not in ("replay", "live"):
+            raise ValueError(f"backend must be replay or live, got {self.backend!r}")
+        if self.reward not in ("average", "throughput"):
+            raise ValueError(f"reward must be average or throughput, got {self.reward!r}")
+        for name in ("rounds", "size_steps", "depth_steps", "train_prompts", "val_prompts", "max_new_tokens",
+                     "tree_width", "max_depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+QUICK = {"train_prompts": 1, "val_prompts": 1, "max_new_tokens": 24, "max_depth": 4, "rounds": 1,
+         "size_steps": 512, "depth_steps": 1024, "eval_every": 512}
+QUICK_PPO = {"n_envs": 2, "n_steps": 128, "batch_size": 64, "n_epochs": 2}
+
+
+# ----------------------------------------------------------------------------------------- data
+def load_models(config: TrainConfig):
+    return workspace.load_models(config.pair, config.dtype, config.device, config.threads)
+
+
+def ensure_profile(config: TrainConfig, pair):
+    return workspace.ensure_profile(pair, config.cache_dir, config.profile, widths=(1, 2, config.tree_width),
+                                    progress=config.progress)
+
+
+def ensure_traces(config: TrainConfig, pair, prompts: list[dict], tag: str):
+    return workspace.ensure_traces(pair, prompts, config.cache_dir, temperature=config.temperature,
+                                   tree_width=config.tree_width, max_depth=config.max_depth,
+                                   max_new_tokens=config.max_new_tokens, seed=config.seed,
+                                   progress=config.progress, tag=tag)
+
+
+def select_prompts(config: TrainConfig):
+    from envs.prompts import interleave_languages, load_suite
+
+    langs = [x.strip() for x in config.languages.split(",") if x.strip()]
+    train = load_suite(config.prompts, split=config.train_split, languages=langs,
+                       limit_per_language=config.train_prompts)
+    val = load_suite(config.prompts, split=config.val_split, languages=langs, limit_per_language=config.val_prompts)
+    overlap = {p["id"] for p in train} & {p["id"] for p in val}
+    if overlap:
+        raise ValueError(f"train and validation prompts overlap: {sorted(overlap)}")
+    return interleave_languages(train), interleave_languages(val)
+
+
+# ----------------------------------------------------------------------------------------- training
+def replay_eval(traces, profile):
+    from envs.replay import replay_generate, throughput
+
+    return lambda controller: throughput([replay_generate(rt, controller, profile) for rt in traces])
+
+
+def baselines(train_traces, val_traces, profile, config: TrainConfig) -> dict:
+    """Static grid (train: the baseline depth; validation: the best static a user could tune there),
+    analytic, autoregressive and the oracle on the validation traces."""
+    from envs.oracle import oracle_throughput, static_grid
+    from policies import AnalyticController, StaticController
+
+    width, depth = config.tree_width, config.max_depth
+    grid_train = static_grid(train_traces, profile)
+    best_train = max(grid_train, key=grid_train.get)
+    grid_val = static_grid(val_traces, profile)
+    best_val = max(grid_val, key=grid_val.get)
+    val = replay_eval(val_traces, profile)
+    return {
+        "best_static_train": list(best_train),
+        "static_train_on_val": val(StaticController(best_train[0], best_train[1], tree_width=width)),
+        "best_static_val": list(best_val), "static_best_on_val": grid_val[best_val],
+        "analytic_on_val": val(AnalyticController(profile, width, depth)),
+        "autoregressive_on_val": val(None),
+        "oracle_on_val": oracle_throughput(val_traces, profile),
+    }
+
+
+def train(config: TrainConfig, resume: Path | None = None) -> dict:
+    from torch.utils.tensorboard import SummaryWriter
+
+    from envs.backends import LiveBackend, ReplayBackend
+    from envs.envs import EnvConfig
+    from policies import StaticController
+    from policies.learned import save_policy
+    from policies.ppo import CoTrainer
+
+    run = resume or Path(config.run_dir) / (config.run_name or
+                                            f"{config.pair.replace('/', '_').replace('::', '+')}-{config.reward}-"
+                                            f"s{config.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run.mkdir(parents=True, exist_ok=True)
+    save_config(config, run / "config.json")
+    started = time.perf_counter()
+    pair = load_models(config)
+    profile = ensure_profile(config, pair)
+    train_prompts, val_prompts = select_prompts(config)
+    train_traces = ensure_traces(config, pair, train_prompts, "train")
+    val_traces = ensure_traces(config, pair, val_prompts, "validation")
+    data_s = time.perf_counter() - started
+
+    base = baselines(train_traces, val_traces, profile, config)
+    depth_d, depth_v = base["best_static_train"]
+    print(f"baselines on validation (replay, tokens/s): best static {tuple(base['best_static_val'])} "
+          f"{base['static_best_on_val']:.3f}, static tuned on train {(depth_d, depth_v)} {base['static_train_on_val']:.3f}, "
+          f"analytic {base['analytic_on_val']:.3f}, oracle {base['oracle_on_val']:.3f}", flush=True)
+
+    def baseline():
+        return StaticController(depth_d, depth_v, tree_width=config.tree_width)
+
+    feats = device_features(profile, config.tree_width)
+    if config.backend == "live":
+        from engine import SamplingConfig, SpeculativeEngine
+
+        engine = SpeculativeEngine(pair, SamplingConfig(temperature=config.temperature))
+        prompts = [pair.encode(p["prompt"]) for p in train_prompts]
+        backend = LiveBackend(engine, prompts, config.tree_width, config.max_new_tokens, profile)
+        config = replace(config, ppo=replace(config.ppo, n_envs=1))  # one engine: one request at a time
+    else:
+        backend = ReplayBackend(train_traces, profile, time_noise=config.time_noise)
+    torch.set_num_threads(1)  # the policy networks are tiny; threads only add overhead
+    policy_device = "cuda" if config.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
+    writer = SummaryWriter(str(run / "tb" / "validation"))
+    writer.add_text("config", "```\n" + json.dumps(asdict(config), indent=1) + "\n```")
+    trainer = CoTrainer(backend, config.ppo, EnvConfig(reward=config.reward, rho=base["static_train_on_val"]),
+                        baseline, replay_eval(val_traces, profile), max_depth=config.max_depth,
+                        device_feats=feats, seed=config.seed, device=policy_device,
+                        tensorboard_dir=str(run / "tb"), eval_every=config.eval_every, writer=writer,
+                        progress=config.progress)
+    if resume is not None and (run / "checkpoint" / "trainer.pt").is_file():
+        trainer.load(run / "checkpoint")
+        print(f"resumed {run} after {len(trainer.history)} phases", flush=True)
+    phases = [(name, r) for r in range(config.rounds) for name in ("size", "depth")]
+    for name, r in phases[len(trainer.history):]:
+        log = trainer.run_phase(name, config.size_steps if name == "size" else config.depth_steps, r)
+        last = log.validation[-1][1] if log.validation else float("nan")
+        print(f"round {r + 1}/{config.rounds} {name}: {log.steps} steps in {log.seconds:.0f} s, "
+              f"validation {last:.3f} tokens/s (best so far {trainer.best[0]:.3f})", flush=True)
+        trainer.save(run / "checkpoint")
+    writer.close()
+
+    best_tps, depth_actor, size_actor = trainer.best
+    if depth_actor is None:  # validation never ran on a complete controller
+        depth_actor, size_actor = trainer.actor("depth"), trainer.actor("size")
+        best_tps = replay_eval(val_traces, profile)(trainer.joint())
+    metrics = {**base, "learned_on_val": best_tps, "learned_over_static": best_tps / base["static_best_on_val"],
+               "learned_over_analytic": best_tps / base["analytic_on_val"],
+               "learned_over_oracle": best_tps / base["oracle_on_val"], "data_s": data_s,
+               "train_s": sum(h.seconds for h in trainer.history), "total_s": time.perf_counter() - started,
+               "val_prompts": [p["id"] for p in val_prompts], "train_prompts": [p["id"] for p in train_prompts],
+               "phases": [asdict(h) for h in trainer.history]}
+    path = save_policy(run / "policy.pt", depth_actor, size_actor, size_ladder=trainer.env_config.size_ladder,
+                       tree_width=config.tree_width, max_depth=config.max_depth, device_feats=feats,
+                       pair=pair.name, profile=profile.to_dict(), train_config=asdict(config), metrics=metrics)
+    (run / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    metrics["policy"] = str(path)
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------- command line
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_dataclass_args(ap, TrainConfig)
+    add_dataclass_args(ap, PPOConfig, group="PPO")
+    ap.add_argument("--quick", action="store_true", help="tiny budget (plumbing check; explicit flags win)")
+    ap.add_argument("--resume", help="run directory to continue (its config.json is used)")
+    return ap
+
+
+def config_from_argv(argv: list[str] | None) -> tuple[TrainConfig, Path | None]:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.resume:
+        return load_config(TrainConfig, Path(args.resume) / "config.json"), Path(args.resume)
+    if args.quick:  # quick values replace defaults only, not flags given explicitly
+        given = {a.dest for a in ap._actions if any(opt in (argv or sys.argv[1:]) for opt in a.option_strings)}
+        for key, value in {**QUICK, **QUICK_PPO}.items():
+            if key not in given:
+                setattr(args, key, value)
+    ppo = from_args(PPOConfig, args)
+    return from_args(TrainConfig, args, ppo=ppo), None
 
 
 def main(argv: list[str] | None = None) -> int:
-    argparse.ArgumentParser(prog="python train.py", description=__doc__).parse_args(argv)
-    print("train.py: not yet implemented (PPO depth/size policies land with the training issue)", file=sys.stderr)
-    return 2
+    try:
+        config, resume = config_from_argv(argv)
+        metrics = train(config, resume)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    static = metrics["static_best_on_val"]
+    print(f"\nexported policy: {metrics['policy']}")
+    print(f"validation throughput (replay, {len(metrics['val_prompts'])} held-out prompts, tokens/s):")
+    print(f"  learned      {metrics['learned_on_val']:.3f}   ({metrics['learned_over_static']:.3f}x best static)")
+    print(f"  best static  {static:.3f}   (D, V) = {tuple(metrics['best_static_val'])}, grid on these prompts")
+    print(f"  analytic     {metrics['analytic_on_val']:.3f}")
+    print(f"  oracle       {metrics['oracle_on_val']:.3f}   (learned / oracle = {metrics['learned_over_oracle']:.3f})")
+    print(f"time: data {metrics['data_s']:.0f} s, training {metrics['train_s']:.0f} s, total {metrics['total_s']:.0f} s")
+    return 0
 
 
 if __name__ == "__main__":

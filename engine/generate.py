@@ -70,12 +70,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _controller(args):
-    if args.policy:
-        try:
-            from policies import load_policy
-        except ImportError as err:
-            raise ValueError("--policy: loading exported policies is not implemented yet (issue: train.py)") from err
-        return load_policy(args.policy)
+    if args.policy:  # controllers live in policies; the engine itself never imports them
+        from policies import load_policy
+
+        return load_policy(args.policy, device=args.device if args.device != "auto" else "cpu")
     from policies import StaticController
 
     return StaticController(depth=args.depth, verify=args.verify, tree_width=args.tree_width)

@@ -1,8 +1,11 @@
 """Controllers that decide draft depth and verification size. All implement ``engine.Controller``; the
-engine never imports this package."""
+engine never imports this package. ``load_policy`` reads an exported PPO policy (torch only: the PPO
+training code in ``policies.ppo`` and stable-baselines3 are never imported on the inference path)."""
 
 from policies.analytic import AnalyticController
 from policies.heuristic import ConfidenceController, HeuristicController
+from policies.learned import LearnedController, PolicyFileError, load_policy
 from policies.static import StaticController
 
-__all__ = ["AnalyticController", "ConfidenceController", "HeuristicController", "StaticController"]
+__all__ = ["AnalyticController", "ConfidenceController", "HeuristicController", "LearnedController",
+           "PolicyFileError", "StaticController", "load_policy"]

@@ -1,0 +1,76 @@
+"""The cached inputs of training and evaluation: the model pair, its cost profile (measured once per
+pair/device/dtype) and replay traces (recorded once per prompt and settings, resumable), all under one
+cache directory so that later runs reuse them.
+
+    <cache_dir>/<pair>/<cpu|cuda>-<dtype>/profile.json
+    <cache_dir>/<pair>/<cpu|cuda>-<dtype>/traces/<greedy|tT>-w<W>-d<D>-n<N>-s<seed>/<prompt id>__s<k>.npz
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from engine.models import ModelPair, load_pair
+from engine.profile import CostProfile
+
+
+def load_models(pair: str, dtype: str = "auto", device: str = "auto", threads: int = 0) -> ModelPair:
+    """A named pair (qwen2.5-coder, tiny) or "TARGET::DRAFT" (paths or hub ids); ``threads`` > 0 sets
+    torch's intra-op threads first."""
+    if threads:
+        torch.set_num_threads(threads)
+    if "::" in pair:
+        target, draft = pair.split("::", 1)
+        return load_pair(target=target, draft=draft, dtype=dtype, device=device)
+    return load_pair(pair, dtype=dtype, device=device)
+
+
+def pair_dir(pair: ModelPair, cache_dir: str | Path) -> Path:
+    dev = "cuda" if pair.device.type == "cuda" else "cpu"
+    name = pair.name.replace("/", "_").replace(":", "_")
+    return Path(cache_dir) / name / f"{dev}-{str(pair.dtype).removeprefix('torch.')}"
+
+
+def ensure_profile(pair: ModelPair, cache_dir: str | Path, path: str | Path | None = None,
+                   widths: Sequence[int] = (1, 2, 4), progress: bool = True) -> CostProfile:
+    """The profile at ``path`` if given, else the cached one for this pair/device/dtype, measured (and
+    cached) the first time: the contexts traces visit, the full size ladder, 3 repetitions."""
+    from engine.profiler import ProfileConfig, measure_profile
+
+    if path:
+        return CostProfile.load(path)
+    cached = pair_dir(pair, cache_dir) / "profile.json"
+    if cached.is_file():
+        return CostProfile.load(cached)
+    widths = tuple(sorted(set(widths)))
+    if pair.name == "tiny":
+        grid = replace(ProfileConfig.quick(), widths=widths)
+    else:
+        grid = ProfileConfig(contexts=(128, 512, 1024), widths=widths, reps=3, prefill_reps=1, overhead_cycles=6)
+    print(f"measuring the cost profile once ({cached}) ...", flush=True)
+    profile = measure_profile(pair, grid, progress=progress)
+    profile.save(cached)
+    return profile
+
+
+def ensure_traces(pair: ModelPair, prompts: list[dict], cache_dir: str | Path, *, temperature: float = 0.0,
+                  tree_width: int = 4, max_depth: int = 8, max_new_tokens: int = 64, seed: int = 0,
+                  progress: bool = True, tag: str = "traces") -> list:
+    """``ReplayTrace``s of ``prompts`` (one per prompt), recorded the first time, then read from the cache."""
+    from engine.sampling import SamplingConfig
+    from envs.record import record_prompts
+    from envs.replay import ReplayTrace
+    from envs.trace import Trace
+
+    mode = "greedy" if temperature == 0 else f"t{temperature:g}"
+    directory = pair_dir(pair, cache_dir) / "traces" / f"{mode}-w{tree_width}-d{max_depth}-n{max_new_tokens}-s{seed}"
+    summary = record_prompts(pair, prompts, directory, SamplingConfig(temperature=temperature), max_depth=max_depth,
+                             tree_width=tree_width, max_new_tokens=max_new_tokens, seed=seed, progress=progress)
+    if summary.recorded:
+        print(f"{tag}: recorded {summary.recorded} traces, {summary.positions} positions in {summary.wall_s:.0f} s "
+              f"({summary.positions_per_min:.0f} positions/min); kept {summary.skipped} cached", flush=True)
+    return [ReplayTrace(Trace.load(p)) for p in summary.paths]

@@ -1,0 +1,100 @@
+"""Command lines generated from config dataclasses (house style: every default and help text written once).
+
+A field's help is the docstring written under it (``field: int = 3`` then ``\"\"\"what it is\"\"\"``); the flag
+is ``--field-name``; booleans get ``--flag`` / ``--no-flag``; ``X | None`` fields accept ``none``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import json
+import textwrap
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a dataclass (the string literal right after each annotated field)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body
+        for node, nxt in zip(body, body[1:] + [None]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _base_type(annotation: Any) -> tuple[type, bool]:
+    """(scalar type, accepts None) of a field annotation such as ``int``, ``str | None``."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0], True
+    return annotation, False
+
+
+def _parser_for(kind: type, optional: bool):
+    def parse(text: str):
+        if optional and text.lower() in ("none", ""):
+            return None
+        return kind(text)
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error messages
+    return parse
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, group: str | None = None) -> None:
+    """One flag per field of ``cls`` (a dataclass with string-evaluable annotations)."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    target = parser.add_argument_group(group) if group else parser
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        help_text = f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%")
+        kind, optional = _base_type(hints[f.name])
+        if dataclasses.is_dataclass(kind):  # nested config: its own flags, added by the caller
+            continue
+        if kind is bool:
+            target.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                                help=docs.get(f.name, "").replace("%", "%%"))
+        else:
+            target.add_argument(flag, dest=f.name, type=_parser_for(kind, optional), default=default,
+                                metavar=kind.__name__.upper(), help=help_text)
+
+
+def from_args(cls: type, args: argparse.Namespace, **overrides: Any):
+    """Build ``cls`` from parsed flags (fields missing in ``args`` keep their defaults)."""
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    values.update(overrides)
+    return cls(**values)
+
+
+def save_config(config: Any, path: str | Path) -> Path:
+    """The config as JSON (saved next to every checkpoint and report)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dataclasses.asdict(config), indent=1, default=str) + "\n")
+    return path
+
+
+def load_config(cls: type, path: str | Path):
+    """Read a config saved by ``save_config``; unknown keys are an error (a config from other code)."""
+    data = json.loads(Path(path).read_text())
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{path}: unknown {cls.__name__} fields {unknown}")
+    return cls(**data)

@@ -1,0 +1,296 @@
+"""PPO wiring (stable-baselines3) for the depth and size policies: training code only, never imported on
+the inference path (``policies.learned`` is what the engine loads).
+
+``CoTrainer`` runs LTD's co-adaptive schedule: the size policy first (depth from a baseline controller),
+then the depth policy (size from the trained size policy), alternating for ``rounds``. Each phase is an
+SB3 ``PPO.learn`` on vectorised replay (or live) environments whose *other* decision is a
+``LearnedController`` built from the other policy's current actor. A callback moves the average reward's
+rho toward the policy's throughput after every rollout, logs charts to TensorBoard and validates the joint
+controller (both current actors) on held-out traces, keeping the best by validation throughput.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from stable_baselines3 import PPO
+from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.running_mean_std import RunningMeanStd
+from stable_baselines3.common.torch_layers import FlattenExtractor
+from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
+
+from engine.control import Controller
+from engine.features import DEPTH_OBS_DIM, SIZE_OBS_DIM
+from envs.envs import DepthEnv, EnvConfig, SizeEnv, reference_rho
+from policies.learned import Actor, LearnedController
+
+ACTIVATION_NAMES = {torch.nn.Tanh: "tanh", torch.nn.ReLU: "relu"}
+CLIP_OBS, OBS_EPS = 10.0, 1e-8
+
+
+@dataclass
+class PPOConfig:
+    """PPO hyperparameters, one set shared by both policies except gamma."""
+
+    n_envs: int = 8
+    """Vectorised environments per policy (replay envs share one backend)."""
+    n_steps: int = 256
+    """Steps per environment per rollout (rollout = n_envs * n_steps transitions)."""
+    batch_size: int = 256
+    """Minibatch size."""
+    n_epochs: int = 5
+    """Passes over each rollout."""
+    learning_rate: float = 3e-4
+    """Initial Adam learning rate (decays linearly to 10% over each phase when lr_decay)."""
+    lr_decay: bool = True
+    """Decay the learning rate linearly within each phase."""
+    ent_coef: float = 0.01
+    """Entropy bonus (keeps both actions explored early)."""
+    clip_range: float = 0.2
+    """PPO clipping."""
+    gae_lambda: float = 0.95
+    """GAE lambda."""
+    gamma_size: float = 0.9
+    """Discount per cycle for the size policy."""
+    gamma_depth: float = 0.95
+    """Discount per draft step for the depth policy."""
+    net_arch: str = "64,64"
+    """Hidden layer widths of actor and critic (separate networks)."""
+    activation: str = "tanh"
+    """tanh or relu."""
+    rho_smoothing: float = 0.5
+    """After each rollout rho moves this fraction toward the rollout's throughput (average reward)."""
+
+
+@dataclass
+class PhaseLog:
+    policy: str
+    round: int
+    steps: int
+    seconds: float
+    validation: list[tuple[int, float]] = field(default_factory=list)
+
+
+def actor_from_model(model: PPO, obs_rms=None, clip_obs: float = CLIP_OBS, epsilon: float = OBS_EPS) -> Actor:
+    """The deterministic actor of an SB3 PPO model and its observation normaliser (``VecNormalize.obs_rms``,
+    None: identity) as a torch-only ``Actor``."""
+    policy = model.policy
+    if not isinstance(policy.features_extractor, FlattenExtractor):
+        raise TypeError("only MLP policies on flat observations can be exported")
+    layers = [m for m in policy.mlp_extractor.policy_net if isinstance(m, torch.nn.Linear)] + [policy.action_net]
+    obs_dim = policy.observation_space.shape[0]
+    if obs_rms is not None:
+        mean, var, clip, eps = obs_rms.mean, obs_rms.var, clip_obs, epsilon
+    else:
+        mean, var, clip, eps = np.zeros(obs_dim), np.ones(obs_dim), np.inf, 0.0
+    spec = {"weights": [m.weight.detach().cpu().clone() for m in layers],
+            "biases": [m.bias.detach().cpu().clone() for m in layers],
+            "activation": ACTIVATION_NAMES[policy.activation_fn],
+            "obs_mean": torch.as_tensor(mean, dtype=torch.float32), "obs_var": torch.as_tensor(var, dtype=torch.float32),
+            "clip_obs": float(clip), "epsilon": float(eps)}
+    return Actor(spec, obs_dim, int(policy.action_space.n))
+
+
+class CoTrainer:
+    """Co-adaptive PPO training of the two policies on one backend (replay or live)."""
+
+    def __init__(self, backend, ppo: PPOConfig, env_config: EnvConfig, baseline: Callable[[], Controller],
+                 evaluate: Callable[[Controller], float] | None, *, max_depth: int, device_feats: np.ndarray,
+                 seed: int = 0, device: str = "cpu", tensorboard_dir: str | None = None,
+                 eval_every: int = 10_000, writer=None, progress: bool = False):
+        self.backend, self.ppo, self.env_config = backend, ppo, env_config
+        self.baseline, self.evaluate = baseline, evaluate
+        self.max_depth, self.device_feats = max_depth, np.asarray(device_feats, np.float32)
+        self.seed, self.device, self.tb_dir = seed, device, tensorboard_dir
+        self.eval_every, self.writer, self.progress = eval_every, writer, progress
+        self.models: dict[str, PPO] = {}
+        self.obs_rms: dict = {}
+        """name -> running observation statistics (VecNormalize's), kept across rounds and checkpoints."""
+        self.rho = float(env_config.rho) if env_config.rho else reference_rho(backend)
+        self.rho_floor = self.rho
+        """The baseline's throughput: rho never drops below it (see ``_on_rollout_end``)."""
+        self.total_steps = 0
+        self.best: tuple[float, Actor | None, Actor | None] = (-np.inf, None, None)
+        self.history: list[PhaseLog] = []
+
+    # ------------------------------------------------------------------------------------- controllers
+    def actor(self, name: str) -> Actor | None:
+        if name not in self.models:
+            return None
+        return actor_from_model(self.models[name], self.obs_rms[name])
+
+    def controller(self, depth: Actor | None, size: Actor | None) -> LearnedController:
+        """Both decisions from the given actors, a fresh baseline for any that is missing."""
+        from envs.replay import SIZE_LADDER
+
+        ladder = self.env_config.size_ladder or SIZE_LADDER
+        return LearnedController(depth, size, size_ladder=ladder, tree_width=self.backend.width,
+                                 max_depth=self.max_depth, device_feats=self.device_feats,
+                                 fallback=None if depth is not None and size is not None else self.baseline())
+
+    # ----------------------------------------------------------------------------------------- phases
+    def _make_venv(self, name: str, other_factory: Callable[[], Controller]) -> VecNormalize:
+        env_cls = SizeEnv if name == "size" else DepthEnv
+        config = EnvConfig(reward=self.env_config.reward, rho=self.rho, rho_update=0.0,
+                           size_ladder=self.env_config.size_ladder)
+        fns = [lambda: env_cls(self.backend, other_factory(), config) for _ in range(self.ppo.n_envs)]
+        venv = DummyVecEnv(fns)
+        venv.seed(self.seed + (0 if name == "size" else 1000) + 10 * len(self.history))
+        norm = VecNormalize(venv, norm_obs=True, norm_reward=False, clip_obs=CLIP_OBS, epsilon=OBS_EPS)
+        if name in self.obs_rms:  # keep the running observation statistics across rounds
+            norm.obs_rms = self.obs_rms[name]
+        self.obs_rms[name] = norm.obs_rms
+        return norm
+
+    def _new_model(self, name: str, venv: VecNormalize) -> PPO:
+        ppo = self.ppo
+        arch = [int(x) for x in ppo.net_arch.split(",") if x.strip()]
+        activation = {"tanh": torch.nn.Tanh, "relu": torch.nn.ReLU}[ppo.activation]
+        lr = ppo.learning_rate
+        schedule = (lambda progress: lr * (0.1 + 0.9 * progress)) if ppo.lr_decay else lr
+        return PPO("MlpPolicy", venv, learning_rate=schedule, n_steps=ppo.n_steps, batch_size=ppo.batch_size,
+                   n_epochs=ppo.n_epochs, gamma=ppo.gamma_size if name == "size" else ppo.gamma_depth,
+                   gae_lambda=ppo.gae_lambda, clip_range=ppo.clip_range, ent_coef=ppo.ent_coef,
+                   policy_kwargs={"net_arch": {"pi": arch, "vf": arch}, "activation_fn": activation},
+                   tensorboard_log=self.tb_dir, seed=self.seed + (0 if name == "size" else 1), device=self.device,
+                   verbose=0)
+
+    def run_phase(self, name: str, steps: int, round_index: int) -> PhaseLog:
+        """Train policy ``name`` ("size" or "depth") for ``steps`` env steps against the other's current actor."""
+        other_name = "depth" if name == "size" else "size"
+        other = self.actor(other_name)
+
+        def other_factory() -> Controller:
+            if other is None:
+                return self.baseline()
+            return self.controller(other, None) if other_name == "depth" else self.controller(None, other)
+
+        venv = self._make_venv(name, other_factory)
+        if name in self.models:
+            model = self.models[name]
+            model.set_env(venv)
+        else:
+            model = self.models[name] = self._new_model(name, venv)
+        log = PhaseLog(name, round_index, steps, 0.0)
+        callback = _TrainCallback(self, name, other_name, log)
+        start = time.perf_counter()
+        model.learn(total_timesteps=steps, callback=callback, tb_log_name=name, reset_num_timesteps=False,
+                    progress_bar=self.progress)
+        log.seconds = time.perf_counter() - start
+        callback.validate()  # the end of every phase is a candidate too
+        self.history.append(log)
+        return log
+
+    def joint(self) -> LearnedController:
+        return self.controller(self.actor("depth"), self.actor("size"))
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def save(self, directory: str | Path) -> None:
+        """Models, observation statistics and trainer state (written at every phase boundary)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, model in self.models.items():
+            model.save(directory / f"{name}.zip")
+        best_tps, best_depth, best_size = self.best
+        state = {"rho": self.rho, "total_steps": self.total_steps, "best_tps": best_tps,
+                 "best_depth": best_depth.to_spec() if best_depth else None,
+                 "best_size": best_size.to_spec() if best_size else None,
+                 "obs_rms": {n: {"mean": r.mean, "var": r.var, "count": r.count} for n, r in self.obs_rms.items()},
+                 "history": [dataclasses.asdict(h) for h in self.history]}
+        torch.save(state, directory / "trainer.pt.tmp")
+        (directory / "trainer.pt.tmp").replace(directory / "trainer.pt")
+
+    def load(self, directory: str | Path) -> None:
+        """Continue from ``save``: the next phase starts where the checkpoint's last phase ended."""
+        directory = Path(directory)
+        state = torch.load(directory / "trainer.pt", weights_only=False)  # our own file, not a user's
+        for name in ("size", "depth"):
+            if (directory / f"{name}.zip").is_file():
+                self.models[name] = PPO.load(directory / f"{name}.zip", device=self.device)
+        for name, stats in state["obs_rms"].items():
+            rms = RunningMeanStd(shape=stats["mean"].shape)
+            rms.mean, rms.var, rms.count = stats["mean"], stats["var"], stats["count"]
+            self.obs_rms[name] = rms
+        self.rho, self.total_steps = state["rho"], state["total_steps"]
+        obs_dims = {"depth": DEPTH_OBS_DIM, "size": SIZE_OBS_DIM}
+        ladder = len(self.env_config.size_ladder)
+        actors = [Actor(state[k], obs_dims[n], 2 if n == "depth" else ladder) if state[k] else None
+                  for k, n in (("best_depth", "depth"), ("best_size", "size"))]
+        self.best = (state["best_tps"], *actors)
+        self.history = [PhaseLog(**h) for h in state["history"]]
+
+
+class _TrainCallback(BaseCallback):
+    """rho update, charts, action histograms and validation (SB3 callback: ``_on_step`` and rollout end)."""
+
+    def __init__(self, trainer: CoTrainer, name: str, other_name: str, log: PhaseLog):
+        super().__init__()
+        self.trainer, self.name, self.other_name, self.log = trainer, name, other_name, log
+        self.since_eval = 0
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self.ep_tokens, self.ep_seconds, self.accepted, self.actions = 0, 0.0, [], []
+
+    def _on_step(self) -> bool:
+        self.trainer.total_steps += self.training_env.num_envs
+        self.since_eval += self.training_env.num_envs
+        self.actions.extend(np.asarray(self.locals["actions"]).ravel().tolist())
+        for info, done in zip(self.locals["infos"], self.locals["dones"]):
+            if "accepted" in info:
+                self.accepted.append(info["accepted"])
+            if done and "episode_tokens" in info:
+                self.ep_tokens += info["episode_tokens"]
+                self.ep_seconds += info["episode_s"]
+        if self.trainer.evaluate is not None and self.since_eval >= self.trainer.eval_every:
+            self.since_eval = 0
+            self.validate()
+        return True
+
+    def _on_rollout_end(self) -> None:
+        trainer = self.trainer
+        if self.ep_seconds > 0:
+            tps = self.ep_tokens / self.ep_seconds
+            self.logger.record("charts/episode_tokens_per_s", tps)
+            # rho estimates the best achievable throughput (the average reward's fixed point). The rollout's
+            # own throughput comes from the exploring stochastic policy and is well below that; a low rho
+            # makes time look cheap and teaches over-long drafts and over-large verifications, so rho never
+            # drops below what the baseline controller already achieves.
+            target = max(tps, trainer.rho_floor)
+            trainer.rho += trainer.ppo.rho_smoothing * (target - trainer.rho)
+            self.training_env.env_method("set_rho", trainer.rho)
+        self.logger.record("charts/rho", trainer.rho)
+        if self.accepted:
+            self.logger.record("charts/mean_accepted", float(np.mean(self.accepted)))
+        if self.actions:
+            self.logger.record(f"actions/{self.name}", torch.as_tensor(self.actions, dtype=torch.float32),
+                               exclude=("stdout", "log", "json", "csv"))
+            self.logger.record(f"actions/{self.name}_mean", float(np.mean(self.actions)))
+        rewards = self.model.rollout_buffer.rewards
+        self.logger.record("charts/mean_reward", float(np.mean(rewards)))
+        self._reset_window()
+
+    def validate(self) -> float | None:
+        trainer = self.trainer
+        if trainer.evaluate is None:
+            return None
+        current = trainer.actor(self.name)
+        other = trainer.actor(self.other_name)
+        depth, size = (other, current) if self.name == "size" else (current, other)
+        tps = float(trainer.evaluate(trainer.controller(depth, size)))
+        self.logger.record("eval/validation_tokens_per_s", tps)
+        if trainer.writer is not None:
+            trainer.writer.add_scalar("eval/validation_tokens_per_s", tps, trainer.total_steps)
+            trainer.writer.add_scalar(f"eval/validation_tokens_per_s_{self.name}_phase", tps, trainer.total_steps)
+        self.log.validation.append((trainer.total_steps, tps))
+        # only complete controllers (both policies learned) are export candidates
+        if depth is not None and size is not None and tps > trainer.best[0]:
+            trainer.best = (tps, depth, size)
+        return tps
+

@@ -1,0 +1,219 @@
+"""Training smoke test, export/load round trip against the SB3 policy, determinism, resume, load errors,
+and the learned controller inside the real engine (tiny pair)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import train
+from engine import SamplingConfig, SpeculativeEngine
+from engine.features import FEATURE_VERSION
+from envs.backends import ReplayBackend
+from envs.envs import DepthEnv, EnvConfig, SizeEnv
+from policies import LearnedController, PolicyFileError, StaticController, load_policy
+from policies.learned import save_policy
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def quick_config(tmp: Path, **kw) -> train.TrainConfig:
+    values = {**train.QUICK, "pair": "tiny", "cache_dir": str(tmp / "cache"), "run_dir": str(tmp / "runs"),
+              "progress": False, "languages": "it,en", "run_name": "smoke"}
+    values.update(kw)
+    ppo = train.PPOConfig(**train.QUICK_PPO)
+    return train.TrainConfig(**values, ppo=ppo)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    """Traces and a quick profile of the tiny pair (recorded once for the module)."""
+    tmp = tmp_path_factory.mktemp("learned")
+    config = quick_config(tmp)
+    pair = train.load_models(config)
+    profile = train.ensure_profile(config, pair)
+    train_prompts, val_prompts = train.select_prompts(config)
+    return {"config": config, "pair": pair, "profile": profile,
+            "train": train.ensure_traces(config, pair, train_prompts, "train"),
+            "val": train.ensure_traces(config, pair, val_prompts, "val")}
+
+
+def make_trainer(data, seed=0, steps=(256, 256)):
+    from policies.ppo import CoTrainer
+
+    config = data["config"]
+    backend = ReplayBackend(data["train"], data["profile"])
+    trainer = CoTrainer(backend, config.ppo, EnvConfig(), lambda: StaticController(2, 2, tree_width=config.tree_width),
+                        train.replay_eval(data["val"], data["profile"]), max_depth=config.max_depth,
+                        device_feats=np.zeros(3, np.float32), seed=seed, eval_every=128)
+    trainer.run_phase("size", steps[0], 0)
+    trainer.run_phase("depth", steps[1], 0)
+    return trainer
+
+
+def test_training_smoke_exports_a_loadable_policy(tmp_path, tiny_pair):
+    config = quick_config(tmp_path)
+    metrics = train.train(config)
+    path = Path(metrics["policy"])
+    assert path.is_file() and (path.parent / "config.json").is_file() and (path.parent / "metrics.json").is_file()
+    assert any((path.parent / "tb").rglob("events.out.tfevents*"))
+    ctrl = load_policy(path)
+    assert isinstance(ctrl, LearnedController) and ctrl.tree_width == config.tree_width
+    for key in ("learned_on_val", "static_best_on_val", "analytic_on_val", "oracle_on_val"):
+        assert np.isfinite(metrics[key]) and metrics[key] > 0
+    # no controller beats the hindsight oracle on the validation traces
+    assert metrics["learned_on_val"] <= metrics["oracle_on_val"] * (1 + 1e-9)
+    assert metrics["static_best_on_val"] <= metrics["oracle_on_val"] * (1 + 1e-9)
+    # the exported controller decodes exactly: greedy output equals autoregressive decoding
+    engine = SpeculativeEngine(tiny_pair, SamplingConfig(temperature=0.0))
+    ids = tiny_pair.encode("def main():", chat=False)
+    ar = engine.generate(ids, max_new_tokens=40, controller=None)
+    spec = engine.generate(ids, max_new_tokens=40, controller=ctrl)
+    assert spec.tokens == ar.tokens
+    assert sum(c.depth for c in spec.cycles) > 0  # it really drafted
+
+
+def test_export_load_round_trip_matches_sb3_actions(tiny_data):
+    trainer = make_trainer(tiny_data)
+    config = tiny_data["config"]
+    backend = ReplayBackend(tiny_data["train"], tiny_data["profile"])
+    for name, env in (("size", SizeEnv(backend, StaticController(2, 2, tree_width=config.tree_width))),
+                      ("depth", DepthEnv(backend, StaticController(2, 2, tree_width=config.tree_width)))):
+        model, rms = trainer.models[name], trainer.obs_rms[name]
+        actor = trainer.actor(name)
+        obs, _ = env.reset(seed=3)
+        observations, rng = [], np.random.default_rng(0)
+        while len(observations) < 200:
+            observations.append(obs)
+            obs, _, done, _, _ = env.step(env.action_space.sample() if rng.random() < 0.5 else 0)
+            if done:
+                obs, _ = env.reset()
+        observations = np.asarray(observations, np.float32)
+        normalised = np.clip((observations - rms.mean) / np.sqrt(rms.var + 1e-8), -10, 10).astype(np.float32)
+        sb3_actions, _ = model.predict(normalised, deterministic=True)
+        ours = np.asarray([actor.act(o) for o in observations])
+        assert np.array_equal(ours, sb3_actions), name
+        assert len(set(sb3_actions.tolist())) >= 1
+
+
+def test_policy_file_round_trip_is_exact(tiny_data, tmp_path):
+    trainer = make_trainer(tiny_data, steps=(128, 128))
+    depth, size = trainer.actor("depth"), trainer.actor("size")
+    path = save_policy(tmp_path / "p.pt", depth, size, size_ladder=trainer.env_config.size_ladder, tree_width=2,
+                       max_depth=4, device_feats=np.zeros(3), pair="tiny", profile=None)
+    loaded = load_policy(path)
+    obs = np.random.default_rng(1).uniform(0, 2, (50, depth.weights[0].shape[1])).astype(np.float32)
+    assert [depth.act(o) for o in obs] == [loaded.depth_actor.act(o) for o in obs]
+    assert torch.allclose(depth.logits(obs), loaded.depth_actor.logits(obs), atol=1e-6)
+
+
+def test_training_is_deterministic_given_the_seed(tiny_data):
+    a, b, c = make_trainer(tiny_data, 0, (128, 128)), make_trainer(tiny_data, 0, (128, 128)), make_trainer(tiny_data, 5, (128, 128))
+    for name in ("size", "depth"):
+        wa, wb, wc = (t.actor(name).weights[0] for t in (a, b, c))
+        assert torch.equal(wa, wb)
+        assert not torch.equal(wa, wc)
+    assert [v for h in a.history for v in h.validation] == [v for h in b.history for v in h.validation]
+
+
+def test_checkpoint_resume_restores_the_trainer(tiny_data, tmp_path):
+    trainer = make_trainer(tiny_data, steps=(128, 128))
+    trainer.save(tmp_path / "ckpt")
+    from policies.ppo import CoTrainer
+
+    config = tiny_data["config"]
+    fresh = CoTrainer(ReplayBackend(tiny_data["train"], tiny_data["profile"]), config.ppo, EnvConfig(),
+                      lambda: StaticController(2, 2, tree_width=config.tree_width), None,
+                      max_depth=config.max_depth, device_feats=np.zeros(3, np.float32))
+    fresh.load(tmp_path / "ckpt")
+    assert len(fresh.history) == 2 and fresh.rho == trainer.rho and fresh.total_steps == trainer.total_steps
+    for name in ("size", "depth"):
+        assert torch.equal(fresh.actor(name).weights[-1], trainer.actor(name).weights[-1])
+        assert np.array_equal(fresh.obs_rms[name].mean, trainer.obs_rms[name].mean)
+    assert fresh.best[0] == trainer.best[0]
+    fresh.evaluate = trainer.evaluate
+    fresh.run_phase("size", 128, 1)  # training continues from the checkpoint
+    assert len(fresh.history) == 3
+
+
+def _write(path: Path, payload) -> Path:
+    torch.save(payload, path)
+    return path
+
+
+def test_load_errors_are_clear(tiny_data, tmp_path):
+    trainer = make_trainer(tiny_data, steps=(64, 64))
+    good = save_policy(tmp_path / "good.pt", trainer.actor("depth"), trainer.actor("size"),
+                       size_ladder=trainer.env_config.size_ladder, tree_width=2, max_depth=4,
+                       device_feats=np.zeros(3), pair="tiny", profile=None)
+    payload = torch.load(good, weights_only=True)
+    with pytest.raises(FileNotFoundError, match="train one"):
+        load_policy(tmp_path / "missing.pt")
+    (tmp_path / "garbage.pt").write_bytes(b"not a policy at all")
+    with pytest.raises(PolicyFileError, match="not a readable policy file"):
+        load_policy(tmp_path / "garbage.pt")
+    (tmp_path / "truncated.pt").write_bytes(good.read_bytes()[:200])
+    with pytest.raises(PolicyFileError, match="not a readable policy file"):
+        load_policy(tmp_path / "truncated.pt")
+    with pytest.raises(PolicyFileError, match="not a draftpilot policy"):
+        load_policy(_write(tmp_path / "other.pt", {"weights": torch.zeros(3)}))
+    with pytest.raises(PolicyFileError, match="features version"):
+        load_policy(_write(tmp_path / "features.pt", {**payload, "feature_version": FEATURE_VERSION + 1}))
+    with pytest.raises(PolicyFileError, match="format version"):
+        load_policy(_write(tmp_path / "format.pt", {**payload, "format_version": 99}))
+    bad_size = {**payload, "size_ladder": payload["size_ladder"][:-1]}  # action count no longer fits the actor
+    with pytest.raises(PolicyFileError, match="actions"):
+        load_policy(_write(tmp_path / "ladder.pt", bad_size))
+    bad_depth = {**payload, "depth": {**payload["depth"], "weights": payload["depth"]["weights"][:1]}}
+    with pytest.raises(PolicyFileError):
+        load_policy(_write(tmp_path / "layers.pt", bad_depth))
+    no_meta = {k: v for k, v in payload.items() if k != "tree_width"}
+    with pytest.raises(PolicyFileError, match="metadata"):
+        load_policy(_write(tmp_path / "meta.pt", no_meta))
+    assert load_policy(good).tree_width == 2  # the good file still loads after all that
+
+
+def test_inference_path_does_not_import_stable_baselines3(tiny_data, tmp_path):
+    trainer = make_trainer(tiny_data, steps=(64, 64))
+    path = save_policy(tmp_path / "p.pt", trainer.actor("depth"), trainer.actor("size"),
+                       size_ladder=trainer.env_config.size_ladder, tree_width=2, max_depth=4,
+                       device_feats=np.zeros(3), pair="tiny", profile=None)
+    code = ("import sys; from policies import load_policy; from engine import load_pair, SpeculativeEngine; "
+            f"c = load_policy({str(path)!r}); p = load_pair('tiny'); "
+            "SpeculativeEngine(p).generate('abc', max_new_tokens=8, controller=c); "
+            "assert 'stable_baselines3' not in sys.modules, 'SB3 imported'; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_generate_cli_uses_the_policy(tiny_data, tmp_path, capsys):
+    from engine.generate import main
+
+    trainer = make_trainer(tiny_data, steps=(64, 64))
+    path = save_policy(tmp_path / "p.pt", trainer.actor("depth"), trainer.actor("size"),
+                       size_ladder=trainer.env_config.size_ladder, tree_width=2, max_depth=4,
+                       device_feats=np.zeros(3), pair="tiny", profile=None)
+    assert main(["--pair", "tiny", "--raw", "--prompt", "hello", "--policy", str(path), "--max-new-tokens", "12"]) == 0
+    assert "LearnedController" in capsys.readouterr().out
+    assert main(["--pair", "tiny", "--prompt", "x", "--policy", str(tmp_path / "nope.pt")]) == 2
+
+
+def test_train_command_line_config(tmp_path):
+    config, resume = train.config_from_argv(["--pair", "tiny", "--quick", "--rounds", "3", "--n-envs", "3",
+                                             "--no-progress", "--run-dir", str(tmp_path)])
+    assert resume is None and config.rounds == 3 and config.ppo.n_envs == 3  # explicit flags beat --quick
+    assert config.size_steps == train.QUICK["size_steps"] and config.ppo.n_steps == train.QUICK_PPO["n_steps"]
+    assert config.progress is False
+    from policies.cli import load_config, save_config
+
+    assert load_config(train.TrainConfig, save_config(config, tmp_path / "c.json")) == config
+    with pytest.raises(ValueError, match="backend"):
+        train.TrainConfig(backend="gpu")
+    assert train.main(["--pair", "tiny", "--reward", "nope", "--no-progress"]) == 2
+    help_text = train.build_parser().format_help()
+    assert "--gamma-depth" in help_text and "Discount per draft step" in help_text
