@@ -1,19 +1,90 @@
-"""Evaluate controllers (autoregressive, static, heuristic, analytic, learned, transformers' assisted
-generation) on the multilingual prompt suites and write a report.
+"""Evaluate the drafting controllers live on the real engine and write a report.
 
-Not implemented yet: this stub exists so the command line is stable. Until then,
-benchmarks/bench_engine.py measures the engine against autoregressive decoding and transformers'
-assisted generation.
+Controllers: autoregressive; static chain and static tree at the best (depth, size) grid-searched on the
+tune split (replay grid, top configurations confirmed live); transformers' +2/-1 heuristic; draft
+confidence 0.4; the analytic cost model; the learned policy; transformers' assisted generation
+(assistant_model=) with its default and its heuristic schedule; the hindsight oracle (replay, upper
+bound). Controllers are interleaved prompt by prompt; figures per language and overall, with paired
+bootstrap intervals; targets with pass/fail lines; load (--concurrency N); exactness audit.
+
+    python evaluate.py                                  # full evaluation, newest runs/*/policy.pt
+    python evaluate.py --quick                          # first look: 1 tune + 2 measured prompts per
+                                                        # language, 64 tokens, 1 rep, confirm_top 1
+    python evaluate.py --temperature 0.7 --concurrency 4 --controllers learned,static_chain,hf_assisted_default
+    python evaluate.py exactness --quick                # only the exactness audit (exactness.md)
+    python evaluate.py --pair tiny --quick --policy runs/p/policy.pt   # plumbing check in seconds
+
+Writes OUT/report.md, OUT/results.json (config, conditions, every raw measurement), OUT/*.png and
+OUT/config.json, then prints where the report is and a short summary table.
 """
+
+from __future__ import annotations
 
 import argparse
 import sys
 
+from evaluation.config import QUICK, EvalConfig
+from policies.cli import add_dataclass_args, from_args, save_config
+
+
+def build_parser(prog: str = "python evaluate.py") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_dataclass_args(ap, EvalConfig)
+    ap.add_argument("--quick", action="store_true",
+                    help="first look: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()) + " (explicit flags win)")
+    return ap
+
+
+def config_from_argv(argv: list[str], prog: str = "python evaluate.py") -> EvalConfig:
+    ap = build_parser(prog)
+    args = ap.parse_args(argv)
+    if args.quick:  # quick values replace defaults only, not flags given explicitly
+        given = {a.dest for a in ap._actions if any(opt in argv or any(x.startswith(opt + "=") for x in argv)
+                                                    for opt in a.option_strings)}
+        for key, value in QUICK.items():
+            if key not in given:
+                setattr(args, key, value)
+    return from_args(EvalConfig, args)
+
 
 def main(argv: list[str] | None = None) -> int:
-    argparse.ArgumentParser(prog="python evaluate.py", description=__doc__).parse_args(argv)
-    print("evaluate.py: not yet implemented (lands with the evaluation issue)", file=sys.stderr)
-    return 2
+    argv = list(sys.argv[1:] if argv is None else argv)
+    audit_only = bool(argv) and argv[0] == "exactness"
+    if audit_only:
+        argv = argv[1:]
+    try:
+        config = config_from_argv(argv, "python evaluate.py exactness" if audit_only else "python evaluate.py")
+        out = config.out_dir()
+        if audit_only:
+            from evaluation.report import write_exactness_report
+            from evaluation.runner import exactness_only
+
+            results = exactness_only(config)
+            save_config(config, out / "config.json")
+            path = write_exactness_report(results, out)
+        else:
+            from evaluation.report import summary_lines, write_report
+            from evaluation.runner import evaluate
+
+            save_config(config, out / "config.json")
+            partial = out / "live_runs.partial.json"
+            results = evaluate(config, checkpoint=partial)
+            path = write_report(results, out)
+            partial.unlink(missing_ok=True)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"\nreport: {path}")
+    if audit_only:
+        for name, a in results["exactness"]["token_audit"].items():
+            print(f"  greedy {name:16s} identical to autoregressive on {a['identical']}/{a['prompts']} prompts")
+        sampled = results["exactness"].get("sampled")
+        if sampled:
+            print(f"  sampled two-sample test ({sampled['controller_name']}): Fisher p = {sampled['fisher_pvalue']:.3g}")
+        return 0
+    for line in summary_lines(results):
+        print("  " + line)
+    return 0
 
 
 if __name__ == "__main__":

@@ -4,9 +4,7 @@ checker every distribution test uses (the correct samplers must pass it, the wro
 from __future__ import annotations
 
 import importlib.util
-import math
 import sys
-from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +16,10 @@ if _spec is None or _spec.origin is None:  # not installed (origin None: only te
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from scipy import stats  # noqa: E402
 
 from engine import load_pair  # noqa: E402
+from evaluation.exactness import check_law as _check_law  # noqa: E402
+from evaluation.exactness import tv_bound  # noqa: E402,F401 - used by law tests through conftest
 
 PROMPTS = ("def main():", "The quick brown fox", "x")
 
@@ -76,38 +75,13 @@ class LawCheck:
         return self.pvalue > 1e-3 and self.tv < self.tv_bound and not self.impossible
 
 
-def tv_bound(exact: Mapping[Hashable, float], num_samples: int, failure_prob: float = FAILURE_PROB) -> float:
-    """E[TV] <= sum_i sd(freq_i) / 2 = sum_i sqrt(p_i (1 - p_i) / N) / 2 (Jensen), and TV moves by at most
-    1/N when one sample changes, so P(TV > E[TV] + t) <= exp(-2 N t^2) (McDiarmid)."""
-    mean_bound = 0.5 * sum(math.sqrt(prob * (1 - prob) / num_samples) for prob in exact.values())
-    return mean_bound + math.sqrt(math.log(1 / failure_prob) / (2 * num_samples))
-
-
 def check_law(samples: Iterable[Hashable], exact: Mapping[Hashable, float]) -> LawCheck:
-    """Compare observed outcomes with an exact law (a mapping outcome -> probability summing to 1)."""
+    """Compare observed outcomes with an exact law (a mapping outcome -> probability summing to 1), with the
+    product's checker (``evaluation.exactness.check_law``: the report's exactness audit runs the same code)."""
     exact = {k: float(v) for k, v in exact.items() if v > 0}
     assert abs(sum(exact.values()) - 1.0) < 1e-9, sum(exact.values())
-    counts = Counter(samples)
-    num = sum(counts.values())
-    impossible = tuple(sorted((k for k in counts if k not in exact), key=repr))
-    tv = 0.5 * sum(abs(counts.get(k, 0) / num - exact.get(k, 0.0)) for k in set(exact) | set(counts))
-
-    # chi-square needs expected counts >= 5: keep those cells, pool the rest into one bin
-    big = sorted((k for k in exact if exact[k] * num >= 5), key=lambda k: exact[k])
-    small = [k for k in exact if exact[k] * num < 5]
-    observed = [counts.get(k, 0) for k in big]
-    expected = [exact[k] * num for k in big]
-    if small:
-        observed.append(sum(counts.get(k, 0) for k in small))
-        expected.append(sum(exact[k] for k in small) * num)
-        if expected[-1] < 5 and len(expected) > 1:  # pooled bin still too small: merge it into the smallest cell
-            observed[0] += observed.pop()
-            expected[0] += expected.pop()
-    if impossible or len(expected) < 2:
-        pvalue = 0.0 if impossible else 1.0
-    else:
-        pvalue = float(stats.chisquare(observed, expected).pvalue)
-    return LawCheck(num, pvalue, tv, tv_bound(exact, num), impossible)
+    result = _check_law(list(samples), exact)
+    return LawCheck(result["trials"], result["pvalue"], result["tv"], result["tv_bound"], result["impossible_outcomes"])
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,19 @@
+"""The evaluation behind ``python evaluate.py``: every controller measured live on the same engine,
+models and prompts (interleaved), against autoregressive decoding, the grid-searched static baselines and
+transformers' assisted generation; replay upper bound; load; exactness audit; report.
+
+    config.py       EvalConfig (flags are generated from it), --quick preset, prompt selection
+    tuning.py       static grid: replay grid on the tune split, top configurations confirmed live
+    runner.py       controllers, interleaved live runs, replay section, the whole evaluation
+    peers.py        transformers' assisted generation (default and heuristic schedules)
+    runs.py         raw run records, the recording wrapper of the learned controller, reduction
+    stats.py        paired bootstrap intervals of throughput ratios
+    summary.py      tables, ratios, replay vs live, targets
+    concurrency.py  N concurrent requests (threads, one engine each, shared weights)
+    exactness.py    greedy token audit, sampled two-sample test, sampler law checks
+    report.py, plots.py   report.md, results.json, PNG figures
+"""
+
+from evaluation.config import EvalConfig
+
+__all__ = ["EvalConfig"]

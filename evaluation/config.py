@@ -1,0 +1,178 @@
+"""The evaluation's one config dataclass (command-line flags are generated from it), its quick preset,
+the controller names, prompt selection and the default policy lookup."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ENGINE_CONTROLLERS = ("autoregressive", "static_chain", "static_tree", "heuristic", "confidence", "analytic",
+                      "learned")
+"""Controllers measured live on our engine (autoregressive: ``controller=None``)."""
+PEERS = ("hf_assisted_default", "hf_assisted_heuristic")
+"""transformers' assisted generation (``assistant_model=``) with its default and its heuristic schedule."""
+REPLAY_ONLY = ("oracle",)
+"""The hindsight oracle: replay numbers on the test traces (it needs the future)."""
+CONTROLLERS = ENGINE_CONTROLLERS + PEERS + REPLAY_ONLY
+BASELINE = "autoregressive"
+
+
+@dataclass
+class EvalConfig:
+    """One evaluation run (saved as ``config.json`` in the output directory)."""
+
+    pair: str = "qwen2.5-coder"
+    """Model pair: a named pair (qwen2.5-coder, tiny) or "TARGET::DRAFT" paths / hub ids."""
+    dtype: str = "auto"
+    """Model dtype (auto: float32 on CPU, bfloat16 on CUDA)."""
+    device: str = "auto"
+    """auto (CUDA when present), cpu, cuda, ..."""
+    threads: int = 0
+    """torch intra-op threads for the models (0: torch's default)."""
+    policy: str | None = None
+    """Exported learned policy (policy.pt); none: the newest runs/*/policy.pt."""
+    controllers: str = "all"
+    """Comma list of controllers to run (all: every one). Names: autoregressive, static_chain, static_tree,
+    heuristic, confidence, analytic, learned, hf_assisted_default, hf_assisted_heuristic, oracle.
+    autoregressive always runs: every speedup is measured against it."""
+    prompts: str | None = None
+    """Prompt suite JSONL ({"id", "language", "task", "prompt"} per line, optional "split"); none: the built-in
+    suite. A file without split keys is all test set, and the static grid is then tuned on the same prompts
+    (the report warns loudly)."""
+    split: str = "test"
+    """Split the controllers are measured on."""
+    tune_split: str = "tune"
+    """Split the static grid is searched on (never the measured split)."""
+    languages: str = "all"
+    """Comma list of languages (it, en, zh, es, ...); all: every language of the suite."""
+    prompts_per_language: int | None = None
+    """Measured prompts per language (none: all of the split, 12 per language in the built-in suite)."""
+    tune_prompts_per_language: int = 2
+    """Tune prompts per language for the static grid search."""
+    max_new_tokens: int = 128
+    """Tokens generated per measured prompt."""
+    tune_max_new_tokens: int = 64
+    """Tokens per tune prompt (64 = train.py's validation traces, which are then reused from the cache)."""
+    temperature: float = 0.0
+    """0: greedy; > 0: sampled (drafts stay deterministic top-k trees; the exact sampler keeps the law)."""
+    audit_temperature: float = 0.7
+    """Temperature of the sampled exactness test when the evaluation itself is greedy."""
+    tree_width: int | None = None
+    """Draft tree width W of static trees, the analytic controller and replay traces (none: the policy's)."""
+    max_depth: int | None = None
+    """Deepest draft level D_max of the grid, the analytic controller and traces (none: the policy's)."""
+    confirm_top: int = 3
+    """Best replay-grid configurations of each kind (chain, tree) confirmed live on the tune prompts."""
+    reps: int = 1
+    """Repetitions of every live measurement (the per-prompt median is reported)."""
+    concurrency: int = 1
+    """> 1: also run N requests at once (N worker threads, one engine each, shared weights)."""
+    replay: bool = True
+    """Record test-prompt traces for the hindsight oracle and the replay-vs-live comparison."""
+    exactness: bool = True
+    """Run the sampled exactness test and the sampler law checks (the greedy token audit is always made)."""
+    exactness_prompts: int = 2
+    """Prompts of the sampled two-sample test."""
+    samples: int = 200
+    """Samples per arm per prompt in the sampled two-sample test (different seeds)."""
+    exactness_tokens: int = 3
+    """k: the sampled test compares the joint law of the first k emitted tokens."""
+    exactness_budget: int | None = None
+    """New tokens per speculative request of the sampled test (none: k). The engine caps draft depth at the
+    remaining budget, so a larger budget lets the controller draft deeper before the k-th token (cost grows
+    with it; the autoregressive arm always stops at k)."""
+    law_trials: int = 20_000
+    """Monte Carlo trials per case of the verify_chain law checks."""
+    bootstrap: int = 2000
+    """Bootstrap resamples (over prompts) of every confidence interval."""
+    profile: str | None = None
+    """Cost profile JSON; none: the cached one for this pair/device/dtype (measured on first use)."""
+    seed: int = 0
+    """Generation seed of every measured run (= the traces' seed) and of the bootstrap."""
+    cache_dir: str = "runs/cache"
+    """Where profiles and traces are cached (shared with train.py)."""
+    out: str | None = None
+    """Output directory (report.md, results.json, plots); none: runs/eval-<timestamp>."""
+    progress: bool = True
+    """Progress bars."""
+
+    def __post_init__(self) -> None:
+        for name in ("tune_prompts_per_language", "max_new_tokens", "tune_max_new_tokens", "confirm_top", "reps",
+                     "concurrency", "exactness_prompts", "samples", "exactness_tokens", "law_trials", "bootstrap"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.exactness_budget is not None and self.exactness_budget < self.exactness_tokens:
+            raise ValueError(f"exactness_budget must be >= exactness_tokens, got {self.exactness_budget}")
+        for name in ("prompts_per_language", "tree_width", "max_depth"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 or none, got {value}")
+        if not self.temperature >= 0 or not self.audit_temperature > 0:
+            raise ValueError("temperature must be >= 0 and audit_temperature > 0")
+        if self.split == self.tune_split:
+            raise ValueError(f"split and tune_split are both {self.split!r}: never tune on the measured prompts")
+        self.controller_names()  # unknown names fail before any model is loaded
+
+    def controller_names(self) -> list[str]:
+        """The controllers to run, in canonical order, autoregressive first."""
+        if self.controllers.strip() == "all":
+            return list(CONTROLLERS)
+        names = [n.strip() for n in self.controllers.split(",") if n.strip()]
+        unknown = [n for n in names if n not in CONTROLLERS]
+        if unknown:
+            raise ValueError(f"unknown controller(s) {unknown}; known: {', '.join(CONTROLLERS)}")
+        return [n for n in CONTROLLERS if n in names or n == BASELINE]
+
+    def language_list(self) -> list[str] | None:
+        if self.languages.strip() == "all":
+            return None
+        return [x.strip() for x in self.languages.split(",") if x.strip()]
+
+    def out_dir(self) -> Path:
+        return Path(self.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+QUICK = {"tune_prompts_per_language": 1, "prompts_per_language": 2, "max_new_tokens": 64, "reps": 1,
+         "confirm_top": 1, "samples": 40, "exactness_prompts": 1, "law_trials": 4000, "bootstrap": 1000}
+"""--quick: a first look (1 tune and 2 measured prompts per language, 64 tokens, 1 rep, confirm the best
+grid point only, 40 samples per arm on 1 prompt in the sampled test); explicit flags win."""
+
+
+def find_policy(config: EvalConfig, runs_dir: str | Path = "runs") -> Path:
+    """The configured policy file, or the newest ``runs/*/policy.pt``."""
+    if config.policy:
+        path = Path(config.policy)
+        if not path.is_file():
+            raise FileNotFoundError(f"no policy file at {path}: train one with `python train.py`")
+        return path
+    found = sorted(Path(runs_dir).glob("*/policy.pt"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise FileNotFoundError(f"no policy given and none found under {runs_dir}/*/policy.pt: train one with "
+                                "`python train.py` (or pass --policy PATH, or leave 'learned' out of --controllers)")
+    return found[-1]
+
+
+def select_prompts(config: EvalConfig) -> tuple[list[dict], list[dict], list[str]]:
+    """(tune prompts, measured prompts, warnings), each list interleaved by language."""
+    from envs.prompts import interleave_languages, load_suite
+    from envs.record import read_prompts
+
+    langs = config.language_list()
+    warnings: list[str] = []
+    has_splits = config.prompts is None or any("split" in item for item in read_prompts(config.prompts))
+    if has_splits:
+        test = load_suite(config.prompts, split=config.split, languages=langs,
+                          limit_per_language=config.prompts_per_language)
+        tune = load_suite(config.prompts, split=config.tune_split, languages=langs,
+                          limit_per_language=config.tune_prompts_per_language)
+        overlap = {p["id"] for p in test} & {p["id"] for p in tune}
+        if overlap:
+            raise ValueError(f"tune and measured prompts overlap: {sorted(overlap)}")
+    else:
+        test = load_suite(config.prompts, languages=langs, limit_per_language=config.prompts_per_language)
+        tune = load_suite(config.prompts, languages=langs, limit_per_language=config.tune_prompts_per_language)
+        warnings.append(f"{config.prompts} has no split keys: all of it is the test set and the static grid was "
+                        "TUNED ON THE SAME PROMPTS it is measured on, which favours the static baselines; add "
+                        '"split": "tune" / "test" keys for an honest comparison.')
+    return interleave_languages(tune), interleave_languages(test), warnings

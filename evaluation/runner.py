@@ -1,0 +1,279 @@
+"""The evaluation from start to end: prompts, models, profile, static grid search on the tune split,
+controllers, interleaved live runs on the measured split, replay (oracle and replay-vs-live), load, and
+the exactness audit. Returns one results dict (``evaluation.summary`` and ``evaluation.report`` turn it
+into tables, targets and plots).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from evaluation.config import PEERS, EvalConfig, find_policy, select_prompts
+from evaluation.peers import SCHEDULES, run_peer
+from evaluation.runs import RecordingController, run_engine
+
+STATIC = ("static_chain", "static_tree")
+DEFAULT_WIDTH, DEFAULT_DEPTH = 4, 8
+"""W and D_max without a policy (train.py's defaults)."""
+
+
+class Setup:
+    """What every part of the evaluation shares: config, prompts, models, profile, policy, W and D_max."""
+
+    def __init__(self, config: EvalConfig):
+        from envs import workspace
+        from policies import load_policy
+
+        self.config = config
+        self.names = config.controller_names()
+        self.tune_prompts, self.test_prompts, self.warnings = select_prompts(config)
+        self.policy_path = find_policy(config) if "learned" in self.names else None
+        policy = load_policy(self.policy_path) if self.policy_path else None  # fail early on a bad file
+        self.policy_meta = policy.meta if policy else None
+        self.width = config.tree_width or (policy.tree_width if policy else DEFAULT_WIDTH)
+        self.max_depth = config.max_depth or (policy.max_depth if policy else DEFAULT_DEPTH)
+        if policy and self.width != policy.tree_width:
+            self.warnings.append(f"tree_width {self.width} differs from the policy's {policy.tree_width}: the "
+                                 "learned policy keeps its own width and has no replay prediction")
+        if "static_tree" in self.names and self.width == 1:
+            self.names.remove("static_tree")
+            self.warnings.append("tree_width is 1: the static tree is the static chain, measured once")
+        self.pair = workspace.load_models(config.pair, config.dtype, config.device, config.threads)
+        if policy and self.policy_meta.get("pair") not in (None, self.pair.name):
+            self.warnings.append(f"the policy was trained on pair {self.policy_meta.get('pair')!r}, evaluated on "
+                                 f"{self.pair.name!r}")
+        self._profile = None
+
+    @property
+    def loaded_profile(self):
+        """The profile if something has used it, else None (never measures one)."""
+        return self._profile
+
+    @property
+    def profile(self):
+        """The cost profile, loaded (or measured once and cached) on first use only."""
+        from envs import workspace
+
+        if self._profile is None:
+            config = self.config
+            self._profile = workspace.ensure_profile(self.pair, config.cache_dir, config.profile,
+                                                     widths=(1, 2, self.width), progress=config.progress)
+        return self._profile
+
+    def learned(self):
+        from policies import load_policy
+
+        return load_policy(self.policy_path, profile=self.profile)  # device features of this device's profile
+
+    def factories(self, static_best: dict[str, dict]) -> dict[str, Callable[[], object] | None]:
+        """Engine controller name -> factory of a fresh controller (None: autoregressive)."""
+        from policies import AnalyticController, ConfidenceController, HeuristicController, StaticController
+
+        made: dict[str, Callable[[], object] | None] = {"autoregressive": None}
+        for name in self.names:
+            if name in STATIC and name in static_best:
+                best = static_best[name]
+                made[name] = lambda b=best: StaticController(b["depth"], b["verify"], tree_width=b["tree_width"])
+            elif name == "heuristic":
+                made[name] = HeuristicController
+            elif name == "confidence":
+                made[name] = lambda: ConfidenceController(0.4)
+            elif name == "analytic":
+                made[name] = lambda: AnalyticController(self.profile, tree_width=self.width, max_depth=self.max_depth)
+            elif name == "learned":
+                made[name] = self.learned
+        return made
+
+
+def live_runs(setup: Setup, engine, controllers: dict[str, object], prompts: list[dict], *, max_new_tokens: int,
+              reps: int, seed: int, progress: bool) -> list[dict]:
+    """Every prompt, every controller in turn (order rotated per prompt and repetition), ``reps`` times."""
+    from envs.prompts import language_of
+
+    temperature = setup.config.temperature
+    names = list(controllers)
+    encoded = [setup.pair.encode(p["prompt"]) for p in prompts]
+    runs = []
+    with tqdm(total=reps * len(prompts) * len(names), desc="live runs", disable=not progress) as bar:
+        for rep in range(reps):
+            for index, (item, ids) in enumerate(zip(prompts, encoded)):
+                shift = (index + rep) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    bar.set_postfix_str(f"{item['id']} {name}")
+                    if name in PEERS:
+                        run = run_peer(setup.pair, ids, max_new_tokens, name, temperature, seed)
+                    else:
+                        run = run_engine(engine, ids, controllers[name], max_new_tokens, seed)
+                    run.update(controller=name, prompt_id=item["id"], language=language_of(item), rep=rep, seed=seed)
+                    runs.append(run)
+                    bar.update()
+    return runs
+
+
+def replay_section(setup: Setup, controllers: dict[str, object]) -> dict:
+    """Hindsight oracle and replay predictions on the measured prompts' traces (width W)."""
+    from envs import workspace
+    from envs.oracle import oracle_throughput
+    from envs.replay import replay_generate, throughput
+
+    config = setup.config
+    started = time.perf_counter()
+    traces = workspace.ensure_traces(setup.pair, setup.test_prompts, config.cache_dir,
+                                     temperature=config.temperature, tree_width=setup.width,
+                                     max_depth=setup.max_depth, max_new_tokens=config.max_new_tokens,
+                                     seed=config.seed, progress=config.progress, tag="test traces")
+    out = {"width": setup.width, "max_depth": setup.max_depth, "traces": len(traces), "predicted": {}}
+    for name, ctrl in controllers.items():
+        if ctrl is not None and getattr(ctrl, "tree_width", None) != setup.width:
+            continue
+        records = [replay_generate(rt, ctrl, setup.profile) for rt in traces]
+        out["predicted"][name] = {"tokens_per_s": throughput(records),
+                                  "per_prompt": {rt.trace.prompt_id: throughput([r]) for rt, r in zip(traces, records)}}
+    if "oracle" in setup.names:
+        out["oracle_tokens_per_s"] = oracle_throughput(traces, setup.profile)
+    out["seconds"] = time.perf_counter() - started
+    return out
+
+
+def exactness_section(setup: Setup, runs: list[dict], factories: dict, engine_names: list[str]) -> dict:
+    """Greedy (or same-seed) token audit from the live runs; sampled two-sample test and law checks."""
+    from evaluation.exactness import greedy_audit
+
+    config = setup.config
+    first = [r for r in runs if r["rep"] == 0]
+    tokens = {name: {r["prompt_id"]: r["tokens"] for r in first if r["controller"] == name}
+              for name in engine_names}
+    out = {"greedy": config.temperature == 0, "token_audit": greedy_audit(tokens)}
+    peers = {name: {r["prompt_id"]: r["tokens"] for r in first if r["controller"] == name}
+             for name in setup.names if name in PEERS}
+    if peers and config.temperature == 0:  # sampled: transformers draws from its own generator
+        out["peer_token_audit"] = greedy_audit({"autoregressive": tokens["autoregressive"], **peers})
+    if config.exactness:
+        out.update(audit_sampled(setup, factories))
+    return out
+
+
+def audit_sampled(setup: Setup, factories: dict) -> dict:
+    from evaluation.exactness import law_checks, sampled_test
+
+    config = setup.config
+    spec = next((n for n in ("learned", "static_tree", "static_chain", "analytic", "heuristic", "confidence")
+                 if factories.get(n) is not None), None)
+    out: dict = {"law_checks": law_checks(config.law_trials, config.seed)}
+    if spec is not None:
+        temperature = config.temperature or config.audit_temperature
+        out["sampled"] = {"controller_name": spec, **sampled_test(
+            setup.pair, factories[spec], setup.test_prompts[: config.exactness_prompts], temperature=temperature,
+            samples=config.samples, k=config.exactness_tokens, budget=config.exactness_budget, seed=config.seed,
+            progress=config.progress)}
+    return out
+
+
+def evaluate(config: EvalConfig, checkpoint: Path | None = None) -> dict:
+    """The whole evaluation; returns the results dict (raw runs included). ``checkpoint``: a JSON file the
+    raw live runs are written to as soon as they are measured (hours on a CPU: keep them if a later part
+    fails)."""
+    from engine import SamplingConfig, SpeculativeEngine
+    from evaluation.concurrency import run_load
+    from evaluation.summary import conditions, summarize
+    from evaluation.tuning import tune_static
+
+    started = time.perf_counter()
+    setup = Setup(config)
+    engine = SpeculativeEngine(setup.pair, SamplingConfig(temperature=config.temperature))
+    kinds = [k for k in STATIC if k in setup.names]
+    tuning = {}
+    if kinds:
+        tuning = tune_static(setup.pair, engine, setup.profile, setup.tune_prompts, kinds=kinds,
+                             tree_width=setup.width, max_depth=setup.max_depth, temperature=config.temperature,
+                             max_new_tokens=config.tune_max_new_tokens, confirm_top=config.confirm_top,
+                             cache_dir=config.cache_dir, seed=config.seed, progress=config.progress)
+    factories = setup.factories({k: v["best"] for k, v in tuning.items()})
+    engine_names = [n for n in setup.names if n in factories]
+    controllers = {n: factories[n]() if factories[n] else None for n in engine_names}
+    if "learned" in controllers:
+        controllers["learned"] = RecordingController(controllers["learned"])
+    measured = engine_names + [n for n in setup.names if n in PEERS]
+
+    warm = setup.pair.encode(setup.tune_prompts[0]["prompt"])  # warm-up (allocator, kernels): not measured
+    for name in measured:
+        if name in PEERS:
+            run_peer(setup.pair, warm, 8, name, config.temperature, config.seed)
+        else:
+            run_engine(engine, warm, controllers[name], 8, config.seed)
+    recorder = controllers.get("learned")
+    if recorder is not None:
+        recorder.depth_log.clear()
+        recorder.size_log.clear()
+
+    runs = live_runs(setup, engine, {n: controllers.get(n) for n in measured}, setup.test_prompts,
+                     max_new_tokens=config.max_new_tokens, reps=config.reps, seed=config.seed,
+                     progress=config.progress)
+    if checkpoint is not None:
+        from evaluation.report import write_json
+
+        write_json({"config": asdict(config), "tuning": tuning, "runs": runs}, checkpoint)
+    replay = None
+    if config.replay and ({"oracle", "learned", "analytic", "static_tree"} & set(setup.names)):
+        plain = {n: (c.inner if isinstance(c, RecordingController) else c) for n, c in controllers.items()}
+        replay = replay_section(setup, plain)
+    load = None
+    if config.concurrency > 1:
+        best_static = _best_static(tuning)
+        modes = {n: factories[n] for n in ("autoregressive", "learned", best_static) if n in factories}
+        encoded = [(p["id"], setup.pair.encode(p["prompt"])) for p in setup.test_prompts]
+        load = run_load(setup.pair, engine.sampling, modes, encoded, config.concurrency, config.max_new_tokens,
+                        config.seed, reps=config.reps, progress=config.progress)
+    exactness = exactness_section(setup, runs, factories, engine_names)
+
+    results = {"config": asdict(config), "conditions": conditions(setup), "warnings": setup.warnings,
+               "controllers": {n: repr(controllers[n]) if n in controllers else f"transformers assisted generation "
+                               f"{SCHEDULES[n]}" for n in measured},
+               "tuning": tuning, "best_static": _best_static(tuning), "runs": runs, "replay": replay,
+               "concurrency": load, "exactness": exactness,
+               "learned_actions": ({"depth_fields": ["context_len", "depth", "top_step_prob", "max_frontier_prob",
+                                                     "continue"], "depth": recorder.depth_log,
+                                    "size_fields": ["context_len", "depth", "nodes", "top_node_prob", "size"],
+                                    "size": recorder.size_log} if recorder is not None else None)}
+    results["summary"] = summarize(results, resamples=config.bootstrap, seed=config.seed)
+    results["wall_s"] = time.perf_counter() - started
+    return results
+
+
+def _best_static(tuning: dict) -> str | None:
+    """The static kind whose live-confirmed best configuration was faster on the tune prompts."""
+    if not tuning:
+        return None
+    return max(tuning, key=lambda k: max(r["live_tokens_per_s"] for r in tuning[k]["confirmed"]))
+
+
+def exactness_only(config: EvalConfig) -> dict:
+    """``python evaluate.py exactness``: greedy token audit of every engine controller on the measured
+    prompts (fixed static settings instead of a grid search: chain (4, 4), tree (4, 8, W)), then the sampled
+    two-sample test and the law checks."""
+    from engine import SamplingConfig, SpeculativeEngine
+    from evaluation.exactness import greedy_audit
+    from evaluation.summary import conditions
+
+    started = time.perf_counter()
+    setup = Setup(config)
+    fixed = {"static_chain": {"depth": 4, "verify": 4, "tree_width": 1},
+             "static_tree": {"depth": 4, "verify": 8, "tree_width": setup.width}}
+    factories = setup.factories(fixed)
+    engine_names = [n for n in setup.names if n in factories]
+    greedy = SpeculativeEngine(setup.pair, SamplingConfig(temperature=0.0))
+    controllers = {n: factories[n]() if factories[n] else None for n in engine_names}
+    runs = live_runs(setup, greedy, controllers, setup.test_prompts, max_new_tokens=config.max_new_tokens, reps=1,
+                     seed=config.seed, progress=config.progress)
+    tokens = {n: {r["prompt_id"]: r["tokens"] for r in runs if r["controller"] == n} for n in engine_names}
+    exactness = {"greedy": True, "token_audit": greedy_audit(tokens)}
+    if config.exactness:
+        exactness.update(audit_sampled(setup, factories))
+    return {"config": asdict(config), "conditions": conditions(setup), "warnings": setup.warnings,
+            "controllers": {n: repr(c) for n, c in controllers.items()}, "exactness": exactness,
+            "runs": runs, "wall_s": time.perf_counter() - started}

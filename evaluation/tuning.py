@@ -1,0 +1,79 @@
+"""The static baselines, grid-searched on the tune prompts (never on the measured ones).
+
+1. Replay grid: traces of the tune prompts (width 1 for chains, W for trees) through every static
+   (depth, size) with the cost profile (``envs.oracle.static_grid``); configurations the engine treats
+   alike (size above the nodes drafted at that depth) are merged.
+2. Live confirmation: the ``confirm_top`` best of each kind run on the real engine over the tune
+   prompts, interleaved prompt by prompt; the best live throughput (all tokens / all time) wins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from evaluation.runs import run_engine
+
+
+def replay_ranking(traces: Sequence, profile) -> list[dict]:
+    """Distinct static configurations, best replay throughput first (ties: smaller depth, then size)."""
+    from envs.oracle import static_grid
+
+    grid = static_grid(traces, profile)
+    seen: dict[tuple[int, int], dict] = {}
+    for (depth, size), tps in grid.items():
+        verify = min(size, traces[0].num_drafted(0, depth))
+        key = (depth, verify)
+        if key not in seen or tps > seen[key]["replay_tokens_per_s"]:
+            seen[key] = {"depth": depth, "verify": verify, "replay_tokens_per_s": float(tps)}
+    return sorted(seen.values(), key=lambda r: (-r["replay_tokens_per_s"], r["depth"], r["verify"]))
+
+
+def confirm_live(engine, candidates: list[dict], width: int, prompts: Sequence[tuple[str, list[int]]],
+                 max_new_tokens: int, seed: int, bar=None) -> list[dict]:
+    """Run every candidate on every tune prompt (candidate order rotated per prompt); adds live figures."""
+    from policies import StaticController
+
+    totals = [[0, 0.0] for _ in candidates]
+    for index, (_, ids) in enumerate(prompts):
+        order = list(range(len(candidates)))
+        order = order[index % len(order):] + order[: index % len(order)]
+        for i in order:
+            cand = candidates[i]
+            run = run_engine(engine, ids, StaticController(cand["depth"], cand["verify"], tree_width=width),
+                             max_new_tokens, seed)
+            totals[i][0] += run["num_tokens"]
+            totals[i][1] += run["total_s"]
+            if bar is not None:
+                bar.update()
+    return [{**cand, "live_tokens": tokens, "live_s": seconds,
+             "live_tokens_per_s": tokens / seconds if seconds > 0 else float("nan")}
+            for cand, (tokens, seconds) in zip(candidates, totals)]
+
+
+def tune_static(pair, engine, profile, tune_prompts: list[dict], *, kinds: Sequence[str], tree_width: int,
+                max_depth: int, temperature: float, max_new_tokens: int, confirm_top: int, cache_dir: str,
+                seed: int, progress: bool) -> dict[str, dict]:
+    """kind ("static_chain", "static_tree") -> {"width", "replay_grid", "confirmed", "best"}."""
+    from envs import workspace
+
+    widths = {"static_chain": 1, "static_tree": tree_width}
+    encoded = [(p["id"], pair.encode(p["prompt"])) for p in tune_prompts]
+    out: dict[str, dict] = {}
+    ranked: dict[str, list[dict]] = {}
+    for kind in kinds:
+        traces = workspace.ensure_traces(pair, tune_prompts, cache_dir, temperature=temperature,
+                                         tree_width=widths[kind], max_depth=max_depth, max_new_tokens=max_new_tokens,
+                                         seed=seed, progress=progress, tag=f"tune traces ({kind})")
+        ranked[kind] = replay_ranking(traces, profile)
+    total = sum(min(confirm_top, len(r)) for r in ranked.values()) * len(encoded)
+    with tqdm(total=total, desc="confirm static grid live", disable=not progress) as bar:
+        for kind in kinds:
+            confirmed = confirm_live(engine, ranked[kind][:confirm_top], widths[kind], encoded, max_new_tokens,
+                                     seed, bar)
+            best = max(confirmed, key=lambda r: r["live_tokens_per_s"])
+            out[kind] = {"width": widths[kind], "replay_grid": ranked[kind], "confirmed": confirmed,
+                         "best": {"depth": best["depth"], "verify": best["verify"], "tree_width": widths[kind]},
+                         "tune_prompts": [pid for pid, _ in encoded], "max_new_tokens": max_new_tokens}
+    return out

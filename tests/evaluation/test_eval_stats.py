@@ -1,0 +1,86 @@
+"""Bootstrap intervals, the homogeneity test, Fisher's combination and the run reduction (no models)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from evaluation.exactness import fisher_combined, homogeneity_test
+from evaluation.runs import aggregate, itl_samples, per_prompt
+from evaluation.stats import paired_bootstrap_ratio, ratio_of_aggregates
+
+
+def synthetic_prompts(n: int, seed: int, speedup: float = 1.3):
+    """Per-prompt tokens and seconds of two controllers; A is ``speedup`` times faster with prompt noise."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(60, 129, n).astype(float)
+    base_rate = rng.uniform(3.0, 5.0, n)  # prompts differ (language, content)
+    seconds_b = tokens / base_rate
+    seconds_a = seconds_b / speedup * rng.lognormal(0.0, 0.15, n)
+    return tokens, seconds_a, tokens, seconds_b
+
+
+def test_bootstrap_interval_contains_the_point_estimate_and_is_seeded():
+    data = synthetic_prompts(12, seed=1)
+    ci = paired_bootstrap_ratio(*data, resamples=2000, rng=7)
+    assert ci["ratio"] == pytest.approx(ratio_of_aggregates(*data))
+    assert ci["low"] < ci["ratio"] < ci["high"] and ci["prompts"] == 12
+    assert paired_bootstrap_ratio(*data, resamples=2000, rng=7) == ci  # same seed: same interval
+    other = paired_bootstrap_ratio(*data, resamples=2000, rng=np.random.default_rng(8))
+    assert other["ratio"] == ci["ratio"] and (other["low"], other["high"]) != (ci["low"], ci["high"])
+
+
+def test_bootstrap_interval_narrows_with_more_prompts():
+    widths = []
+    for n in (6, 24, 96):
+        ci = paired_bootstrap_ratio(*synthetic_prompts(n, seed=3), resamples=2000, rng=0)
+        assert ci["low"] <= ci["ratio"] <= ci["high"]
+        widths.append(ci["high"] - ci["low"])
+    assert widths[0] > widths[1] > widths[2]
+    assert widths[2] < 0.5 * widths[0]
+
+
+def test_bootstrap_edge_cases():
+    one = paired_bootstrap_ratio([10.0], [2.0], [10.0], [4.0], resamples=100, rng=0)
+    assert one["ratio"] == one["low"] == one["high"] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="same non-zero number of prompts"):
+        paired_bootstrap_ratio([1.0, 2.0], [1.0], [1.0], [1.0])
+    with pytest.raises(ValueError):
+        paired_bootstrap_ratio([], [], [], [])
+
+
+def test_homogeneity_test_pools_small_categories():
+    rng = np.random.default_rng(0)
+    outcomes = [(0,), (1,), (2,)] + [(k,) for k in range(3, 40)]
+    probs = np.asarray([0.4, 0.3, 0.2] + [0.1 / 37] * 37)
+    draw = lambda n: [outcomes[i] for i in rng.choice(len(outcomes), n, p=probs)]  # noqa: E731
+    same = homogeneity_test(draw(300), draw(300))
+    assert same["test"].startswith("chi-square test of homogeneity")
+    assert same["cells"] <= 4 and same["pooled_categories"] > 0 and same["dof"] == same["cells"] - 1
+    assert same["pvalue"] > 1e-3
+    shifted = homogeneity_test(draw(300), [(0,)] * 200 + draw(100))
+    assert shifted["pvalue"] < 1e-6
+    single = homogeneity_test([(1,)] * 50, [(1,)] * 40)
+    assert single["pvalue"] == 1.0 and single["dof"] == 0
+
+
+def test_fisher_combination():
+    assert fisher_combined([0.3]) == 0.3
+    assert fisher_combined([0.5, 0.5, 0.5]) > 0.3
+    assert fisher_combined([1e-4, 1e-4]) < 1e-6
+
+
+def _run(controller, pid, lang, total, tokens=10, rep=0):
+    return {"controller": controller, "prompt_id": pid, "language": lang, "rep": rep, "num_tokens": tokens,
+            "first_chunk": 1, "total_s": total, "ttft_s": 0.1, "decode_s": total - 0.1, "peak_memory_mb": 1.0,
+            "cycles": [[3, 0.3, 2, 2, 2], [1, 0.1, -1, -1, 0]]}
+
+
+def test_reduction_takes_the_median_over_repetitions():
+    runs = [_run("x", "p1", "it", t, rep=i) for i, t in enumerate((1.0, 5.0, 2.0))] + [_run("x", "p2", "en", 4.0)]
+    rows = per_prompt(runs)["x"]
+    assert rows["p1"]["total_s"] == 2.0 and rows["p1"]["reps"] == 3
+    agg = aggregate(list(rows.values()))
+    assert agg["tokens_per_s"] == pytest.approx(20 / 6.0)
+    assert agg["mean_accepted"] == pytest.approx(2.0)  # autoregressive steps are not speculative cycles
+    np.testing.assert_allclose(itl_samples([[3, 0.3, 2, 2, 2], [1, 0.1, -1, -1, 0]]), [0.1] * 4)

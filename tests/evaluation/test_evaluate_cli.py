@@ -1,0 +1,171 @@
+"""``python evaluate.py`` end to end on the tiny pair: report, raw results, figures, interleaving, greedy
+exactness, load, the exactness subcommand, user prompt files and clear errors on bad inputs."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import pytest
+
+from evaluation.config import CONTROLLERS, PEERS
+from tests_evaluation_helpers import run_cli, tiny_args
+
+SECTIONS = ("## Targets", "## Results (all measured prompts)", "### Per language", "## Learned policy ratios",
+            "## Conditions", "## Static grid search (tune split)", "## Replay: hindsight oracle",
+            "## Load: 2 concurrent requests", "## Exactness audit", "Sampled two-sample test",
+            "Sampler law checks", "## Figures", "## Method notes")
+MEASURED = [n for n in CONTROLLERS if n != "oracle"]
+
+
+def test_end_to_end_writes_report_results_and_figures(evaluated):
+    assert evaluated["rc"] == 0, evaluated["stderr"]
+    out = evaluated["out"]
+    for name in ("report.md", "results.json", "config.json", "speedup.png", "accepted_hist.png",
+                 "learned_actions.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    report = (out / "report.md").read_text()
+    for section in SECTIONS:
+        assert section in report, section
+    assert report.count("PASS") + report.count("FAIL") + report.count("NOT MEASURED") >= 4
+    # the printed summary: where the report is, one line per controller, the targets
+    stdout = evaluated["stdout"]
+    assert f"report: {out / 'report.md'}" in stdout
+    assert all(name in stdout for name in MEASURED)
+    config = json.loads((out / "config.json").read_text())
+    assert config["concurrency"] == 2 and config["max_new_tokens"] == 32 and config["prompts_per_language"] == 2
+
+
+def test_results_json_holds_every_measurement(evaluated):
+    res = evaluated["results"]
+    for key in ("config", "conditions", "warnings", "tuning", "best_static", "runs", "replay", "concurrency",
+                "exactness", "learned_actions", "summary", "wall_s"):
+        assert key in res, key
+    cond = res["conditions"]
+    for key in ("pair", "dtype", "device", "torch", "transformers", "cpu", "threads", "sampling", "split", "prompts",
+                "policy", "policy_metrics", "max_new_tokens", "reps", "date"):
+        assert key in cond, key
+    assert cond["pair"] == "tiny" and cond["prompts"] == {"it": 2, "en": 2} and cond["threads"] == 1
+    runs = res["runs"]
+    assert len(runs) == len(MEASURED) * 4  # every controller on every prompt, 1 rep
+    for run in runs:
+        assert run["num_tokens"] == len(run["tokens"]) <= 32 and run["total_s"] > 0 and run["ttft_s"] > 0
+        assert all(len(c) == 5 for c in run["cycles"])
+    table = res["summary"]["table"]
+    assert set(table) == set(MEASURED)
+    for name in MEASURED:
+        assert set(table[name]) == {"it", "en", "all"}
+        row = table[name]["all"]
+        for key in ("tokens_per_s", "speedup", "mean_accepted", "ttft_s", "itl_p50_s", "itl_p90_s", "itl_p99_s",
+                    "total_s", "peak_memory_mb"):
+            assert key in row, key
+        assert row["tokens_per_s"] > 0
+    assert table["autoregressive"]["all"]["speedup"] == pytest.approx(1.0)
+    ratios = res["summary"]["learned_ratios"]
+    assert ratios["best_static"]["against"] == res["best_static"] in ("static_chain", "static_tree")
+    for r in ratios.values():
+        assert r["low"] <= r["ratio"] <= r["high"] and r["prompts"] == 4
+    targets = res["summary"]["targets"]
+    assert len(targets) == 4 and all(t["pass"] in (True, False) for t in targets)
+    assert res["replay"]["oracle_tokens_per_s"] > 0 and "learned" in res["summary"]["replay_vs_live"]
+    for kind in ("static_chain", "static_tree"):
+        tune = res["tuning"][kind]
+        assert len(tune["confirmed"]) == 1 and tune["replay_grid"]  # --quick: confirm_top 1
+        assert tune["best"]["depth"] == tune["confirmed"][0]["depth"]
+    actions = res["learned_actions"]
+    assert actions["size"] and all(len(row) == 5 for row in actions["size"] + actions["depth"])
+
+
+def test_controllers_are_interleaved_and_rotated(evaluated):
+    order = defaultdict(list)
+    for run in evaluated["results"]["runs"]:
+        order[run["prompt_id"]].append(run["controller"])
+    firsts = [names[0] for names in order.values()]
+    assert all(len(names) == len(MEASURED) for names in order.values())
+    assert len(set(firsts)) == len(firsts)  # the order is rotated per prompt
+    runs = evaluated["results"]["runs"]
+    assert [r["prompt_id"] for r in runs[: len(MEASURED)]] == [runs[0]["prompt_id"]] * len(MEASURED)
+
+
+def test_greedy_exactness_is_total_on_the_tiny_pair(evaluated):
+    exactness = evaluated["results"]["exactness"]
+    audit = exactness["token_audit"]
+    assert set(audit) == {n for n in MEASURED if n not in PEERS and n != "autoregressive"}
+    for name, a in audit.items():
+        assert a["match_rate"] == 1.0 and not a["divergences"], name
+    assert all(c["ok"] for c in exactness["law_checks"])
+    assert exactness["sampled"]["controller_name"] == "learned" and len(exactness["sampled"]["prompts"]) == 1
+
+
+def test_concurrency_reports_aggregate_numbers(evaluated):
+    load = evaluated["results"]["concurrency"]
+    assert load["workers"] == 2
+    assert {"autoregressive", "learned", evaluated["results"]["best_static"]} == set(load["modes"])
+    for mode in load["modes"].values():
+        s = mode["summary"]
+        assert s["requests"] == 4 and s["tokens"] > 0 and s["aggregate_tokens_per_s"] > 0
+        assert 0 < s["latency_p50_s"] <= s["latency_p99_s"] <= mode["passes"][0]["wall_s"] + 1e-6
+    assert load["modes"]["autoregressive"]["summary"]["speedup"] == pytest.approx(1.0)
+    # same seed, deterministic drafts: load does not change the greedy output
+    ar = {r["prompt_id"]: r["tokens"] for r in load["modes"]["autoregressive"]["passes"][0]["requests"]}
+    learned = {r["prompt_id"]: r["tokens"] for r in load["modes"]["learned"]["passes"][0]["requests"]}
+    assert ar == learned
+
+
+def test_exactness_subcommand(workdir, tiny_policy):
+    rc, stdout, stderr = run_cli(["exactness"] + tiny_args(
+        workdir, tiny_policy, "audit", "--controllers", "learned,static_tree,heuristic", "--prompts-per-language",
+        "1", "--max-new-tokens", "24", "--samples", "20", "--law-trials", "500"))
+    assert rc == 0, stderr
+    out = workdir / "audit"
+    report = (out / "exactness.md").read_text()
+    assert "# draftpilot exactness audit" in report and "Combined (Fisher) p-value" in report
+    data = json.loads((out / "exactness.json").read_text())
+    assert set(data["exactness"]["token_audit"]) == {"learned", "static_tree", "heuristic"}
+    assert all(a["match_rate"] == 1.0 for a in data["exactness"]["token_audit"].values())
+    assert "identical to autoregressive on 2/2 prompts" in stdout
+
+
+def test_user_prompt_file_without_splits_is_the_test_set_with_a_warning(workdir, tiny_policy):
+    path = workdir / "mine.jsonl"
+    items = [{"id": "a1", "language": "it", "task": "qa", "prompt": "Ciao, come stai?"},
+             {"id": "b1", "language": "en", "task": "qa", "prompt": "Hello there."}]
+    path.write_text("".join(json.dumps(x) + "\n" for x in items))
+    rc, _, stderr = run_cli(tiny_args(workdir, tiny_policy, "mine", "--prompts", str(path), "--controllers",
+                                      "heuristic", "--no-replay", "--no-exactness", "--max-new-tokens", "16"))
+    assert rc == 0, stderr
+    res = json.loads((workdir / "mine" / "results.json").read_text())
+    assert {r["prompt_id"] for r in res["runs"]} == {"a1", "b1"}
+    assert "TUNED ON THE SAME PROMPTS" in (workdir / "mine" / "report.md").read_text()
+    assert res["summary"]["targets"][0]["pass"] is None  # no learned policy run: not measured, not failed
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--policy", "/nonexistent/policy.pt"], "train one with `python train.py`"),
+    (["--controllers", "learned,warp_drive"], "unknown controller(s) ['warp_drive']"),
+    (["--languages", "xx"], "no prompts selected"),
+    (["--split", "tune"], "never tune on the measured prompts"),
+    (["--reps", "0"], "reps must be >= 1"),
+], ids=["missing-policy", "unknown-controller", "empty-split", "tune-on-test", "zero-reps"])
+def test_bad_inputs_give_clear_errors(workdir, tiny_policy, extra, message):
+    rc, _, stderr = run_cli(tiny_args(workdir, tiny_policy, "bad") + extra)
+    assert rc == 2 and message in stderr, stderr
+
+
+def test_no_policy_anywhere_says_how_to_train_one(workdir, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # no runs/*/policy.pt here
+    rc, _, stderr = run_cli(["--pair", "tiny", "--quick", "--no-progress", "--out", str(tmp_path / "o")])
+    assert rc == 2 and "train one with `python train.py`" in stderr and "runs/*/policy.pt" in stderr
+
+
+def test_sampled_mode(workdir, tiny_policy):
+    rc, _, stderr = run_cli(tiny_args(workdir, tiny_policy, "sampled", "--temperature", "0.5", "--controllers",
+                                      "learned,hf_assisted_default", "--prompts-per-language", "1",
+                                      "--max-new-tokens", "16", "--no-exactness"))
+    assert rc == 0, stderr
+    res = json.loads((workdir / "sampled" / "results.json").read_text())
+    assert res["conditions"]["sampling"].startswith("temperature 0.5")
+    assert {r["controller"] for r in res["runs"]} == {"autoregressive", "learned", "hf_assisted_default"}
+    assert all(r["num_tokens"] > 0 for r in res["runs"])
+    assert "learned" in res["summary"]["replay_vs_live"]  # sampled traces replay the learned policy too
+    assert not res["exactness"]["greedy"] and "peer_token_audit" not in res["exactness"]

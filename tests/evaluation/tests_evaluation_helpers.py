@@ -1,0 +1,25 @@
+"""Helpers of the evaluation tests: run the CLI with its output captured, the common tiny-pair flags."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+CACHE = "cache"
+"""Cache directory (under the session's work directory) shared by train.py and evaluate.py runs."""
+
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    """``evaluate.main(argv)`` with stdout and stderr captured."""
+    import evaluate
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = evaluate.main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def tiny_args(workdir: Path, policy: Path, out: str, *extra: str) -> list[str]:
+    return ["--pair", "tiny", "--quick", "--threads", "1", "--policy", str(policy), "--cache-dir",
+            str(workdir / CACHE), "--out", str(workdir / out), "--no-progress", "--languages", "it,en", *extra]
