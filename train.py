@@ -50,9 +50,9 @@ class TrainConfig:
     """Split used for validation (best checkpoint) and the final comparison; never the test split."""
     languages: str = "it,en,zh,es"
     """Comma-separated languages of the suite to use."""
-    train_prompts: int = 3
-    """Train prompts per language."""
-    val_prompts: int = 1
+    train_prompts: int = 5
+    """Train prompts per language (the suite's train split rotates tasks: 5 covers all five)."""
+    val_prompts: int = 2
     """Validation prompts per language."""
     max_new_tokens: int = 64
     """Tokens generated per prompt (trajectory length of each trace)."""
@@ -70,16 +70,16 @@ class TrainConfig:
     """average (emitted - rho * time, dense) or throughput (LTD's per-cycle emitted / time)."""
     rounds: int = 2
     """Co-adaptation rounds (each: size phase, then depth phase)."""
-    size_steps: int = 12_000
+    size_steps: int = 100_000
     """Environment steps per size phase (one per cycle)."""
-    depth_steps: int = 40_000
+    depth_steps: int = 100_000
     """Environment steps per depth phase (one per draft step)."""
-    eval_every: int = 8_000
+    eval_every: int = 10_000
     """Validate the joint controller every this many environment steps (and at each phase end)."""
     time_noise: bool = False
     """Replay: sample each cycle's time from the profile's measured spread instead of its median."""
     seed: int = 0
-    """Seeds PPO, the environments and the trace sampling."""
+    """Seeds PPO and the environments (and the sampled trajectories when temperature > 0)."""
     cache_dir: str = "runs/cache"
     """Where profiles and traces are cached (reused by later runs with the same settings)."""
     run_dir: str = "runs"
@@ -122,8 +122,13 @@ def ensure_profile(config: TrainConfig, pair):
 def ensure_traces(config: TrainConfig, pair, prompts: list[dict], tag: str):
     return workspace.ensure_traces(pair, prompts, config.cache_dir, temperature=config.temperature,
                                    tree_width=config.tree_width, max_depth=config.max_depth,
-                                   max_new_tokens=config.max_new_tokens, seed=config.seed,
+                                   max_new_tokens=config.max_new_tokens, seed=trace_seed(config),
                                    progress=config.progress, tag=tag)
+
+
+def trace_seed(config: TrainConfig) -> int:
+    """Greedy trajectories do not depend on the seed: one cached trace set serves every training seed."""
+    return config.seed if config.temperature > 0 else 0
 
 
 def select_prompts(config: TrainConfig):
@@ -168,7 +173,7 @@ def baselines(train_traces, val_traces, profile, config: TrainConfig) -> dict:
     }
 
 
-def train(config: TrainConfig, resume: Path | None = None) -> dict:
+def train(config: TrainConfig, resume: Path | None = None, retrain: bool = False) -> dict:
     from torch.utils.tensorboard import SummaryWriter
 
     from envs.backends import LiveBackend, ReplayBackend
@@ -180,6 +185,11 @@ def train(config: TrainConfig, resume: Path | None = None) -> dict:
     run = resume or Path(config.run_dir) / (config.run_name or
                                             f"{config.pair.replace('/', '_').replace('::', '+')}-{config.reward}-"
                                             f"s{config.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if resume is None and not retrain and (run / "policy.pt").is_file() and (run / "metrics.json").is_file():
+        if load_config(TrainConfig, run / "config.json") == config:
+            print(f"reusing {run}: it was trained with this exact config (--retrain to train again)", flush=True)
+            return {**json.loads((run / "metrics.json").read_text()), "policy": str(run / "policy.pt")}
+        raise ValueError(f"{run} holds a policy trained with another config: pick another --run-name or --retrain")
     run.mkdir(parents=True, exist_ok=True)
     save_config(config, run / "config.json")
     started = time.perf_counter()
@@ -255,27 +265,30 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(ap, PPOConfig, group="PPO")
     ap.add_argument("--quick", action="store_true", help="tiny budget (plumbing check; explicit flags win)")
     ap.add_argument("--resume", help="run directory to continue (its config.json is used)")
+    ap.add_argument("--retrain", action="store_true",
+                    help="train again even if --run-name already holds a policy trained with this config")
     return ap
 
 
-def config_from_argv(argv: list[str] | None) -> tuple[TrainConfig, Path | None]:
+def config_from_argv(argv: list[str] | None) -> tuple[TrainConfig, Path | None, bool]:
+    """(config, run directory to resume or None, retrain)."""
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.resume:
-        return load_config(TrainConfig, Path(args.resume) / "config.json"), Path(args.resume)
+        return load_config(TrainConfig, Path(args.resume) / "config.json"), Path(args.resume), False
     if args.quick:  # quick values replace defaults only, not flags given explicitly
         given = {a.dest for a in ap._actions if any(opt in (argv or sys.argv[1:]) for opt in a.option_strings)}
         for key, value in {**QUICK, **QUICK_PPO}.items():
             if key not in given:
                 setattr(args, key, value)
     ppo = from_args(PPOConfig, args)
-    return from_args(TrainConfig, args, ppo=ppo), None
+    return from_args(TrainConfig, args, ppo=ppo), None, args.retrain
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        config, resume = config_from_argv(argv)
-        metrics = train(config, resume)
+        config, resume, retrain = config_from_argv(argv)
+        metrics = train(config, resume, retrain)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -60,6 +60,11 @@ def test_training_smoke_exports_a_loadable_policy(tmp_path, tiny_pair):
     config = quick_config(tmp_path)
     metrics = train.train(config)
     path = Path(metrics["policy"])
+    # the same run name and config again: the trained run is reused, not retrained
+    stamp = path.stat().st_mtime_ns
+    assert train.train(config)["learned_on_val"] == metrics["learned_on_val"] and path.stat().st_mtime_ns == stamp
+    with pytest.raises(ValueError, match="another config"):
+        train.train(quick_config(tmp_path, seed=7))
     assert path.is_file() and (path.parent / "config.json").is_file() and (path.parent / "metrics.json").is_file()
     assert any((path.parent / "tb").rglob("events.out.tfevents*"))
     ctrl = load_policy(path)
@@ -204,9 +209,9 @@ def test_generate_cli_uses_the_policy(tiny_data, tmp_path, capsys):
 
 
 def test_train_command_line_config(tmp_path):
-    config, resume = train.config_from_argv(["--pair", "tiny", "--quick", "--rounds", "3", "--n-envs", "3",
-                                             "--no-progress", "--run-dir", str(tmp_path)])
-    assert resume is None and config.rounds == 3 and config.ppo.n_envs == 3  # explicit flags beat --quick
+    config, resume, retrain = train.config_from_argv(["--pair", "tiny", "--quick", "--rounds", "3", "--n-envs", "3",
+                                                      "--no-progress", "--run-dir", str(tmp_path)])
+    assert resume is None and not retrain and config.rounds == 3 and config.ppo.n_envs == 3  # explicit flags beat --quick
     assert config.size_steps == train.QUICK["size_steps"] and config.ppo.n_steps == train.QUICK_PPO["n_steps"]
     assert config.progress is False
     from policies.cli import load_config, save_config
