@@ -122,13 +122,8 @@ def ensure_profile(config: TrainConfig, pair):
 def ensure_traces(config: TrainConfig, pair, prompts: list[dict], tag: str):
     return workspace.ensure_traces(pair, prompts, config.cache_dir, temperature=config.temperature,
                                    tree_width=config.tree_width, max_depth=config.max_depth,
-                                   max_new_tokens=config.max_new_tokens, seed=trace_seed(config),
+                                   max_new_tokens=config.max_new_tokens, seed=config.seed,
                                    progress=config.progress, tag=tag)
-
-
-def trace_seed(config: TrainConfig) -> int:
-    """Greedy trajectories do not depend on the seed: one cached trace set serves every training seed."""
-    return config.seed if config.temperature > 0 else 0
 
 
 def select_prompts(config: TrainConfig):

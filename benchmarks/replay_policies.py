@@ -41,8 +41,7 @@ def main() -> int:
     pair = workspace.load_models(config["pair"], config["dtype"], config["device"], config["threads"])
     profile = workspace.ensure_profile(pair, args.cache_dir, config.get("profile"))
     kw = {"temperature": config["temperature"], "tree_width": first.tree_width, "max_depth": first.max_depth,
-          "max_new_tokens": config["max_new_tokens"],
-          "seed": config["seed"] if config["temperature"] > 0 else 0}  # as train.trace_seed
+          "max_new_tokens": config["max_new_tokens"], "seed": config["seed"]}
     measured = workspace.ensure_traces(pair, interleave_languages(load_suite(
         split=args.split, limit_per_language=args.prompts_per_language)), args.cache_dir, tag=args.split, **kw)
     tune = workspace.ensure_traces(pair, interleave_languages(load_suite(

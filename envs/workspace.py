@@ -66,6 +66,8 @@ def ensure_traces(pair: ModelPair, prompts: list[dict], cache_dir: str | Path, *
     from envs.replay import ReplayTrace
     from envs.trace import Trace
 
+    if temperature == 0:
+        seed = 0  # greedy trajectories do not depend on the seed: one cached trace set serves every seed
     mode = "greedy" if temperature == 0 else f"t{temperature:g}"
     directory = pair_dir(pair, cache_dir) / "traces" / f"{mode}-w{tree_width}-d{max_depth}-n{max_new_tokens}-s{seed}"
     summary = record_prompts(pair, prompts, directory, SamplingConfig(temperature=temperature), max_depth=max_depth,

@@ -78,10 +78,14 @@ class EvalConfig:
     """Samples per arm per prompt in the sampled two-sample test (different seeds)."""
     exactness_tokens: int = 3
     """k: the sampled test compares the joint law of the first k emitted tokens."""
-    exactness_budget: int | None = None
+    exactness_budget: int | None = 8
     """New tokens per speculative request of the sampled test (none: k). The engine caps draft depth at the
-    remaining budget, so a larger budget lets the controller draft deeper before the k-th token (cost grows
-    with it; the autoregressive arm always stops at k)."""
+    remaining budget, so with a budget of k the first cycle drafts one level at most; 8 lets the controller
+    draft as it would mid-answer before the k-th token (the autoregressive arm always stops at k)."""
+    exactness_prompt_set: str = "open"
+    """Prompts of the sampled test: "open" = built-in open-ended requests, one per language, whose first
+    tokens vary at temperature 0.7 (a test where the first k tokens are nearly fixed has no power);
+    "split" = the measured prompts."""
     law_trials: int = 20_000
     """Monte Carlo trials per case of the verify_chain law checks."""
     bootstrap: int = 2000
@@ -102,6 +106,8 @@ class EvalConfig:
                      "concurrency", "exactness_prompts", "samples", "exactness_tokens", "law_trials", "bootstrap"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.exactness_prompt_set not in ("open", "split"):
+            raise ValueError(f"exactness_prompt_set must be open or split, got {self.exactness_prompt_set!r}")
         if self.exactness_budget is not None and self.exactness_budget < self.exactness_tokens:
             raise ValueError(f"exactness_budget must be >= exactness_tokens, got {self.exactness_budget}")
         for name in ("prompts_per_language", "tree_width", "max_depth"):
@@ -132,6 +138,14 @@ class EvalConfig:
     def out_dir(self) -> Path:
         return Path(self.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
 
+
+OPEN_PROMPTS = (
+    {"id": "open-it", "language": "it", "task": "open", "prompt": "Scrivi una frase qualsiasi sul mare."},
+    {"id": "open-en", "language": "en", "task": "open", "prompt": "Write any one sentence about the sea."},
+    {"id": "open-zh", "language": "zh", "task": "open", "prompt": "随便写一句关于大海的话。"},
+    {"id": "open-es", "language": "es", "task": "open", "prompt": "Escribe una frase cualquiera sobre el mar."},
+)
+"""Open-ended requests for the sampled exactness test: many plausible first tokens at temperature 0.7."""
 
 QUICK = {"tune_prompts_per_language": 1, "prompts_per_language": 2, "max_new_tokens": 64, "reps": 1,
          "confirm_top": 1, "samples": 40, "exactness_prompts": 1, "law_trials": 4000, "bootstrap": 1000}

@@ -158,6 +158,16 @@ def exactness_section(setup: Setup, runs: list[dict], factories: dict, engine_na
     return out
 
 
+def exactness_prompts(setup: Setup) -> list[dict]:
+    """The sampled test's prompts: the built-in open-ended ones (in the evaluated languages), or the split's."""
+    from evaluation.config import OPEN_PROMPTS
+
+    if setup.config.exactness_prompt_set == "split":
+        return list(setup.test_prompts)
+    languages = {p.get("language") for p in setup.test_prompts}
+    return [p for p in OPEN_PROMPTS if p["language"] in languages] or list(OPEN_PROMPTS)
+
+
 def audit_sampled(setup: Setup, factories: dict) -> dict:
     from evaluation.exactness import law_checks, sampled_test
 
@@ -168,7 +178,7 @@ def audit_sampled(setup: Setup, factories: dict) -> dict:
     if spec is not None:
         temperature = config.temperature or config.audit_temperature
         out["sampled"] = {"controller_name": spec, **sampled_test(
-            setup.pair, factories[spec], setup.test_prompts[: config.exactness_prompts], temperature=temperature,
+            setup.pair, factories[spec], exactness_prompts(setup)[: config.exactness_prompts], temperature=temperature,
             samples=config.samples, k=config.exactness_tokens, budget=config.exactness_budget, seed=config.seed,
             progress=config.progress)}
     return out
