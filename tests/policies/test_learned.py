@@ -222,3 +222,12 @@ def test_train_command_line_config(tmp_path):
     assert train.main(["--pair", "tiny", "--reward", "nope", "--no-progress"]) == 2
     help_text = train.build_parser().format_help()
     assert "--gamma-depth" in help_text and "Discount per draft step" in help_text
+
+
+def test_live_backend_training_runs_on_the_real_engine(tmp_path):
+    """--backend live: PPO on the engine itself (wall-clock reward), one request at a time."""
+    config = quick_config(tmp_path, backend="live", size_steps=128, depth_steps=128, eval_every=128)
+    metrics = train.train(config)
+    ctrl = load_policy(metrics["policy"])
+    assert ctrl.meta["train_config"]["backend"] == "live" and metrics["train_s"] > 0
+    assert all(h["steps"] == 128 for h in metrics["phases"])
