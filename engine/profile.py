@@ -73,6 +73,9 @@ class CostProfile:
     """Verified-node counts V, ascending (0 = the root alone, an autoregressive target step)."""
     verify_table: list[list[float]]
     """[V, context] median time of the target forward over the root and V nodes."""
+    verify_chain_table: list[list[float]] = field(default_factory=list)
+    """[V, context] median time of the target forward over the root and a CHAIN of V nodes (causal, no tree
+    mask: what the engine runs for chains); empty: chains are charged like trees (``verify_table``)."""
     chunks: list[int] = field(default_factory=list)
     """Pending-token counts P of the first draft step (a causal chunk); empty: use the width table."""
     draft_chunk_table: list[list[float]] = field(default_factory=list)
@@ -93,6 +96,7 @@ class CostProfile:
     policy's own inference time comes on top."""
     draft_step_spread: list[list[float]] = field(default_factory=list)
     verify_spread: list[list[float]] = field(default_factory=list)
+    verify_chain_spread: list[list[float]] = field(default_factory=list)
     draft_chunk_spread: list[list[float]] = field(default_factory=list)
     overhead_spread: float = 0.0
     """IQR/median of measured overhead over its fitted value."""
@@ -105,10 +109,11 @@ class CostProfile:
     def __post_init__(self) -> None:
         self._arrays: dict[str, np.ndarray] = {}
         shapes = {"draft_step": (self.widths, "draft_step_table"), "verify": (self.sizes, "verify_table"),
-                  "draft_chunk": (self.chunks, "draft_chunk_table")}
+                  "draft_chunk": (self.chunks, "draft_chunk_table"),
+                  "verify_chain": (self.sizes if self.verify_chain_table else [], "verify_chain_table")}
         self._arrays["contexts"] = self._grid("contexts", self.contexts)
         for key, (grid, table_name) in shapes.items():
-            if key == "draft_chunk" and not grid:
+            if key in ("draft_chunk", "verify_chain") and not grid:
                 continue
             self._arrays[key + "_grid"] = self._grid(key, grid)
             table = np.asarray(getattr(self, table_name), dtype=np.float64)
@@ -146,10 +151,13 @@ class CostProfile:
             return self.draft_step_s(num_pending, context)
         return _lerp2(a["draft_chunk_grid"], a["contexts"], a["draft_chunk"], num_pending, context)
 
-    def verify_s(self, num_nodes: int, context: int) -> float:
-        """The target forward over the root and ``num_nodes`` verified nodes at ``context``."""
+    def verify_s(self, num_nodes: int, context: int, chain: bool = False) -> float:
+        """The target forward over the root and ``num_nodes`` verified nodes at ``context``; ``chain``: the
+        nodes form a chain (the engine runs it causally, without a tree mask: another, cheaper kernel path
+        on CPU once there are 4+ rows)."""
         a = self._arrays
-        return _lerp2(a["verify_grid"], a["contexts"], a["verify"], num_nodes, context)
+        key = "verify_chain" if chain and "verify_chain" in a else "verify"
+        return _lerp2(a[key + "_grid"], a["contexts"], a[key], num_nodes, context)
 
     def overhead_s(self, num_nodes: int, depth: int = 1, tree_width: int = 1) -> float:
         """Per-cycle time outside forwards and controller; ``depth=0`` is an autoregressive step."""
@@ -177,7 +185,7 @@ class CostProfile:
         return {
             "first_draft_s": self.draft_chunk_s(num_pending, context),
             "more_draft_s": (depth - 1) * self.draft_step_s(tree_width, context),
-            "verify_s": self.verify_s(num_verified, context),
+            "verify_s": self.verify_s(num_verified, context, chain=tree_width == 1),
             "overhead_s": self.overhead_s(num_verified, depth, tree_width),
         }
 

@@ -156,6 +156,9 @@ class _Profiler:
                 mask = tree_attention_mask(ctx - 1, anc, dtype, dev) if v >= 2 else None
                 cells.append(_Cell("verify", row, col, pair.target, target_cache, self.ids(v + 1), ctx - 1, 0,
                                    mask, positions))
+                # the same count as a chain: causal, no mask (the engine's path for chains)
+                cells.append(_Cell("verify_chain", row, col, pair.target, target_cache, self.ids(v + 1), ctx - 1, 0,
+                                   None, list(range(ctx - 1, ctx + v))))
         return cells
 
     def run(self, cells: list[_Cell]) -> None:
@@ -268,7 +271,8 @@ def measure_profile(pair: ModelPair, config: ProfileConfig | None = None, random
         "random_weights": bool(random_weights), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "loadavg_start": list(os.getloadavg()), "config": asdict(config),
     }
-    ctxs, grids = config.contexts, {"step": config.widths, "chunk": config.chunks, "verify": config.sizes}
+    ctxs, grids = config.contexts, {"step": config.widths, "chunk": config.chunks, "verify": config.sizes,
+                                    "verify_chain": config.sizes}
     num_cells = len(ctxs) * sum(len(g) for g in grids.values())
     total = 2 * len(ctxs) * config.prefill_reps + num_cells * (config.warmup + config.reps) + 7
     with torch.inference_mode(), tqdm(total=total, desc="profile", disable=not progress) as bar:
@@ -287,7 +291,9 @@ def measure_profile(pair: ModelPair, config: ProfileConfig | None = None, random
     meta["loadavg_end"] = list(os.getloadavg())
     return CostProfile(
         contexts=list(ctxs), widths=list(config.widths), draft_step_table=tables["step"][..., 0].tolist(),
-        sizes=list(config.sizes), verify_table=tables["verify"][..., 0].tolist(), chunks=list(config.chunks),
+        sizes=list(config.sizes), verify_table=tables["verify"][..., 0].tolist(),
+        verify_chain_table=tables["verify_chain"][..., 0].tolist(),
+        verify_chain_spread=tables["verify_chain"][..., 1].tolist(), chunks=list(config.chunks),
         draft_chunk_table=tables["chunk"][..., 0].tolist(), prefill_lengths=list(ctxs),
         prefill_target_s=[m for m, _ in target_stats], prefill_draft_s=[m for m, _ in draft_stats],
         overhead_base_s=float(over["coef"][0]), overhead_per_node_s=float(over["coef"][1]),

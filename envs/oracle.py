@@ -48,7 +48,8 @@ def oracle_plan(rt: ReplayTrace, profile, sizes: Sequence[int] = SIZE_LADDER) ->
                 for size in sorted({min(s, drafted) for s in sizes}):
                     acc = rt.accepted(t, depth, size)
                     nxt = t + rt.emitted(t, acc)
-                    cost = draft + profile.verify_s(size, ctx) + profile.overhead_s(size, depth=depth, tree_width=rt.width)
+                    cost = (draft + profile.verify_s(size, ctx, chain=rt.width == 1)
+                            + profile.overhead_s(size, depth=depth, tree_width=rt.width))
                     total = cost + best[nxt, min(rt.pending_after(t, depth, acc), max_pending)]
                     if total < value:
                         value, act = total, (depth, size)

@@ -237,7 +237,7 @@ def charge_times(rec: CycleRecord, profile, rng, pending: int, width: int) -> No
         rec.overhead_s = profile.overhead_s(0, depth=0)
     else:
         rec.draft_s = profile.draft_chunk_s(pending, ctx) + (rec.depth - 1) * profile.draft_step_s(width, ctx)
-        rec.verify_s = profile.verify_s(rec.num_verified, ctx)
+        rec.verify_s = profile.verify_s(rec.num_verified, ctx, chain=width == 1)
         rec.overhead_s = profile.overhead_s(rec.num_verified, depth=rec.depth, tree_width=width)
     if rng is not None:
         scale = profile.noise_scale(rng) if hasattr(profile, "noise_scale") else 1.0

@@ -48,7 +48,7 @@ class AnalyticController(Controller):
         expected = self._expected(path_probs)
         sizes = np.minimum(self.ladder, len(path_probs))
         draft_s = depth * self.profile.draft_step_s(self.tree_width, ctx)
-        cost = np.asarray([draft_s + self.profile.verify_s(int(v), ctx)
+        cost = np.asarray([draft_s + self.profile.verify_s(int(v), ctx, chain=self.tree_width == 1)
                            + self.profile.overhead_s(int(v), depth=depth, tree_width=self.tree_width) for v in sizes])
         ratio = (1.0 + expected) / cost
         i = int(np.argmax(ratio))

@@ -46,7 +46,8 @@ def measured(tiny_pair_f32) -> CostProfile:
 def test_measured_profile_has_every_field_positive(measured):
     p = measured
     assert (p.contexts, p.widths, p.sizes, p.chunks) == ([32, 96], [1, 2], [0, 2, 5], [1, 3])
-    for table, rows in ((p.draft_step_table, 2), (p.verify_table, 3), (p.draft_chunk_table, 2)):
+    for table, rows in ((p.draft_step_table, 2), (p.verify_table, 3), (p.draft_chunk_table, 2),
+                        (p.verify_chain_table, 3)):
         arr = np.asarray(table)
         assert arr.shape == (rows, 2) and np.all(arr > 0) and np.all(np.isfinite(arr))
     for spread in (p.draft_step_spread, p.verify_spread, p.draft_chunk_spread):
@@ -235,3 +236,17 @@ def test_random_weights_needs_a_known_name():
         load_pair(target="a", draft="b", random_weights=True)
     with pytest.raises(ValueError, match="random-weights"):
         build_random_pair("nope", device="meta")
+
+
+def test_chains_are_charged_from_the_chain_table_when_there_is_one():
+    """The engine verifies chains causally (no tree mask): a separate, measured table; trees and profiles
+    without that table use the tree table."""
+    plain = hand_profile()
+    chain_table = [[1e-3 * (5 + v + c / 10) for c in plain.contexts] for v in plain.sizes]
+    with_chain = hand_profile(verify_chain_table=chain_table)
+    assert with_chain.verify_s(4, 100, chain=True) == pytest.approx(1e-3 * (5 + 4 + 10))
+    assert with_chain.verify_s(4, 100) == pytest.approx(1e-3 * (10 + 4 + 10)) == plain.verify_s(4, 100, chain=True)
+    # a chain cycle (width 1) uses the chain table; a tree cycle the tree table
+    assert with_chain.cycle_s(3, 4, 100, tree_width=1) < with_chain.cycle_s(3, 4, 100, tree_width=2) - 4e-3
+    with pytest.raises(ProfileError):
+        hand_profile(verify_chain_table=chain_table[:2])

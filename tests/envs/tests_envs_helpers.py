@@ -19,7 +19,7 @@ class LinearProfile:
     def draft_chunk_s(self, num_pending, context):
         return self.a + self.b * num_pending
 
-    def verify_s(self, num_nodes, context):
+    def verify_s(self, num_nodes, context, chain=False):
         return self.c + self.d * num_nodes
 
     def overhead_s(self, num_nodes, depth=1, tree_width=1):
