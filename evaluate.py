@@ -24,7 +24,7 @@ import argparse
 import sys
 
 from evaluation.config import QUICK, EvalConfig
-from policies.cli import add_dataclass_args, from_args, save_config
+from policies.cli import add_dataclass_args, apply_preset, from_args, save_config
 
 
 def build_parser(prog: str = "python evaluate.py") -> argparse.ArgumentParser:
@@ -38,12 +38,8 @@ def build_parser(prog: str = "python evaluate.py") -> argparse.ArgumentParser:
 def config_from_argv(argv: list[str], prog: str = "python evaluate.py") -> EvalConfig:
     ap = build_parser(prog)
     args = ap.parse_args(argv)
-    if args.quick:  # quick values replace defaults only, not flags given explicitly
-        given = {a.dest for a in ap._actions if any(opt in argv or any(x.startswith(opt + "=") for x in argv)
-                                                    for opt in a.option_strings)}
-        for key, value in QUICK.items():
-            if key not in given:
-                setattr(args, key, value)
+    if args.quick:
+        apply_preset(ap, args, argv, QUICK)
     return from_args(EvalConfig, args)
 
 

@@ -26,7 +26,7 @@ import torch
 
 from engine.features import device_features
 from envs import workspace
-from policies.cli import add_dataclass_args, from_args, load_config, save_config
+from policies.cli import add_dataclass_args, apply_preset, from_args, load_config, save_config
 from policies.ppo import PPOConfig
 
 
@@ -271,11 +271,8 @@ def config_from_argv(argv: list[str] | None) -> tuple[TrainConfig, Path | None, 
     args = ap.parse_args(argv)
     if args.resume:
         return load_config(TrainConfig, Path(args.resume) / "config.json"), Path(args.resume), False
-    if args.quick:  # quick values replace defaults only, not flags given explicitly
-        given = {a.dest for a in ap._actions if any(opt in (argv or sys.argv[1:]) for opt in a.option_strings)}
-        for key, value in {**QUICK, **QUICK_PPO}.items():
-            if key not in given:
-                setattr(args, key, value)
+    if args.quick:
+        apply_preset(ap, args, list(sys.argv[1:] if argv is None else argv), {**QUICK, **QUICK_PPO})
     ppo = from_args(PPOConfig, args)
     return from_args(TrainConfig, args, ppo=ppo), None, args.retrain
 

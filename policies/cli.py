@@ -74,6 +74,17 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, group: str | 
                                 metavar=kind.__name__.upper(), help=help_text)
 
 
+def apply_preset(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str],
+                 preset: dict[str, Any]) -> None:
+    """Set ``preset`` values on ``args`` for every flag not given explicitly in ``argv`` (``--flag v`` or
+    ``--flag=v``): a preset such as ``--quick`` replaces defaults, never the user's flags."""
+    given = {a.dest for a in parser._actions
+             if any(opt in argv or any(x.startswith(opt + "=") for x in argv) for opt in a.option_strings)}
+    for key, value in preset.items():
+        if key not in given:
+            setattr(args, key, value)
+
+
 def from_args(cls: type, args: argparse.Namespace, **overrides: Any):
     """Build ``cls`` from parsed flags (fields missing in ``args`` keep their defaults)."""
     names = {f.name for f in dataclasses.fields(cls) if f.init}

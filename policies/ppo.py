@@ -129,10 +129,7 @@ class CoTrainer:
 
     def controller(self, depth: Actor | None, size: Actor | None) -> LearnedController:
         """Both decisions from the given actors, a fresh baseline for any that is missing."""
-        from envs.replay import SIZE_LADDER
-
-        ladder = self.env_config.size_ladder or SIZE_LADDER
-        return LearnedController(depth, size, size_ladder=ladder, tree_width=self.backend.width,
+        return LearnedController(depth, size, size_ladder=self.env_config.size_ladder, tree_width=self.backend.width,
                                  max_depth=self.max_depth, device_feats=self.device_feats,
                                  fallback=None if depth is not None and size is not None else self.baseline())
 
