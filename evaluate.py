@@ -16,6 +16,10 @@ bootstrap intervals; targets with pass/fail lines; load (--concurrency N); exact
 
 Writes OUT/report.md, OUT/results.json (config, conditions, every raw measurement), OUT/*.png and
 OUT/config.json, then prints where the report is and a short summary table.
+
+The full run is hours on a CPU: give it an --out and every measured prompt is saved as it completes
+(OUT/live_runs.partial.json); if it is interrupted (Ctrl-C, a crash, a machine that goes away), the same
+command resumes it, keeping the static grid search and the measured prompts (--restart starts afresh).
 """
 
 from __future__ import annotations

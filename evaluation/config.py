@@ -52,8 +52,9 @@ class EvalConfig:
     """Tune prompts per language for the static grid search."""
     max_new_tokens: int = 128
     """Tokens generated per measured prompt."""
-    tune_max_new_tokens: int = 64
-    """Tokens per tune prompt (64 = train.py's validation traces, which are then reused from the cache)."""
+    tune_max_new_tokens: int | None = None
+    """Tokens per tune prompt (none: --max-new-tokens, so the static grid is searched under the conditions it
+    is measured in; a shorter grid search favours shallower drafts)."""
     temperature: float = 0.0
     """0: greedy; > 0: sampled (drafts stay deterministic top-k trees; the exact sampler keeps the law)."""
     audit_temperature: float = 0.7
@@ -100,9 +101,12 @@ class EvalConfig:
     """Output directory (report.md, results.json, plots); none: runs/eval-<timestamp>."""
     progress: bool = True
     """Progress bars."""
+    restart: bool = False
+    """Discard a partial evaluation left in --out by an interrupted run. Without it, the same command resumes
+    one (static grid result and measured prompts kept); a partial run with another config is an error."""
 
     def __post_init__(self) -> None:
-        for name in ("tune_prompts_per_language", "max_new_tokens", "tune_max_new_tokens", "confirm_top", "reps",
+        for name in ("tune_prompts_per_language", "max_new_tokens", "confirm_top", "reps",
                      "concurrency", "exactness_prompts", "samples", "exactness_tokens", "law_trials", "bootstrap"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -110,7 +114,7 @@ class EvalConfig:
             raise ValueError(f"exactness_prompt_set must be open or split, got {self.exactness_prompt_set!r}")
         if self.exactness_budget is not None and self.exactness_budget < self.exactness_tokens:
             raise ValueError(f"exactness_budget must be >= exactness_tokens, got {self.exactness_budget}")
-        for name in ("prompts_per_language", "tree_width", "max_depth"):
+        for name in ("prompts_per_language", "tree_width", "max_depth", "tune_max_new_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or none, got {value}")
@@ -129,6 +133,10 @@ class EvalConfig:
         if unknown:
             raise ValueError(f"unknown controller(s) {unknown}; known: {', '.join(CONTROLLERS)}")
         return [n for n in CONTROLLERS if n in names or n == BASELINE]
+
+    def tune_tokens(self) -> int:
+        """Tokens per tune prompt of the static grid search."""
+        return self.tune_max_new_tokens or self.max_new_tokens
 
     def language_list(self) -> list[str] | None:
         if self.languages.strip() == "all":

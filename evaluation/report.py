@@ -132,11 +132,16 @@ def replay_md(replay: dict | None, summary: dict) -> list[str]:
     out = ["## Replay: hindsight oracle and replay vs live (REPLAY numbers, cost-profile times)", "",
            f"Traces of the measured prompts (width {replay['width']}, depth {replay['max_depth']}, "
            f"{replay['traces']} traces); decode tokens/s (the prefill token excluded).", ""]
-    rows = [[name, _f(v["replay_tokens_per_s"]), _f(v.get("live_tokens_per_s")), _f(v.get("replay_over_live"))]
-            for name, v in fid.items() if name != "oracle"]
+    rows = [[name, _f(v["replay_tokens_per_s"]), _f(v.get("live_tokens_per_s")), _f(v.get("replay_over_live")),
+             _f(v.get("relative_to_autoregressive"))] for name, v in fid.items() if name != "oracle"]
     if "oracle" in fid:
-        rows.append(["hindsight oracle (upper bound, replay only)", _f(fid["oracle"]["replay_tokens_per_s"]), "–", "–"])
-    return out + _table(["controller", "replay tokens/s", "live tokens/s", "replay / live"], rows)
+        rows.append(["hindsight oracle (upper bound, replay only)", _f(fid["oracle"]["replay_tokens_per_s"]), "–", "–",
+                     "–"])
+    note = ["Relative to autoregressive: a controller's replay / live divided by autoregressive decoding's. A "
+            "change of the machine's speed since the cost profile was measured moves every row's replay / live alike "
+            "and cancels here; what remains is how well replay predicts the controller's decisions and their costs."]
+    return out + _table(["controller", "replay tokens/s", "live tokens/s", "replay / live",
+                         "relative to autoregressive"], rows) + note + [""]
 
 
 def concurrency_md(load: dict | None, summary: dict) -> list[str]:
@@ -224,6 +229,11 @@ def write_report(results: dict, out_dir: str | Path) -> Path:
              f"{sum(cond['prompts'].values())} prompts, {cond['max_new_tokens']} new tokens, {cond['reps']} rep(s); "
              f"{cond['date']}. Controllers are interleaved prompt by prompt (order rotated per prompt), so machine "
              "drift affects all alike; per prompt the median over repetitions is used.", ""]
+    sittings = results.get("sittings") or []
+    if len(sittings) > 1:
+        lines += [f"Measured in {len(sittings)} sittings (interrupted and resumed with the same config; started "
+                  f"{', '.join(s['started'] for s in sittings)}). All controllers of a prompt were measured in the "
+                  "same sitting, so per-prompt ratios stay paired.", ""]
     lines += [f"> **WARNING**: {w}" for w in results.get("warnings", [])] + ([""] if results.get("warnings") else [])
     lines += targets_md(summary) + results_md(summary) + ratios_md(summary) + conditions_md(cond, results["config"])
     lines += tuning_md(results.get("tuning"), results.get("best_static"))

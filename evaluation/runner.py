@@ -7,7 +7,8 @@ into tables, targets and plots).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -91,17 +92,28 @@ class Setup:
 
 
 def live_runs(setup: Setup, engine, controllers: dict[str, object], prompts: list[dict], *, max_new_tokens: int,
-              reps: int, seed: int, progress: bool) -> list[dict]:
-    """Every prompt, every controller in turn (order rotated per prompt and repetition), ``reps`` times."""
+              reps: int, seed: int, progress: bool, done: Sequence[dict] = (),
+              on_prompt: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Every prompt, every controller in turn (order rotated per prompt and repetition), ``reps`` times.
+    ``done``: runs of an earlier sitting; a (repetition, prompt) they cover for every controller is reused,
+    not measured again. ``on_prompt(runs so far)`` is called after each newly measured (repetition, prompt)."""
     from envs.prompts import language_of
 
     temperature = setup.config.temperature
     names = list(controllers)
+    earlier: dict[tuple[int, str], dict[str, dict]] = defaultdict(dict)
+    for run in done:
+        earlier[(run["rep"], run["prompt_id"])][run["controller"]] = run
     encoded = [setup.pair.encode(p["prompt"]) for p in prompts]
     runs = []
     with tqdm(total=reps * len(prompts) * len(names), desc="live runs", disable=not progress) as bar:
         for rep in range(reps):
             for index, (item, ids) in enumerate(zip(prompts, encoded)):
+                kept = earlier.get((rep, item["id"]), {})
+                if all(name in kept for name in names):
+                    runs += [kept[name] for name in names]
+                    bar.update(len(names))
+                    continue
                 shift = (index + rep) % len(names)
                 for name in names[shift:] + names[:shift]:
                     bar.set_postfix_str(f"{item['id']} {name}")
@@ -112,6 +124,8 @@ def live_runs(setup: Setup, engine, controllers: dict[str, object], prompts: lis
                     run.update(controller=name, prompt_id=item["id"], language=language_of(item), rep=rep, seed=seed)
                     runs.append(run)
                     bar.update()
+                if on_prompt is not None:
+                    on_prompt(runs)
     return runs
 
 
@@ -185,24 +199,32 @@ def audit_sampled(setup: Setup, factories: dict) -> dict:
 
 
 def evaluate(config: EvalConfig, checkpoint: Path | None = None) -> dict:
-    """The whole evaluation; returns the results dict (raw runs included). ``checkpoint``: a JSON file the
-    raw live runs are written to as soon as they are measured (hours on a CPU: keep them if a later part
-    fails)."""
+    """The whole evaluation; returns the results dict (raw runs included). ``checkpoint``: the partial
+    evaluation file (``evaluation.checkpoint``): the grid search's result and every measured prompt are
+    saved to it as they complete, and an earlier partial run with the same config is resumed from it."""
     from engine import SamplingConfig, SpeculativeEngine
+    from evaluation.checkpoint import Checkpoint
     from evaluation.concurrency import run_load
     from evaluation.summary import conditions, summarize
     from evaluation.tuning import tune_static
 
     started = time.perf_counter()
+    state = Checkpoint.open(checkpoint, config) if checkpoint is not None else None
+    if state is not None and state.resumed:
+        print(f"resuming the partial evaluation in {state.path} (sitting {len(state.sittings)}: "
+              f"{len(state.runs)} runs kept{', static grid kept' if state.tuning is not None else ''})", flush=True)
     setup = Setup(config)
     engine = SpeculativeEngine(setup.pair, SamplingConfig(temperature=config.temperature))
     kinds = [k for k in STATIC if k in setup.names]
-    tuning = {}
-    if kinds:
+    tuning = state.tuning if state is not None and state.tuning is not None else {}
+    if kinds and not tuning:
         tuning = tune_static(setup.pair, engine, setup.profile, setup.tune_prompts, kinds=kinds,
                              tree_width=setup.width, max_depth=setup.max_depth, temperature=config.temperature,
-                             max_new_tokens=config.tune_max_new_tokens, confirm_top=config.confirm_top,
+                             max_new_tokens=config.tune_tokens(), confirm_top=config.confirm_top,
                              cache_dir=config.cache_dir, seed=config.seed, progress=config.progress)
+        if state is not None:
+            state.tuning = tuning
+            state.save()
     factories = setup.factories({k: v["best"] for k, v in tuning.items()})
     engine_names = [n for n in setup.names if n in factories]
     controllers = {n: factories[n]() if factories[n] else None for n in engine_names}
@@ -218,16 +240,19 @@ def evaluate(config: EvalConfig, checkpoint: Path | None = None) -> dict:
             run_engine(engine, warm, controllers[name], 8, config.seed)
     recorder = controllers.get("learned")
     if recorder is not None:
-        recorder.depth_log.clear()
-        recorder.size_log.clear()
+        recorder.depth_log[:] = [tuple(r) for r in state.depth_log] if state is not None else []
+        recorder.size_log[:] = [tuple(r) for r in state.size_log] if state is not None else []
+
+    def save_progress(runs: list[dict]) -> None:
+        state.runs = runs
+        if recorder is not None:
+            state.depth_log, state.size_log = recorder.depth_log, recorder.size_log
+        state.save()
 
     runs = live_runs(setup, engine, {n: controllers.get(n) for n in measured}, setup.test_prompts,
                      max_new_tokens=config.max_new_tokens, reps=config.reps, seed=config.seed,
-                     progress=config.progress)
-    if checkpoint is not None:
-        from evaluation.report import write_json
-
-        write_json({"config": asdict(config), "tuning": tuning, "runs": runs}, checkpoint)
+                     progress=config.progress, done=state.runs if state is not None else (),
+                     on_prompt=save_progress if state is not None else None)
     replay = None
     if config.replay and ({"oracle", "learned", "analytic", "static_tree"} & set(setup.names)):
         plain = {n: (c.inner if isinstance(c, RecordingController) else c) for n, c in controllers.items()}
@@ -245,6 +270,7 @@ def evaluate(config: EvalConfig, checkpoint: Path | None = None) -> dict:
                "controllers": {n: repr(controllers[n]) if n in controllers else f"transformers assisted generation "
                                f"{SCHEDULES[n]}" for n in measured},
                "tuning": tuning, "best_static": _best_static(tuning), "runs": runs, "replay": replay,
+               "sittings": state.sittings if state is not None else None,
                "concurrency": load, "exactness": exactness,
                "learned_actions": ({"depth_fields": ["context_len", "depth", "top_step_prob", "max_frontier_prob",
                                                      "continue"], "depth": recorder.depth_log,

@@ -84,3 +84,31 @@ def test_reduction_takes_the_median_over_repetitions():
     assert agg["tokens_per_s"] == pytest.approx(20 / 6.0)
     assert agg["mean_accepted"] == pytest.approx(2.0)  # autoregressive steps are not speculative cycles
     np.testing.assert_allclose(itl_samples([[3, 0.3, 2, 2, 2], [1, 0.1, -1, -1, 0]]), [0.1] * 4)
+
+
+def test_replay_vs_live_separates_machine_drift_from_prediction_error():
+    from evaluation.summary import replay_vs_live, targets
+
+    replay = {"predicted": {"autoregressive": {"tokens_per_s": 4.4}, "learned": {"tokens_per_s": 5.5}},
+              "oracle_tokens_per_s": 6.0}
+    table = {"autoregressive": {"all": {"decode_tokens_per_s": 4.4 / 1.08}},
+             "learned": {"all": {"decode_tokens_per_s": 5.5 / 1.08}}}
+    fid = replay_vs_live(replay, table)
+    # the machine ran 8% slower than when profiled: both are 1.08, and relative to autoregressive 1.0
+    assert fid["learned"]["replay_over_live"] == pytest.approx(1.08)
+    assert fid["learned"]["relative_to_autoregressive"] == pytest.approx(1.0)
+    assert fid["autoregressive"]["relative_to_autoregressive"] == pytest.approx(1.0)
+    assert "relative_to_autoregressive" not in fid["oracle"]
+    target = targets({}, fid, has_learned=True)[-1]
+    assert target["pass"] is True and "off by +0.0%" in target["detail"]
+    # a prediction error of the learned policy's own: 20% off while autoregressive is exact
+    table["autoregressive"]["all"]["decode_tokens_per_s"] = 4.4
+    table["learned"]["all"]["decode_tokens_per_s"] = 5.5 / 1.2
+    fid = replay_vs_live(replay, table)
+    assert fid["learned"]["relative_to_autoregressive"] == pytest.approx(1.2)
+    target = targets({}, fid, has_learned=True)[-1]
+    assert target["pass"] is False and "off by +20.0%" in target["detail"]
+    # without autoregressive in the run: no relative figure, the target line stays plain
+    fid = replay_vs_live({"predicted": {"learned": {"tokens_per_s": 5.5}}}, {"learned": table["learned"]})
+    assert "relative_to_autoregressive" not in fid["learned"]
+    assert "off by" not in targets({}, fid, has_learned=True)[-1]["detail"]
