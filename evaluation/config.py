@@ -60,7 +60,8 @@ class EvalConfig:
     audit_temperature: float = 0.7
     """Temperature of the sampled exactness test when the evaluation itself is greedy."""
     tree_width: int | None = None
-    """Draft tree width W of static trees, the analytic controller and replay traces (none: the policy's)."""
+    """Draft tree width W of the static tree, the analytic controller and replay traces (none: the policy's;
+    with a chain policy the static tree keeps width 4 unless 1 is given)."""
     max_depth: int | None = None
     """Deepest draft level D_max of the grid, the analytic controller and traces (none: the policy's)."""
     confirm_top: int = 3

@@ -41,7 +41,10 @@ class Setup:
         if policy and self.width != policy.tree_width:
             self.warnings.append(f"tree_width {self.width} differs from the policy's {policy.tree_width}: the "
                                  "learned policy keeps its own width and has no replay prediction")
-        if "static_tree" in self.names and self.width == 1:
+        self.tree_width = self.width if (self.width > 1 or config.tree_width) else DEFAULT_WIDTH
+        """W of the static tree baseline: W, except that a chain policy (W 1) is still compared with a
+        width-4 tree unless --tree-width 1 is asked for."""
+        if "static_tree" in self.names and self.tree_width == 1:
             self.names.remove("static_tree")
             self.warnings.append("tree_width is 1: the static tree is the static chain, measured once")
         self.pair = workspace.load_models(config.pair, config.dtype, config.device, config.threads)
@@ -63,7 +66,8 @@ class Setup:
         if self._profile is None:
             config = self.config
             self._profile = workspace.ensure_profile(self.pair, config.cache_dir, config.profile,
-                                                     widths=(1, 2, self.width), progress=config.progress)
+                                                     widths=(1, 2, self.width, self.tree_width),
+                                                     progress=config.progress)
         return self._profile
 
     def learned(self):
@@ -219,7 +223,7 @@ def evaluate(config: EvalConfig, checkpoint: Path | None = None) -> dict:
     tuning = state.tuning if state is not None and state.tuning is not None else {}
     if kinds and not tuning:
         tuning = tune_static(setup.pair, engine, setup.profile, setup.tune_prompts, kinds=kinds,
-                             tree_width=setup.width, max_depth=setup.max_depth, temperature=config.temperature,
+                             tree_width=setup.tree_width, max_depth=setup.max_depth, temperature=config.temperature,
                              max_new_tokens=config.tune_tokens(), confirm_top=config.confirm_top,
                              cache_dir=config.cache_dir, seed=config.seed, progress=config.progress)
         if state is not None:
@@ -299,7 +303,7 @@ def exactness_only(config: EvalConfig) -> dict:
     started = time.perf_counter()
     setup = Setup(config)
     fixed = {"static_chain": {"depth": 4, "verify": 4, "tree_width": 1},
-             "static_tree": {"depth": 4, "verify": 8, "tree_width": setup.width}}
+             "static_tree": {"depth": 4, "verify": 8, "tree_width": setup.tree_width}}
     factories = setup.factories(fixed)
     engine_names = [n for n in setup.names if n in factories]
     greedy = SpeculativeEngine(setup.pair, SamplingConfig(temperature=0.0))

@@ -9,7 +9,7 @@ from collections import defaultdict
 import pytest
 
 from evaluation.config import CONTROLLERS, PEERS
-from tests_evaluation_helpers import run_cli, tiny_args
+from tests_evaluation_helpers import CACHE, run_cli, tiny_args
 
 SECTIONS = ("## Targets", "## Results (all measured prompts)", "### Per language", "## Learned policy ratios",
             "## Conditions", "## Static grid search (tune split)", "## Replay: hindsight oracle",
@@ -169,3 +169,34 @@ def test_sampled_mode(workdir, tiny_policy):
     assert all(r["num_tokens"] > 0 for r in res["runs"])
     assert "learned" in res["summary"]["replay_vs_live"]  # sampled traces replay the learned policy too
     assert not res["exactness"]["greedy"] and "peer_token_audit" not in res["exactness"]
+
+
+def test_chain_policy_is_still_compared_with_a_static_tree(workdir):
+    """A policy over chains (W 1): the static tree keeps width 4, while the analytic controller and the replay
+    traces follow the policy's width so replay still predicts the learned policy; --tree-width 1 drops the tree."""
+    import train
+
+    rc = train.main(["--pair", "tiny", "--quick", "--no-progress", "--cache-dir", str(workdir / CACHE), "--run-dir",
+                     str(workdir / "runs"), "--run-name", "chain", "--languages", "it,en", "--threads", "1",
+                     "--tree-width", "1"])
+    assert rc == 0
+    policy = workdir / "runs" / "chain" / "policy.pt"
+    rc, _, stderr = run_cli(tiny_args(workdir, policy, "chain-eval", "--controllers", "static_tree,analytic,learned",
+                                      "--prompts-per-language", "1", "--max-new-tokens", "16", "--no-exactness"))
+    assert rc == 0, stderr
+    res = json.loads((workdir / "chain-eval" / "results.json").read_text())
+    assert res["tuning"]["static_tree"]["width"] == 4 and res["tuning"]["static_tree"]["best"]["tree_width"] == 4
+    assert res["conditions"]["tree_width"] == 1 and res["conditions"]["static_tree_width"] == 4
+    assert {r["controller"] for r in res["runs"]} == {"autoregressive", "static_tree", "analytic", "learned"}
+    assert res["replay"]["width"] == 1
+    assert {"learned", "analytic", "autoregressive"} <= set(res["replay"]["predicted"])
+    assert "static_tree" not in res["replay"]["predicted"]  # width 4: not predictable from width-1 traces
+    assert not res["warnings"]
+
+    rc, _, stderr = run_cli(tiny_args(workdir, policy, "chain-eval-1", "--controllers", "static_tree,learned",
+                                      "--prompts-per-language", "1", "--max-new-tokens", "16", "--no-exactness",
+                                      "--no-replay", "--tree-width", "1"))
+    assert rc == 0, stderr
+    res = json.loads((workdir / "chain-eval-1" / "results.json").read_text())
+    assert "static_tree" not in {r["controller"] for r in res["runs"]}
+    assert any("static tree is the static chain" in w for w in res["warnings"])
