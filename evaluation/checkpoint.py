@@ -66,17 +66,13 @@ class Checkpoint:
 
     def save(self) -> None:
         """Write atomically (a kill during the write leaves the previous checkpoint intact)."""
-        from evaluation.report import _clean
+        from evaluation.report import write_json
 
         data = {"config": self.config, "tuning": self.tuning, "runs": self.runs, "depth_log": self.depth_log,
                 "size_log": self.size_log, "sittings": self.sittings}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(_clean(data), ensure_ascii=False) + "\n", encoding="utf-8")
+        tmp = write_json(data, self.path.with_name(self.path.name + ".tmp"))
         os.replace(tmp, self.path)
-
-    def discard(self) -> None:
-        self.path.unlink(missing_ok=True)
 
 
 def differing_fields(saved: dict, current: dict) -> list[str]:
