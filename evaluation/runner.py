@@ -20,7 +20,8 @@ from evaluation.runs import RecordingController, run_engine
 
 STATIC = ("static_chain", "static_tree")
 DEFAULT_WIDTH, DEFAULT_DEPTH = 4, 8
-"""W and D_max without a policy (train.py's defaults)."""
+"""W and D_max without a policy (and the static tree's W next to a chain policy); D_max is train.py's
+default, W is not: train.py trains chains by default (W 1), the static tree baseline stays a tree."""
 
 
 class Setup:

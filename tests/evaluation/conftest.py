@@ -37,7 +37,7 @@ def tiny_policy(workdir) -> Path:
 
     rc = train.main(["--pair", "tiny", "--quick", "--no-progress", "--cache-dir", str(workdir / CACHE),
                      "--run-dir", str(workdir / "runs"), "--run-name", "p", "--languages", "it,en",
-                     "--threads", "1"])
+                     "--threads", "1", "--tree-width", "4"])  # a tree policy (the chain: test_evaluate_cli)
     assert rc == 0
     path = workdir / "runs" / "p" / "policy.pt"
     assert path.is_file()

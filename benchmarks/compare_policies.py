@@ -1,0 +1,128 @@
+"""Several learned policies side by side, live, in one sitting: every prompt runs autoregressive decoding,
+the given static settings and every policy in turn (order rotated per prompt, so machine drift affects all
+alike), then tokens/s, speedup over autoregressive and paired bootstrap ratios (over prompts) of each
+policy against each static setting and against the other policies are printed.
+
+evaluate.py measures one policy against the grid-searched statics and the peers; this script answers
+"which of these policies should be the default" (for example a chain policy against a tree policy).
+
+    python benchmarks/compare_policies.py --policy runs/chain/policy.pt runs/main-v2/policy.pt \\
+        --static 2,2,1 1,2,4 --prompts-per-language 2 --max-new-tokens 128 --out runs/compare.json
+
+``--static D,V,W``: a static setting (draft depth D, verify V nodes, tree width W; W 1 is a chain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import SamplingConfig, SpeculativeEngine  # noqa: E402
+from envs import workspace  # noqa: E402
+from envs.prompts import interleave_languages, language_of, load_suite  # noqa: E402
+from evaluation.runs import run_engine  # noqa: E402
+from evaluation.stats import paired_bootstrap_ratio  # noqa: E402
+from policies import PolicyFileError, StaticController, load_policy  # noqa: E402
+
+
+def parse_static(text: str) -> tuple[int, int, int]:
+    try:
+        depth, verify, width = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--static takes D,V,W (three integers), got {text!r}") from None
+    if min(depth, verify, width) < 1:
+        raise argparse.ArgumentTypeError(f"--static D,V,W must all be >= 1, got {text!r}")
+    return depth, verify, width
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policy", nargs="+", required=True, help="policy.pt files")
+    ap.add_argument("--static", nargs="*", type=parse_static, default=[(2, 2, 1), (1, 2, 4)], metavar="D,V,W",
+                    help="static settings to compare with (default: chain 2,2,1 and tree 1,2,4)")
+    ap.add_argument("--pair", default="qwen2.5-coder")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--split", default="test")
+    ap.add_argument("--prompts-per-language", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bootstrap", type=int, default=2000)
+    ap.add_argument("--cache-dir", default="runs/cache")
+    ap.add_argument("--out", help="write every run (without tokens) and the summary as JSON here")
+    args = ap.parse_args(argv)
+
+    if len(set(args.policy)) != len(args.policy):
+        ap.error(f"--policy lists a file twice: {args.policy}")
+    for path in args.policy:  # fail on a bad file before loading the models
+        try:
+            load_policy(path)
+        except (FileNotFoundError, PolicyFileError) as err:
+            ap.error(str(err))
+    pair = workspace.load_models(args.pair, threads=args.threads)
+    widths = sorted({1, 2} | {w for _, _, w in args.static} | {load_policy(p).tree_width for p in args.policy})
+    profile = workspace.ensure_profile(pair, args.cache_dir, widths=widths)
+    controllers: dict[str, object] = {"autoregressive": None}
+    for depth, verify, width in args.static:
+        controllers[f"static {'chain' if width == 1 else 'tree'} ({depth},{verify},W{width})"] = \
+            StaticController(depth, verify, tree_width=width)
+    for path in args.policy:
+        policy = load_policy(path, profile=profile)
+        controllers[f"learned {path} (W{policy.tree_width})"] = policy
+    prompts = interleave_languages(load_suite(split=args.split, limit_per_language=args.prompts_per_language))
+    engine = SpeculativeEngine(pair, SamplingConfig(temperature=0.0))
+    names = list(controllers)
+    warm = pair.encode(prompts[0]["prompt"])
+    for name in names:  # warm-up, not measured
+        run_engine(engine, warm, controllers[name], 8, args.seed)
+
+    started = time.perf_counter()
+    runs: dict[str, dict[str, dict]] = {name: {} for name in names}
+    for index, item in enumerate(prompts):
+        ids = pair.encode(item["prompt"])
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            run = run_engine(engine, ids, controllers[name], args.max_new_tokens, args.seed)
+            run.update(language=language_of(item))
+            runs[name][item["id"]] = run
+        tps = {n: runs[n][item["id"]]["num_tokens"] / runs[n][item["id"]]["total_s"] for n in names}
+        print(f"[{index + 1}/{len(prompts)} {time.perf_counter() - started:6.0f} s] {item['id']}: "
+              + ", ".join(f"{n.split(' (')[0].removeprefix('learned ')} {v:.2f}" for n, v in tps.items()), flush=True)
+
+    ids = [p["id"] for p in prompts]
+
+    def columns(name: str) -> tuple[list[float], list[float]]:
+        return [runs[name][i]["num_tokens"] for i in ids], [runs[name][i]["total_s"] for i in ids]
+
+    totals = {n: sum(columns(n)[0]) / sum(columns(n)[1]) for n in names}
+    identical = {n: sum(runs[n][i]["tokens"] == runs["autoregressive"][i]["tokens"] for i in ids) for n in names}
+    print(f"\n{pair.name} {str(pair.dtype).removeprefix('torch.')}, {len(ids)} {args.split} prompts x "
+          f"{args.max_new_tokens} tokens, greedy, one sitting ({time.perf_counter() - started:.0f} s)")
+    for name in names:
+        print(f"  {name:60s} {totals[name]:7.3f} tok/s  {totals[name] / totals['autoregressive']:.3f}x AR  "
+              f"tokens identical to AR {identical[name]}/{len(ids)}")
+    learned = [n for n in names if n.startswith("learned")]
+    ratios = {}
+    print("\npaired ratios over prompts (95% bootstrap interval):")
+    for a in learned:
+        for b in names[1:]:
+            if a == b or (b in learned and learned.index(b) < learned.index(a)):
+                continue
+            r = paired_bootstrap_ratio(*columns(a), *columns(b), resamples=args.bootstrap, rng=args.seed)
+            ratios[f"{a} / {b}"] = r
+            print(f"  {a} / {b}: {r['ratio']:.3f} [{r['low']:.3f}, {r['high']:.3f}]")
+    if args.out:
+        slim = {n: {i: {k: v for k, v in run.items() if k != "tokens"} for i, run in by.items()}
+                for n, by in runs.items()}
+        Path(args.out).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "tokens_per_s": totals,
+                                              "identical_to_ar": identical, "ratios": ratios, "runs": slim},
+                                             indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""benchmarks/compare_policies.py on the tiny pair: every controller runs every prompt, greedy output is
+the autoregressive output, ratios are reported for each policy, bad arguments are refused."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from tests_evaluation_helpers import CACHE
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "compare_policies.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("compare_policies", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compare_policies_runs_every_controller(workdir, tiny_policy, capsys):
+    out = workdir / "compare.json"
+    rc = load_script().main(["--policy", str(tiny_policy), "--static", "2,2,1", "1,2,2", "--pair", "tiny",
+                             "--threads", "1", "--prompts-per-language", "1", "--max-new-tokens", "12",
+                             "--bootstrap", "50", "--cache-dir", str(workdir / CACHE), "--out", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    names = list(data["tokens_per_s"])
+    assert names[:3] == ["autoregressive", "static chain (2,2,W1)", "static tree (1,2,W2)"]
+    assert len(names) == 4 and names[3].startswith("learned ")
+    prompts = len(data["runs"]["autoregressive"])
+    assert prompts >= 2
+    for name in names:
+        assert set(data["runs"][name]) == set(data["runs"]["autoregressive"])
+        assert data["identical_to_ar"][name] == prompts  # greedy speculative decoding == autoregressive
+        assert data["tokens_per_s"][name] > 0
+    assert set(data["ratios"]) == {f"{names[3]} / {names[1]}", f"{names[3]} / {names[2]}"}
+    for r in data["ratios"].values():
+        assert r["low"] <= r["ratio"] <= r["high"] and r["prompts"] == prompts
+    assert "paired ratios" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra", [["--static", "2,2"], ["--static", "0,2,1"]])
+def test_compare_policies_refuses_bad_static(tiny_policy, extra, capsys):
+    with pytest.raises(SystemExit) as err:
+        load_script().main(["--policy", str(tiny_policy), *extra])
+    assert err.value.code == 2 and "D,V,W" in capsys.readouterr().err
+
+
+def test_compare_policies_refuses_a_policy_twice(tiny_policy, capsys):
+    with pytest.raises(SystemExit):
+        load_script().main(["--policy", str(tiny_policy), str(tiny_policy)])
+    assert "twice" in capsys.readouterr().err
+
+
+def test_compare_policies_refuses_a_missing_policy(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        load_script().main(["--policy", str(tmp_path / "nope.pt")])
+    assert "no policy file" in capsys.readouterr().err
