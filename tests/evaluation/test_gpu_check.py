@@ -1,0 +1,46 @@
+"""benchmarks/gpu_check.py, the one-run GPU check, kept working on a CPU with a shrunken random pair: every
+section runs, correctness passes, the profile and the report files are written, no CUDA is refused clearly."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.profile import CostProfile
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_runs_on_cpu_small(tmp_path, capsys):
+    rc = load_script().main(["--device", "cpu", "--small", "--dtype", "float32", "--out", str(tmp_path),
+                             "--prompts", "2", "--samples", "40", "--law-trials", "400", "--timing-prompts", "1",
+                             "--prompt-len", "32", "--tokens", "6"])
+    assert rc == 0, capsys.readouterr().out
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    check = report["correctness"]
+    assert check["ok"] and check["greedy_identical"]
+    assert all(row["prompts"] == 2 for row in check["greedy_audit"].values())
+    assert {c["expected"] for c in check["law_checks"]} == {"agree", "disagree"}  # the negative control ran
+    profile = CostProfile.load(tmp_path / "profile.json")
+    assert profile.meta["random_weights"] and set(report["cost"]) == {str(c) for c in profile.contexts}
+    settings = report["timing"]["settings"]
+    assert len(settings) == 12 and all(s["live_cycle_s"] > 0 and s["predicted_cycle_s"] > 0 for s in settings)
+    assert "correctness OK" in (tmp_path / "gpu_check.txt").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_gpu_check_refuses_without_cuda(tmp_path, capsys):
+    with pytest.raises(SystemExit) as err:
+        load_script().main(["--out", str(tmp_path)])
+    assert err.value.code == 2 and "CUDA is not available" in capsys.readouterr().err
