@@ -3,22 +3,15 @@ the autoregressive output, ratios are reported for each policy, bad arguments ar
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-from tests_evaluation_helpers import CACHE
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "compare_policies.py"
+from tests_evaluation_helpers import CACHE, load_benchmark
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("compare_policies", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("compare_policies")
 
 
 def test_compare_policies_runs_every_controller(workdir, tiny_policy, capsys):

@@ -3,23 +3,17 @@ section runs, correctness passes, the profile and the report files are written, 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from engine.profile import CostProfile
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+from tests_evaluation_helpers import load_benchmark
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_check")
 
 
 def test_gpu_check_runs_on_cpu_small(tmp_path, capsys):

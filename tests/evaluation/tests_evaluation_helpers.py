@@ -23,3 +23,14 @@ def run_cli(argv: list[str]) -> tuple[int, str, str]:
 def tiny_args(workdir: Path, policy: Path, out: str, *extra: str) -> list[str]:
     return ["--pair", "tiny", "--quick", "--threads", "1", "--policy", str(policy), "--cache-dir",
             str(workdir / CACHE), "--out", str(workdir / out), "--no-progress", "--languages", "it,en", *extra]
+
+
+def load_benchmark(name: str):
+    """``benchmarks/<name>.py`` imported as a module (the benchmarks are scripts, not a package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
