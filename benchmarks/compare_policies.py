@@ -58,21 +58,21 @@ def main(argv: list[str] | None = None) -> int:
 
     if len(set(args.policy)) != len(args.policy):
         ap.error(f"--policy lists a file twice: {args.policy}")
+    policy_widths = {}
     for path in args.policy:  # fail on a bad file before loading the models
         try:
-            load_policy(path)
+            policy_widths[path] = load_policy(path).tree_width
         except (FileNotFoundError, PolicyFileError) as err:
             ap.error(str(err))
     pair = workspace.load_models(args.pair, threads=args.threads)
-    widths = sorted({1, 2} | {w for _, _, w in args.static} | {load_policy(p).tree_width for p in args.policy})
+    widths = sorted({1, 2} | {w for _, _, w in args.static} | set(policy_widths.values()))
     profile = workspace.ensure_profile(pair, args.cache_dir, widths=widths)
     controllers: dict[str, object] = {"autoregressive": None}
     for depth, verify, width in args.static:
         controllers[f"static {'chain' if width == 1 else 'tree'} ({depth},{verify},W{width})"] = \
             StaticController(depth, verify, tree_width=width)
-    for path in args.policy:
-        policy = load_policy(path, profile=profile)
-        controllers[f"learned {path} (W{policy.tree_width})"] = policy
+    for path, width in policy_widths.items():  # reloaded with this device's profile as its device features
+        controllers[f"learned {path} (W{width})"] = load_policy(path, profile=profile)
     prompts = interleave_languages(load_suite(split=args.split, limit_per_language=args.prompts_per_language))
     engine = SpeculativeEngine(pair, SamplingConfig(temperature=0.0))
     names = list(controllers)
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         slim = {n: {i: {k: v for k, v in run.items() if k != "tokens"} for i, run in by.items()}
                 for n, by in runs.items()}
-        Path(args.out).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "tokens_per_s": totals,
+        Path(args.out).write_text(json.dumps({"args": vars(args), "tokens_per_s": totals,
                                               "identical_to_ar": identical, "ratios": ratios, "runs": slim},
                                              indent=1) + "\n")
     return 0

@@ -61,9 +61,7 @@ def correctness(device: torch.device, args) -> dict:
     pair = load_pair("tiny", dtype="float32", device=device, progress=False)
     engine = SpeculativeEngine(pair, SamplingConfig(temperature=0.0))
     ids = prompts(args.prompts, 24, 256, args.seed)
-    tokens = {"autoregressive": {}}
-    for name in GREEDY_CONTROLLERS:
-        tokens[name] = {}
+    tokens: dict[str, dict[str, list[int]]] = {name: {} for name in ("autoregressive", *GREEDY_CONTROLLERS)}
     for index, prompt in enumerate(ids):
         tokens["autoregressive"][str(index)] = engine.generate(prompt, max_new_tokens=48).tokens
         for name, make in GREEDY_CONTROLLERS.items():
