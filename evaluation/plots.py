@@ -58,10 +58,19 @@ def accepted_hist(cycles_by_controller: dict[str, list], path: Path) -> Path:
     return path
 
 
+def verified_size_rows(rows) -> np.ndarray:
+    """Size-log rows (ctx, depth, nodes drafted, top p, size asked) as an array whose last column is the
+    number of nodes actually verified: the engine caps the ladder value the policy asks for at the nodes
+    drafted (a chain of depth 2 asked to verify 32 verifies 2)."""
+    size = np.asarray(rows, dtype=np.float64).reshape(-1, 5)
+    size[:, 4] = np.minimum(size[:, 4], size[:, 2])
+    return size
+
+
 def learned_actions_plot(actions: dict, path: Path) -> Path:
     """The learned policy's decisions: chosen depth and size against context position and draft confidence."""
     depth = np.asarray(actions["depth"], dtype=np.float64).reshape(-1, 5)  # ctx, depth, step p, frontier p, go
-    size = np.asarray(actions["size"], dtype=np.float64).reshape(-1, 5)  # ctx, depth, nodes, top p, size
+    size = verified_size_rows(actions["size"])  # ctx, depth, nodes, top p, size verified
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     rng = np.random.default_rng(0)  # jitter only
     if len(size):

@@ -112,3 +112,13 @@ def test_replay_vs_live_separates_machine_drift_from_prediction_error():
     fid = replay_vs_live({"predicted": {"learned": {"tokens_per_s": 5.5}}}, {"learned": table["learned"]})
     assert "relative_to_autoregressive" not in fid["learned"]
     assert "off by" not in targets({}, fid, has_learned=True)[-1]["detail"]
+
+
+def test_action_map_plots_the_nodes_verified_not_the_ladder_value_asked_for():
+    from evaluation.plots import verified_size_rows
+
+    # (ctx, depth, nodes drafted, top p, size asked): a depth-2 chain asked for 32 verifies 2
+    rows = [(80, 2, 2, 0.9, 32), (81, 1, 1, 0.4, 1), (82, 4, 16, 0.7, 6)]
+    got = verified_size_rows(rows)
+    assert got[:, 4].tolist() == [2.0, 1.0, 6.0]
+    assert got[:, :4].tolist() == [list(map(float, r[:4])) for r in rows]
