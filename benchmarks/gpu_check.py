@@ -5,7 +5,8 @@ Model weights cannot reach a borrowed accelerator, so correctness uses the tiny 
 float32 greedy identity, a sampled two-sample test) and timing uses the default pair's architecture with
 random weights (forward time depends on shapes, dtype and kernels, not on weight values; acceptance
 measured with random weights is meaningless, so no speedup is claimed here: replay the real traces with
-the saved profile for that, e.g. ``python benchmarks/replay_baselines.py --profile OUT/profile.json``).
+the saved profile for that, e.g. ``python benchmarks/replay_baselines.py --profile OUT/profile.json --traces
+runs/cache/qwen2.5-coder/cpu-float32/traces/greedy-w1-d8-n128-s0``).
 
     python benchmarks/gpu_check.py --out "$OUT"                      # on the GPU machine (~2-4 min)
     python benchmarks/gpu_check.py --device cpu --small --out /tmp/g  # plumbing check on a CPU (~1 min)
@@ -87,7 +88,7 @@ def timing(pair, profile, args) -> dict:
     ar = [engine.generate(p, max_new_tokens=args.tokens) for p in ids]
     steps = [c.total_s for r in ar for c in r.cycles]
     out["autoregressive"] = {"per_token_s": statistics.median(steps),
-                             "tokens_per_s": sum(len(r.tokens) for r in ar) / sum(r.prefill_s + sum(c.total_s for c in r.cycles) for r in ar),
+                             "tokens_per_s": sum(len(r.tokens) for r in ar) / sum(r.stats["total_s"] for r in ar),
                              "peak_memory_mb": max(r.peak_memory_bytes for r in ar) / 2**20}
     for kind, settings in TIMED.items():
         for depth, verify, width in settings:
