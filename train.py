@@ -37,7 +37,12 @@ class TrainConfig:
     pair: str = "qwen2.5-coder"
     """Model pair: a named pair (qwen2.5-coder, tiny) or "TARGET::DRAFT" paths / hub ids."""
     dtype: str = "auto"
-    """Model dtype (auto: float32 on CPU, bfloat16 on CUDA)."""
+    """Dense model dtype when no integer weight format is asked for (float32, bfloat16, ...)."""
+    weights: str = "auto"
+    """Weight format of the target's linears (auto: int4 on CPU, bfloat16 on CUDA, or the --dtype named;
+    float32, bfloat16, int8, int4, int4-strict)."""
+    draft_weights: str = "auto"
+    """Weight format of the draft's linears (auto: as --weights)."""
     device: str = "auto"
     """auto (CUDA when present), cpu, cuda, ...: the live engine and the policy networks."""
     threads: int = 0
@@ -113,7 +118,8 @@ QUICK_PPO = {"n_envs": 2, "n_steps": 128, "batch_size": 64, "n_epochs": 2}
 
 # ----------------------------------------------------------------------------------------- data
 def load_models(config: TrainConfig):
-    return workspace.load_models(config.pair, config.dtype, config.device, config.threads)
+    return workspace.load_models(config.pair, config.dtype, config.device, config.threads, config.weights,
+                                 config.draft_weights)
 
 
 def ensure_profile(config: TrainConfig, pair):

@@ -26,7 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pair", default="qwen2.5-coder", help="named pair: qwen2.5-coder (default) or tiny")
     ap.add_argument("--target", help="target model path or hub id (with --draft; overrides --pair)")
     ap.add_argument("--draft", help="draft model path or hub id")
-    ap.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16, float64")
+    ap.add_argument("--dtype", default="auto", help="dense model dtype: auto, float32, bfloat16, float16, float64")
+    ap.add_argument("--weights", default="auto", help="weight format of the target's linears: auto (int4 on CPU, bfloat16 on CUDA; the dense --dtype if one is named), float32, bfloat16, int8, int4, int4-strict")
+    ap.add_argument("--draft-weights", default="auto", help="weight format of the draft (default: as --weights)")
     ap.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
     ap.add_argument("--depth", type=int, default=4, help="static draft depth")
     ap.add_argument("--verify", type=int, default=None, help="nodes to verify (default: depth)")
@@ -47,8 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-        pair = (load_pair(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
-                if args.target or args.draft else load_pair(args.pair, dtype=args.dtype, device=args.device))
+        formats = dict(dtype=args.dtype, device=args.device, weights=args.weights, draft_weights=args.draft_weights)
+        pair = (load_pair(target=args.target, draft=args.draft, **formats)
+                if args.target or args.draft else load_pair(args.pair, **formats))
         engine = SpeculativeEngine(pair, sampling, EngineConfig(draft_mode=args.draft_mode))
         controller = None if args.autoregressive else _controller(args)
         prompt = pair.encode(args.prompt, chat=not args.raw)
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(result.text)
     print()
-    print(f"pair={pair.name} dtype={str(pair.dtype).removeprefix('torch.')} device={pair.device} "
+    print(f"pair={pair.name} weights={pair.precision} device={pair.device} "
           f"controller={controller!r} sampling={sampling} torch={torch.__version__}")
     print(f"prompt tokens={result.prompt_len} finish={result.finish_reason}")
     for key, value in result.stats.items():

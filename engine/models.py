@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from engine.attention import use_rowwise_attention
+
 
 class IncompatiblePairError(ValueError):
     """The two models do not give token ids the same meaning."""
@@ -16,6 +18,9 @@ class IncompatiblePairError(ValueError):
 # Chosen by measurement on the development CPU (benchmarks/dtype_cpu.py; README has the table).
 DEFAULT_CPU_DTYPE = torch.float32
 DEFAULT_CUDA_DTYPE = torch.bfloat16
+# The weight format ``weights="auto"`` means (engine.quant; chosen by measurement, README "Quantized").
+DEFAULT_CPU_WEIGHTS = "int4"
+DEFAULT_CUDA_WEIGHTS = "bfloat16"
 
 
 @dataclass
@@ -28,6 +33,20 @@ class ModelPair:
     name: str
     eos_token_ids: frozenset[int]
     max_context: int
+    weights: str = ""
+    """Weight format of the target's linear layers (``engine.quant.WEIGHT_FORMATS``)."""
+    draft_weights: str = ""
+    """Weight format of the draft's linear layers."""
+    quant_info: dict | None = None
+    """Per-module conversion info of quantized models (kind, source type), {"target": ..., "draft": ...}."""
+
+    @property
+    def precision(self) -> str:
+        """How the pair computes, for cache keys and reports: the weight format ("int4", "float32", ...),
+        "target+draft" formats when they differ."""
+        target = self.weights or str(self.dtype).removeprefix("torch.")
+        draft = self.draft_weights or target
+        return target if draft == target else f"{target}+{draft}"
 
     @property
     def device(self) -> torch.device:
@@ -39,7 +58,7 @@ class ModelPair:
 
     @property
     def vocab_size(self) -> int:
-        return self.target.get_output_embeddings().weight.shape[0]
+        return self.target.get_output_embeddings().out_features
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         """Token ids for ``prompt``; ``chat`` wraps it as one user turn with the chat template."""
@@ -70,6 +89,23 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return names[dtype]
 
 
+def resolve_weights(weights: str | None, dtype: str | torch.dtype, device: torch.device) -> str:
+    """The weight format to load: ``weights`` if given (and not "auto"); else the dense ``dtype`` if one
+    was named; else the device's default format."""
+    from engine.quant import INTEGER_FORMATS, WEIGHT_FORMATS
+
+    if weights in (None, "auto"):
+        if not (isinstance(dtype, str) and dtype == "auto"):
+            return str(resolve_dtype(dtype, device)).removeprefix("torch.")
+        weights = DEFAULT_CUDA_WEIGHTS if device.type == "cuda" else DEFAULT_CPU_WEIGHTS
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {weights!r}; use one of auto, {', '.join(WEIGHT_FORMATS)}")
+    if weights in INTEGER_FORMATS and device.type != "cpu":
+        raise ValueError(f"weight format {weights!r} runs on the CPU only (torch's CPU int4/int8 kernels); "
+                         f"use bfloat16 or float32 on {device.type}")
+    return weights
+
+
 def load_pair(
     name: str | None = None,
     *,
@@ -79,6 +115,8 @@ def load_pair(
     device: str | torch.device = "auto",
     progress: bool = True,
     random_weights: bool = False,
+    weights: str | None = "auto",
+    draft_weights: str | None = None,
 ) -> ModelPair:
     """Load a model pair.
 
@@ -87,53 +125,104 @@ def load_pair(
     ``load_pair(target=..., draft=...)``: any two causal LMs by local path or hub id.
     ``random_weights=True``: the named pair's architecture with random weights and no download (valid for
     timing only; see ``engine.random_pair``); the tiny pair is random already and ignores it.
+
+    ``weights``: the target's weight format (``engine.quant``): "float32", "bfloat16", "int8", "int4",
+    "int4-strict", or "auto" (the dense ``dtype`` if one is named, else int4 on CPU, bfloat16 on CUDA);
+    ``draft_weights`` the draft's (default: the same). Integer formats of the default pair are converted
+    from the GGUF blocks once and cached; other pairs are quantized from their float weights at load.
     """
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+    fmt = resolve_weights(weights, dtype, dev)
+    draft_fmt = resolve_weights(draft_weights, "auto", dev) if draft_weights not in (None, "auto") else fmt
     if (name is None) == (target is None and draft is None) or (target is None) != (draft is None):
         raise ValueError("give either a pair name, or both target= and draft=")
     if name == "tiny":
         from engine.tiny import build_tiny_pair
 
-        tgt, dft, tok = build_tiny_pair(dtype=dt)
-        return _make_pair(tgt.to(dev), dft.to(dev), tok, tok, "tiny")
+        tgt, dft, tok = build_tiny_pair(dtype=_dense_dtype(fmt, dtype, dev))
+        if draft_fmt != fmt:
+            dft = dft.to(_dense_dtype(draft_fmt, dtype, dev))
+        info = _quantize_in_place(tgt, fmt), _quantize_in_place(dft, draft_fmt)
+        return _make_pair(tgt.to(dev), dft.to(dev), tok, tok, "tiny", fmt, draft_fmt, info)
     if random_weights:
         from engine.random_pair import build_random_pair
 
         if name is None:
             raise ValueError("random_weights=True needs a pair name (the architecture to build)")
-        return build_random_pair(name, dtype=dt, device=dev)
+        pair = build_random_pair(name, dtype=_dense_dtype(fmt, dtype, dev), device=dev)
+        info = _quantize_in_place(pair.target, fmt), _quantize_in_place(pair.draft, draft_fmt)
+        return _make_pair(pair.target, pair.draft, pair.tokenizer, pair.tokenizer, pair.name, fmt, draft_fmt, info)
+    specs = None
     if name is not None:
         from engine.weights import DEFAULT_PAIRS, ensure_default_pair
 
         if name not in DEFAULT_PAIRS:
             raise ValueError(f"unknown pair {name!r}; known: tiny, {', '.join(DEFAULT_PAIRS)}")
         target, draft = ensure_default_pair(name, progress=progress)
+        specs = DEFAULT_PAIRS[name]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tgt_tok = AutoTokenizer.from_pretrained(str(target))
     dft_tok = AutoTokenizer.from_pretrained(str(draft))
-    tgt = AutoModelForCausalLM.from_pretrained(str(target), dtype=dt).to(dev).eval()
-    dft = AutoModelForCausalLM.from_pretrained(str(draft), dtype=dt).to(dev).eval()
-    return _make_pair(tgt, dft, tgt_tok, dft_tok, name or f"{target}+{draft}")
+    models, infos = [], []
+    for path, f, spec in ((target, fmt, specs and specs[0]), (draft, draft_fmt, specs and specs[1])):
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_dense_dtype(f, dtype, dev)).eval()
+        if spec is not None and f in _integer_formats():
+            from engine.weights import load_quantized_spec
+
+            infos.append(load_quantized_spec(model, spec, f, progress=progress))
+        else:
+            infos.append(_quantize_in_place(model, f))
+        models.append(model.to(dev))
+    return _make_pair(models[0], models[1], tgt_tok, dft_tok, name or f"{target}+{draft}", fmt, draft_fmt,
+                      tuple(infos))
 
 
-def _make_pair(target, draft, target_tok, draft_tok, name: str) -> ModelPair:
+def _integer_formats() -> tuple[str, ...]:
+    from engine.quant import INTEGER_FORMATS
+
+    return INTEGER_FORMATS
+
+
+def _dense_dtype(fmt: str, dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a model of format ``fmt`` is built in: the format itself if dense, else float32 (the
+    integer formats quantize the linears only; everything around them stays float32)."""
+    if fmt in _integer_formats():
+        return torch.float32
+    return resolve_dtype(fmt, device)
+
+
+def _quantize_in_place(model, fmt: str) -> dict | None:
+    if fmt not in _integer_formats():
+        return None
+    from engine.quant import quantize_model
+
+    return quantize_model(model, fmt)
+
+
+def _make_pair(target, draft, target_tok, draft_tok, name: str, weights: str = "", draft_weights: str = "",
+               info: tuple | None = None) -> ModelPair:
     check_compatible(target, draft, target_tok, draft_tok)
     for model in (target, draft):
         model.requires_grad_(False)
+        if next(model.parameters()).device.type == "cpu":
+            use_rowwise_attention(model)  # batch-invariant attention (engine.attention)
     eos = set()
     for src in (getattr(target, "generation_config", None), target.config, target_tok):
         ids = getattr(src, "eos_token_id", None)
         eos.update([ids] if isinstance(ids, int) else (ids or []))
     max_context = min(_context_limit(target), _context_limit(draft))
-    return ModelPair(target, draft, target_tok, name, frozenset(int(i) for i in eos), max_context)
+    quant_info = None if info is None or info == (None, None) else {"target": info[0], "draft": info[1]}
+    return ModelPair(target, draft, target_tok, name, frozenset(int(i) for i in eos), max_context,
+                     weights or str(next(target.parameters()).dtype).removeprefix("torch."),
+                     draft_weights or weights or str(next(draft.parameters()).dtype).removeprefix("torch."),
+                     quant_info)
 
 
 def check_compatible(target, draft, target_tok, draft_tok) -> None:
     """Refuse pairs whose token ids do not mean the same thing (DESIGN.md section 2)."""
-    t_vocab = target.get_output_embeddings().weight.shape[0]
-    d_vocab = draft.get_output_embeddings().weight.shape[0]
+    t_vocab = target.get_output_embeddings().out_features
+    d_vocab = draft.get_output_embeddings().out_features
     if t_vocab != d_vocab:
         raise IncompatiblePairError(
             f"target and draft output vocabularies differ ({t_vocab} vs {d_vocab}): "

@@ -265,7 +265,7 @@ def measure_profile(pair: ModelPair, config: ProfileConfig | None = None, random
         raise ValueError(f"contexts must lie in ({max(config.chunks)}, {pair.max_context - rows}] for this "
                          f"pair and grid, got {config.contexts}")
     meta = {
-        "pair": pair.name, "dtype": str(pair.dtype).removeprefix("torch."), "device": str(pair.device),
+        "pair": pair.name, "dtype": pair.precision, "device": str(pair.device),
         "device_name": device_name(pair.device), "torch": torch.__version__,
         "transformers": transformers.__version__, "num_threads": torch.get_num_threads(),
         "random_weights": bool(random_weights), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -341,5 +341,6 @@ def measure_profile_cli(args: argparse.Namespace, config: ProfileConfig) -> Cost
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    pair = load_pair(args.pair, dtype=args.dtype, device=args.device, random_weights=args.random_weights)
+    pair = load_pair(args.pair, dtype=args.dtype, device=args.device, random_weights=args.random_weights,
+                     weights=args.weights, draft_weights=args.draft_weights)
     return measure_profile(pair, config, random_weights=args.random_weights)

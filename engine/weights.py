@@ -240,3 +240,27 @@ def ensure_default_pair(
         raise ValueError(f"unknown default pair {name!r}; known: {sorted(DEFAULT_PAIRS)}")
     target, draft = DEFAULT_PAIRS[name]
     return convert_to_hf(target, cache, progress), convert_to_hf(draft, cache, progress)
+
+
+def ensure_quantized(spec: PublishedGguf, fmt: str, cache: Path | str | None = None, progress: bool = True) -> Path:
+    """The cached integer-format (``engine.quant``) conversion of ``spec``'s GGUF linear weights, built once
+    from the GGUF blocks (Q4_K codes kept as they are for int4)."""
+    from engine.quant import ensure_quantized_gguf
+
+    root = Path(cache) if cache is not None else cache_dir()
+    return ensure_quantized_gguf(fetch_gguf(spec, root, progress), spec.name, spec.sha256, fmt, root, progress)
+
+
+def load_quantized_spec(model, spec: PublishedGguf, fmt: str, cache: Path | str | None = None,
+                        progress: bool = True) -> dict:
+    """Swap ``model``'s linears for ``spec``'s cached ``fmt`` conversion (built on first use). A cache that
+    cannot be read (truncated or corrupt file) is deleted and rebuilt once."""
+    from engine.quant import QuantizationError, load_quantized
+
+    path = ensure_quantized(spec, fmt, cache, progress)
+    try:
+        return load_quantized(model, path)
+    except QuantizationError as err:
+        print(f"warning: {err}; rebuilding it", file=sys.stderr)
+        shutil.rmtree(path, ignore_errors=True)
+        return load_quantized(model, ensure_quantized(spec, fmt, cache, progress))

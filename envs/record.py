@@ -155,7 +155,7 @@ def trace_meta(pair: ModelPair, prompt_ids: Sequence[int], sampling: SamplingCon
                tree_width: int, max_new_tokens: int, seed: int) -> dict:
     """The meta entries that identify a trace (``MATCH_KEYS``) plus the engine settings behind it."""
     return {
-        "pair": pair.name, "dtype": str(pair.dtype).removeprefix("torch."), "sampling": dataclasses.asdict(sampling),
+        "pair": pair.name, "dtype": pair.precision, "sampling": dataclasses.asdict(sampling),
         "tree_width": tree_width, "max_depth": max_depth, "max_new_tokens": max_new_tokens, "seed": seed,
         "prompt_ids": [int(t) for t in prompt_ids], "draft_mode": "deterministic",
         "eos_token_ids": sorted(pair.eos_token_ids), "max_context": pair.max_context,
@@ -299,7 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--chat", dest="chat", action="store_true", default=True,
                       help="wrap each prompt as one user turn with the chat template (default)")
     chat.add_argument("--raw", dest="chat", action="store_false", help="encode prompts as they are")
-    ap.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16, float64")
+    ap.add_argument("--dtype", default="auto", help="dense model dtype: auto, float32, bfloat16, float16, float64")
+    ap.add_argument("--weights", default="auto", help="weight format of the target's linears: auto (int4 on CPU, bfloat16 on CUDA; the dense --dtype if one is named), float32, bfloat16, int8, int4, int4-strict")
+    ap.add_argument("--draft-weights", default="auto", help="weight format of the draft (default: as --weights)")
     ap.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, ...")
     ap.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="positions per batched draft forward")
     ap.add_argument("--threads", type=int, default=0,
@@ -315,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
         prompts = read_prompts(args.prompts)
-        pair = load_pair(args.pair, dtype=args.dtype, device=args.device)
+        pair = load_pair(args.pair, dtype=args.dtype, device=args.device, weights=args.weights,
+                         draft_weights=args.draft_weights)
         summary = record_prompts(
             pair, prompts, args.out, sampling, max_depth=args.max_depth, tree_width=args.tree_width,
             max_new_tokens=args.max_new_tokens, seed=args.seed, samples_per_prompt=args.samples_per_prompt,
@@ -323,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, FloatingPointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"pair={pair.name} dtype={str(pair.dtype).removeprefix('torch.')} device={pair.device} "
+    print(f"pair={pair.name} weights={pair.precision} device={pair.device} "
           f"threads={torch.get_num_threads()} sampling={sampling} max_depth={args.max_depth} "
           f"tree_width={args.tree_width} out={args.out}")
     print(f"traces recorded={summary.recorded} kept={summary.skipped} positions={summary.positions} "

@@ -1,9 +1,9 @@
 """The cached inputs of training and evaluation: the model pair, its cost profile (measured once per
-pair/device/dtype) and replay traces (recorded once per prompt and settings, resumable), all under one
+pair/device/weight format) and replay traces (recorded once per prompt and settings, resumable), all under one
 cache directory so that later runs reuse them.
 
-    <cache_dir>/<pair>/<cpu|cuda>-<dtype>/profile.json
-    <cache_dir>/<pair>/<cpu|cuda>-<dtype>/traces/<greedy|tT>-w<W>-d<D>-n<N>-s<seed>/<prompt id>__s<k>.npz
+    <cache_dir>/<pair>/<cpu|cuda>-<precision>/profile.json      (precision: ModelPair.precision, e.g. int4)
+    <cache_dir>/<pair>/<cpu|cuda>-<precision>/traces/<greedy|tT>-w<W>-d<D>-n<N>-s<seed>/<prompt id>__s<k>.npz
 """
 
 from __future__ import annotations
@@ -18,21 +18,23 @@ from engine.models import ModelPair, load_pair
 from engine.profile import CostProfile
 
 
-def load_models(pair: str, dtype: str = "auto", device: str = "auto", threads: int = 0) -> ModelPair:
-    """A named pair (qwen2.5-coder, tiny) or "TARGET::DRAFT" (paths or hub ids); ``threads`` > 0 sets
-    torch's intra-op threads first."""
+def load_models(pair: str, dtype: str = "auto", device: str = "auto", threads: int = 0,
+                weights: str = "auto", draft_weights: str = "auto") -> ModelPair:
+    """A named pair (qwen2.5-coder, tiny) or "TARGET::DRAFT" (paths or hub ids) in the given weight formats
+    (``engine.quant``); ``threads`` > 0 sets torch's intra-op threads first."""
     if threads:
         torch.set_num_threads(threads)
+    formats = dict(dtype=dtype, device=device, weights=weights, draft_weights=draft_weights)
     if "::" in pair:
         target, draft = pair.split("::", 1)
-        return load_pair(target=target, draft=draft, dtype=dtype, device=device)
-    return load_pair(pair, dtype=dtype, device=device)
+        return load_pair(target=target, draft=draft, **formats)
+    return load_pair(pair, **formats)
 
 
 def pair_dir(pair: ModelPair, cache_dir: str | Path) -> Path:
     dev = "cuda" if pair.device.type == "cuda" else "cpu"
     name = pair.name.replace("/", "_").replace(":", "_")
-    return Path(cache_dir) / name / f"{dev}-{str(pair.dtype).removeprefix('torch.')}"
+    return Path(cache_dir) / name / f"{dev}-{pair.precision}"
 
 
 def ensure_profile(pair: ModelPair, cache_dir: str | Path, path: str | Path | None = None,

@@ -25,7 +25,12 @@ class EvalConfig:
     pair: str = "qwen2.5-coder"
     """Model pair: a named pair (qwen2.5-coder, tiny) or "TARGET::DRAFT" paths / hub ids."""
     dtype: str = "auto"
-    """Model dtype (auto: float32 on CPU, bfloat16 on CUDA)."""
+    """Dense model dtype when no integer weight format is asked for (float32, bfloat16, ...)."""
+    weights: str = "auto"
+    """Weight format of the target's linears (auto: int4 on CPU, bfloat16 on CUDA, or the --dtype named;
+    float32, bfloat16, int8, int4, int4-strict)."""
+    draft_weights: str = "auto"
+    """Weight format of the draft's linears (auto: as --weights)."""
     device: str = "auto"
     """auto (CUDA when present), cpu, cuda, ..."""
     threads: int = 0

@@ -48,7 +48,8 @@ class Setup:
         if "static_tree" in self.names and self.tree_width == 1:
             self.names.remove("static_tree")
             self.warnings.append("tree_width is 1: the static tree is the static chain, measured once")
-        self.pair = workspace.load_models(config.pair, config.dtype, config.device, config.threads)
+        self.pair = workspace.load_models(config.pair, config.dtype, config.device, config.threads,
+                                          config.weights, config.draft_weights)
         if policy and self.policy_meta.get("pair") not in (None, self.pair.name):
             self.warnings.append(f"the policy was trained on pair {self.policy_meta.get('pair')!r}, evaluated on "
                                  f"{self.pair.name!r}")

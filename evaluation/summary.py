@@ -50,7 +50,7 @@ def conditions(setup) -> dict:
         "draft": str(getattr(pair.draft, "name_or_path", "") or type(pair.draft).__name__),
         "target_params_m": sum(p.numel() for p in pair.target.parameters()) / 1e6,
         "draft_params_m": sum(p.numel() for p in pair.draft.parameters()) / 1e6,
-        "dtype": str(pair.dtype).removeprefix("torch."), "device": str(pair.device),
+        "dtype": pair.precision, "device": str(pair.device),
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "cpu": cpu_name(), "gpu": torch.cuda.get_device_name(pair.device) if pair.device.type == "cuda" else None,
         "threads": torch.get_num_threads(),

@@ -1,0 +1,453 @@
+"""Quantized execution on the CPU: the GGUF weights run through torch's weight-only integer kernels.
+
+Weight formats (``WEIGHT_FORMATS``) of a model's linear layers (attention and MLP projections, the LM head):
+
+* ``float32`` -- dense float32, the GGUF blocks dequantised exactly (the converted checkpoint as is).
+* ``bfloat16`` -- dense bfloat16 weights and activations (the dequantised values rounded to 8 mantissa bits).
+* ``int8`` -- int8 codes with one scale per output channel (``aten._weight_int8pack_mm``), symmetric
+  round-to-nearest from the dequantised weights: lossy for every GGUF type (their block scales vary along
+  the input dimension, a per-channel scale cannot).
+* ``int4`` -- 4-bit codes with a scale and zero per 32 inputs (``aten._weight_int4pack_mm_for_cpu``,
+  ``w = (code - 8) * scale + zero``). A Q4_K block is this layout: each 32-weight sub-block is
+  ``d * sc * code - dmin * m`` with a 4-bit code, so Q4_K tensors keep every code; only the scale
+  ``d * sc`` and the zero ``8 * scale - dmin * m`` are rounded (to bfloat16, below). Tensors the GGUF
+  stores with more bits (Q5_0, Q6_K, Q8_0) go to int8 instead: the int4 kernel's smallest group is 32 and
+  Q6_K scales change every 16 weights, so no 4-bit layout holds them, and rounding them to 4 bits would
+  throw away precision the GGUF's authors chose to keep (``int4-strict`` forces 4 bits on every tensor
+  whose shape allows it, e.g. for a cheaper draft).
+
+The kernels are fast only with bfloat16 inputs (measured, torch 2.13, AVX-512 CPU, 8960 x 1536, 2
+threads: int4 0.4-0.7 ms per 1-row product in bfloat16, 12-13 ms in float32 or float16, which take a
+reference path), so scales are stored in bfloat16 and each quantized layer casts its input to bfloat16
+and its output back: the model around the linears (embeddings, norms, attention, residual stream) keeps
+the checkpoint's float32.
+
+Both integer kernels are batch invariant (row i of an M-row product is bitwise the 1-row product), which
+with the rest of the model (``check_batch_invariance``) makes greedy speculative decoding token-identical
+to autoregressive decoding by construction, not only by measurement.
+
+Converted weights are cached next to the float32 checkpoint (``<cache>/quant/<name>/<format>/``) as
+plain 4-bit / 8-bit codes and scales in safetensors (portable: the kernel's packed layout is made at load
+time), with a stamp written last; a missing or unreadable cache is rebuilt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4", "int4-strict")
+INTEGER_FORMATS = ("int8", "int4", "int4-strict")
+KERNEL_DTYPE = torch.bfloat16  # the integer kernels' activation and scale dtype (their fast path)
+GROUP_SIZE = 32  # int4 quantisation group along the input dimension (a Q4_K sub-block)
+INNER_K_TILES = 8  # the CPU packing's k-tiling (any of 2, 4, 8; the kernel reads what the packing wrote)
+QUANT_STAMP = "draftpilot-quantized.json"
+QUANT_VERSION = 2  # bump when the cached layout changes: older caches are rebuilt
+
+
+class QuantizationError(ValueError):
+    """A tensor cannot be converted to the requested format (shape or type not supported)."""
+
+
+# ----------------------------------------------------------------------------------------------- modules
+class Int4Linear(nn.Module):
+    """``y = x @ W.T + b`` with W held as 4-bit codes and a bfloat16 scale and zero per 32 inputs."""
+
+    def __init__(self, codes: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None):
+        """``codes``: uint8 [N, K] in 0..15; ``scales_zeros``: [K / 32, N, 2] (scale, zero)."""
+        super().__init__()
+        n, k = codes.shape
+        _check_int4_shape(n, k, "Int4Linear")
+        self.in_features, self.out_features = k, n
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), INNER_K_TILES)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_zeros", _aligned(scales_zeros.to(KERNEL_DTYPE)))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP_SIZE, self.scales_zeros).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP_SIZE}"
+
+
+class Int8Linear(nn.Module):
+    """``y = x @ W.T + b`` with W held as int8 codes and one bfloat16 scale per output channel."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("codes", _aligned(codes.to(torch.int8)))
+        self.register_buffer("scales", _aligned(scales.to(KERNEL_DTYPE)))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()
+        y = torch.ops.aten._weight_int8pack_mm(x2, self.codes, self.scales).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, per-channel"
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """A fresh contiguous copy from torch's allocator (64-byte aligned). Tensors read from safetensors can
+    sit at any offset of the file's buffer, and the int8 kernel's vector loads then crash the process
+    (measured: a segmentation fault at a pointer 56 bytes off a 64-byte boundary)."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _check_int4_shape(n: int, k: int, name: str) -> None:
+    if k % GROUP_SIZE or n % 8:
+        raise QuantizationError(
+            f"{name}: int4 needs in_features divisible by {GROUP_SIZE} and out_features by 8, got [{n}, {k}]"
+        )
+
+
+# ------------------------------------------------------------------------------------ quantisers (float)
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: (codes int8 [N, K], scales bfloat16 [N]); codes are rounded
+    against the bfloat16 scale the kernel uses; an all-zero row gets scale 1 (codes 0)."""
+    w = weight.detach().to(torch.float64)
+    amax = w.abs().amax(dim=1)
+    scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax)).to(KERNEL_DTYPE)
+    codes = torch.round(w / scales.to(torch.float64)[:, None]).clamp_(-128, 127).to(torch.int8)
+    return codes, scales
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Affine round-to-nearest 4-bit per group of 32 inputs (min..max of the group on 16 levels):
+    (codes uint8 [N, K], scales_zeros bfloat16 [K / 32, N, 2]); codes are rounded against the bfloat16
+    scale and zero the kernel uses."""
+    n, k = weight.shape
+    _check_int4_shape(n, k, "quantize_int4")
+    w = weight.detach().to(torch.float64).reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    lo, hi = w.amin(dim=2), w.amax(dim=2)
+    scale = torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(hi)).to(KERNEL_DTYPE)
+    zero = (lo + 8.0 * scale.to(torch.float64)).to(KERNEL_DTYPE)  # code * scale + lo = (code - 8) * scale + zero
+    s64, z64 = scale.to(torch.float64)[..., None], zero.to(torch.float64)[..., None]
+    codes = torch.round((w - z64) / s64 + 8.0).clamp_(0, 15)
+    scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/32, N, 2]
+    return codes.reshape(n, k).to(torch.uint8), scales_zeros
+
+
+def effective_weight(module: nn.Module) -> torch.Tensor:
+    """The float32 weight [N, K] a (quantized or dense) linear layer actually applies, read back through
+    its own kernel (identity input, exact in bfloat16), so that error reports measure what runs."""
+    if isinstance(module, nn.Linear):
+        return module.weight.detach().to(torch.float32)
+    eye = torch.eye(module.in_features, dtype=torch.float32)
+    bias = module.bias
+    module.bias = None
+    try:
+        out = module(eye)  # [K, N]: row i = W[:, i]
+    finally:
+        module.bias = bias
+    return out.t().contiguous()
+
+
+# ------------------------------------------------------------------------------------- GGUF Q4_K blocks
+Q4_K_BLOCK_BYTES = 144  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of 4-bit codes
+QK_K = 256
+
+
+def q4_k_decode(blocks: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K blocks of a [rows, cols] tensor -> (codes uint8 [rows, cols], scales float32 [rows, cols / 32],
+    mins float32 [rows, cols / 32]) with ``weight = scale * code - min`` per 32-weight sub-block.
+
+    Layout (ggml's block_q4_K): per 256 weights, fp16 ``d`` and ``dmin``, 8 pairs of 6-bit (sc, m) packed
+    in 12 bytes, and 128 bytes of codes; sub-block 2j takes the low nibbles of bytes 32j..32j+31, sub-block
+    2j+1 their high nibbles. ``scale = d * sc`` and ``min = dmin * m`` are exact in float32 (11 x 6 bits).
+    """
+    if cols % QK_K:
+        raise QuantizationError(f"Q4_K rows must be a multiple of {QK_K} weights, got {cols}")
+    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1, Q4_K_BLOCK_BYTES)
+    nb = b.shape[0]
+    if nb != rows * cols // QK_K:
+        raise QuantizationError(f"Q4_K: {nb} blocks for a [{rows}, {cols}] tensor")
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # [nb, 1]
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    s = b[:, 4:16]
+    sc = np.empty((nb, 8), dtype=np.uint8)
+    mn = np.empty((nb, 8), dtype=np.uint8)
+    sc[:, :4] = s[:, 0:4] & 63
+    mn[:, :4] = s[:, 4:8] & 63
+    sc[:, 4:] = (s[:, 8:12] & 0xF) | ((s[:, 0:4] >> 6) << 4)
+    mn[:, 4:] = (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)
+    qs = b[:, 16:].reshape(nb, 4, 32)  # 4 groups of 32 bytes, each two sub-blocks
+    codes = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(rows, cols)  # sub-block order 0..7
+    groups = cols // GROUP_SIZE
+    scale = (d * sc.astype(np.float32)).reshape(rows, groups)
+    mins = (dmin * mn.astype(np.float32)).reshape(rows, groups)
+    return codes.astype(np.uint8), scale, mins
+
+
+def q4_k_to_int4(blocks: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K blocks -> the int4 kernel's (codes uint8 [rows, cols], scales_zeros bfloat16 [cols / 32, rows,
+    2]) with ``(code - 8) * scale + zero ~= scale * code - min``: the GGUF's codes unchanged, scale and
+    zero ``8 * scale - min`` rounded to bfloat16 for the kernel."""
+    codes, scale, mins = q4_k_decode(blocks, rows, cols)
+    zero = (8.0 * scale.astype(np.float64) - mins.astype(np.float64)).astype(np.float32)
+    scales_zeros = torch.from_numpy(np.stack([scale, zero], axis=-1).transpose(1, 0, 2).copy()).to(KERNEL_DTYPE)
+    return torch.from_numpy(codes), scales_zeros
+
+
+# -------------------------------------------------------------------------------------- GGUF reading
+_GGUF_LINEAR_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}  # fmt: skip
+SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
+                        "Q5_K", "Q6_K")
+
+
+def gguf_linear_name(gguf_name: str) -> str | None:
+    """The Hugging Face (Qwen2/Llama layout) module name of a GGUF linear weight, or None if it is not one."""
+    if gguf_name == "output.weight":
+        return "lm_head"
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _GGUF_LINEAR_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LINEAR_NAMES[parts[2]]}"
+    return None
+
+
+@dataclass
+class GgufLinear:
+    """One linear weight of a GGUF file: its module name, type and a lazy float32 dequantisation."""
+
+    module: str
+    gguf_name: str
+    qtype: str
+    rows: int
+    cols: int
+    raw: np.ndarray
+
+    def dequantize(self) -> torch.Tensor:
+        import gguf
+
+        if self.qtype not in SUPPORTED_GGUF_TYPES:
+            raise QuantizationError(
+                f"GGUF tensor {self.gguf_name}: type {self.qtype} is not supported "
+                f"(supported: {', '.join(SUPPORTED_GGUF_TYPES)})"
+            )
+        qtype = gguf.GGMLQuantizationType[self.qtype]
+        w = gguf.quants.dequantize(self.raw, qtype)
+        return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(self.rows, self.cols))
+
+
+def gguf_linears(path: str | Path) -> Iterator[GgufLinear]:
+    """Every linear weight of a GGUF file (Qwen2/Llama tensor names), in file order."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    for t in reader.tensors:
+        module = gguf_linear_name(t.name)
+        if module is None:
+            continue
+        cols, rows = (int(x) for x in t.shape[:2])  # GGUF lists the innermost (input) dimension first
+        try:
+            qtype = gguf.GGMLQuantizationType(int(t.tensor_type)).name
+        except ValueError:
+            qtype = f"type id {int(t.tensor_type)}"
+        yield GgufLinear(module, t.name, qtype, rows, cols, t.data)
+
+
+# -------------------------------------------------------------------------------------- conversion
+def _int4_ok(n: int, k: int) -> bool:
+    return k % GROUP_SIZE == 0 and n % 8 == 0
+
+
+def quantized_state(
+    linears: Iterator[tuple[str, str, int, int, Callable[[], tuple[torch.Tensor, torch.Tensor]] | None,
+                            Callable[[], torch.Tensor]]],
+    fmt: str,
+) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """Quantize linear weights to ``fmt``. ``linears`` yields (module name, source type, N, K, exact int4
+    converter or None, float32 weight getter). Returns safetensors-ready tensors and per-module info
+    (kind, source type, max |error| and mean relative error of the applied weight, in exact arithmetic,
+    against the float32 weight)."""
+    if fmt not in INTEGER_FORMATS:
+        raise QuantizationError(f"not an integer format: {fmt!r} (integer formats: {', '.join(INTEGER_FORMATS)})")
+    tensors: dict[str, torch.Tensor] = {}
+    info: dict[str, dict] = {}
+    for module, qtype, n, k, exact_int4, dense in linears:
+        if fmt in ("int4", "int4-strict") and exact_int4 is not None and _int4_ok(n, k):
+            codes, sz = exact_int4()
+            kind = "int4"
+        elif fmt == "int4-strict" and _int4_ok(n, k):
+            codes, sz = quantize_int4(dense())
+            kind = "int4"
+        else:
+            codes, sz = quantize_int8(dense())
+            kind = "int8"
+        if kind == "int4":
+            packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()  # two codes a byte, low first
+            tensors[f"{module}.codes4"], tensors[f"{module}.scales_zeros"] = packed, sz
+            s64, z64 = (sz[..., i].double().t().repeat_interleave(GROUP_SIZE, dim=1) for i in (0, 1))
+            applied = (codes.double() - 8.0) * s64 + z64
+        else:
+            tensors[f"{module}.codes8"], tensors[f"{module}.scales"] = codes, sz
+            applied = codes.double() * sz.double()[:, None]
+        reference = dense().double()
+        err = (applied - reference).abs()
+        info[module] = {"kind": kind, "source": qtype, "shape": [n, k], "max_abs_error": float(err.max()),
+                        "mean_rel_error": float(err.mean() / reference.abs().mean().clamp_min(1e-30))}
+    return tensors, info
+
+
+def build_module(state: dict[str, torch.Tensor], module: str, bias: torch.Tensor | None) -> nn.Module:
+    """The quantized module ``module`` from cached tensors."""
+    if f"{module}.codes4" in state:
+        packed = state[f"{module}.codes4"]
+        codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+        return Int4Linear(codes, state[f"{module}.scales_zeros"], bias)
+    if f"{module}.codes8" in state:
+        return Int8Linear(state[f"{module}.codes8"], state[f"{module}.scales"], bias)
+    raise QuantizationError(f"no quantized weights for {module}")
+
+
+def replace_linears(model: nn.Module, state: dict[str, torch.Tensor], modules: list[str]) -> None:
+    """Swap each named ``nn.Linear`` of ``model`` for its quantized module (bias kept, float32)."""
+    for name in modules:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, child)
+        if not isinstance(old, nn.Linear):
+            raise QuantizationError(f"{name} is a {type(old).__name__}, not a Linear")
+        new = build_module(state, name, old.bias)
+        if (new.out_features, new.in_features) != (old.out_features, old.in_features):
+            raise QuantizationError(
+                f"{name}: quantized weight is [{new.out_features}, {new.in_features}], the model's "
+                f"[{old.out_features}, {old.in_features}]"
+            )
+        setattr(parent, child, new)
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """The linear layers a weight format applies to: every ``nn.Linear`` (projections and the LM head)."""
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def quantize_model(model: nn.Module, fmt: str) -> dict[str, dict]:
+    """Quantize ``model``'s linear layers in place from their current float weights (round to nearest;
+    models without a GGUF source, e.g. the tiny test pair). Returns per-module info with max errors."""
+    names = linear_names(model)
+
+    def source():
+        for name in names:
+            w = model.get_submodule(name).weight
+            yield name, str(w.dtype).removeprefix("torch."), w.shape[0], w.shape[1], None, (lambda w=w: w.detach().float())
+
+    state, info = quantized_state(source(), fmt)
+    model.to(torch.float32)
+    replace_linears(model, state, names)
+    return info
+
+
+# ------------------------------------------------------------------------------------------ the cache
+def quant_cache_dir(root: Path, name: str, fmt: str) -> Path:
+    return root / "quant" / name / fmt
+
+
+def ensure_quantized_gguf(gguf_path: Path, name: str, sha256: str, fmt: str, root: Path,
+                          progress: bool = True) -> Path:
+    """The cached ``fmt`` conversion of a GGUF's linear weights (built once; rebuilt if incomplete,
+    unreadable or from another source/version). Returns the directory holding ``weights.safetensors``
+    and the stamp."""
+    from safetensors.torch import save_file
+
+    final = quant_cache_dir(root, name, fmt)
+    if _cache_valid(final, sha256, fmt):
+        return final
+    start = time.perf_counter()
+
+    def source():
+        from tqdm.auto import tqdm
+
+        for lin in tqdm(list(gguf_linears(gguf_path)), desc=f"{name} -> {fmt}", disable=not progress):
+            exact = None
+            if lin.qtype == "Q4_K":
+                exact = lambda lin=lin: q4_k_to_int4(lin.raw, lin.rows, lin.cols)  # noqa: E731
+            elif lin.qtype not in SUPPORTED_GGUF_TYPES:
+                raise QuantizationError(
+                    f"{gguf_path.name}: tensor {lin.gguf_name} has GGUF type {lin.qtype}, which cannot be "
+                    f"converted (supported: {', '.join(SUPPORTED_GGUF_TYPES)})"
+                )
+            yield lin.module, lin.qtype, lin.rows, lin.cols, exact, lin.dequantize
+
+    tensors, info = quantized_state(source(), fmt)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{fmt}-", dir=final.parent))
+    try:
+        save_file(tensors, str(tmp / "weights.safetensors"))
+        stamp = {"version": QUANT_VERSION, "format": fmt, "source": gguf_path.name, "sha256": sha256,
+                 "modules": info, "seconds": round(time.perf_counter() - start, 1)}
+        (tmp / QUANT_STAMP).write_text(json.dumps(stamp, indent=1) + "\n")  # last: marks completion
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _cache_valid(path: Path, sha256: str, fmt: str) -> bool:
+    try:
+        stamp = json.loads((path / QUANT_STAMP).read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        stamp.get("version") == QUANT_VERSION and stamp.get("sha256") == sha256 and stamp.get("format") == fmt
+        and (path / "weights.safetensors").is_file()
+    )
+
+
+def load_quantized(model: nn.Module, path: Path) -> dict[str, dict]:
+    """Swap ``model``'s linears for the cached quantized ones at ``path``; returns the stamp's module info.
+    Raises ``QuantizationError`` if the cache is unreadable or does not fit the model."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        stamp = json.loads((path / QUANT_STAMP).read_text())
+        state = load_file(str(path / "weights.safetensors"))
+    except (OSError, ValueError, SafetensorError) as err:
+        raise QuantizationError(f"unreadable quantized cache {path}: {err}") from err
+    modules = sorted(stamp["modules"])
+    expected = set(linear_names(model))
+    if set(modules) != expected:
+        missing, extra = sorted(expected - set(modules))[:3], sorted(set(modules) - expected)[:3]
+        raise QuantizationError(f"quantized cache {path} does not fit the model (missing {missing}, extra {extra})")
+    model.to(torch.float32)
+    replace_linears(model, state, modules)
+    return stamp["modules"]
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights a forward reads: linear weights/codes/scales, norms, biases (embeddings excluded:
+    a forward reads only the rows of its tokens)."""
+    total = 0
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in embeddings or t.dtype == torch.int64:
+            continue
+        total += t.numel() * t.element_size()
+    return total
