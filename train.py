@@ -69,6 +69,9 @@ class TrainConfig:
     device whose verification cost is flat in the number of rows, try 4)."""
     max_depth: int = 8
     """Deepest draft level recorded (the depth policy's cap)."""
+    depth_zero: bool = True
+    """The depth policy also decides depth 0 (no draft this cycle: an autoregressive step), so it can switch
+    speculation off where it does not pay."""
     profile: str | None = None
     """Cost profile JSON; none: measured on first use and cached under cache_dir."""
     backend: str = "replay"
@@ -226,7 +229,8 @@ def train(config: TrainConfig, resume: Path | None = None, retrain: bool = False
     policy_device = "cuda" if config.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
     writer = SummaryWriter(str(run / "tb" / "validation"))
     writer.add_text("config", "```\n" + json.dumps(asdict(config), indent=1) + "\n```")
-    trainer = CoTrainer(backend, config.ppo, EnvConfig(reward=config.reward, rho=base["static_train_on_val"]),
+    env_config = EnvConfig(reward=config.reward, rho=base["static_train_on_val"], depth_zero=config.depth_zero)
+    trainer = CoTrainer(backend, config.ppo, env_config,
                         baseline, replay_eval(val_traces, profile), max_depth=config.max_depth,
                         device_feats=feats, seed=config.seed, device=policy_device,
                         tensorboard_dir=str(run / "tb"), eval_every=config.eval_every, writer=writer,
@@ -255,7 +259,8 @@ def train(config: TrainConfig, resume: Path | None = None, retrain: bool = False
                "phases": [asdict(h) for h in trainer.history]}
     path = save_policy(run / "policy.pt", depth_actor, size_actor, size_ladder=trainer.env_config.size_ladder,
                        tree_width=config.tree_width, max_depth=config.max_depth, device_feats=feats,
-                       pair=pair.name, profile=profile.to_dict(), train_config=asdict(config), metrics=metrics)
+                       pair=pair.name, profile=profile.to_dict(), train_config=asdict(config), metrics=metrics,
+                       depth_zero=config.depth_zero)
     (run / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     metrics["policy"] = str(path)
     return metrics

@@ -3,6 +3,10 @@ decoding. The engine owns this protocol; implementations live in ``policies``.
 
 Per cycle the engine drafts one step at a time and, after each step, asks ``should_continue``; when
 drafting stops it asks ``num_to_verify``; after verification it reports the cycle with ``observe``.
+A controller that sets ``decides_depth_zero`` is also asked ``should_continue`` before the first draft
+step (``state.depth == 0``): answering False makes the cycle an autoregressive step (depth 0: no draft,
+one target forward of the pending token), so a controller can switch speculation off where it does not
+pay. The draft catches up on the skipped tokens in its next draft step.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ class DraftState:
     """What a controller sees during a cycle (every field is a function of the committed prefix)."""
 
     depth: int
-    """Draft steps done so far in this cycle (>= 1 when asked)."""
+    """Draft steps done so far in this cycle (>= 1; 0 before the first step, for controllers with
+    ``decides_depth_zero``: then the frontier and node arrays are empty)."""
     frontier_scores: np.ndarray
     """[W] cumulative draft log-probs of the nodes the next step would expand, descending."""
     step_probs: np.ndarray
@@ -41,13 +46,15 @@ class Controller(ABC):
 
     tree_width: int = 1
     """Frontier width W and children per expanded node; 1 drafts a chain."""
+    decides_depth_zero: bool = False
+    """True: ``should_continue`` is also asked at depth 0 (draft at all this cycle?)."""
 
     def reset(self) -> None:  # noqa: B027 - optional hook
         """Called at the start of every request (clear per-request state)."""
 
     @abstractmethod
     def should_continue(self, state: DraftState) -> bool:
-        """After a draft step: draft one more level?"""
+        """After a draft step: draft one more level? (At depth 0, with ``decides_depth_zero``: draft at all?)"""
 
     @abstractmethod
     def num_to_verify(self, state: DraftState) -> int:

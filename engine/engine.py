@@ -120,7 +120,10 @@ class SpeculativeEngine:
             if controller is None or cap < 1:
                 record = self._autoregressive_step(req)
             else:
-                record = self._speculative_cycle(req, controller, cap)
+                go, ask_s = self._wants_draft(req, controller, cap)
+                # depth 0: the controller switched speculation off for this cycle
+                record = self._speculative_cycle(req, controller, cap) if go else self._autoregressive_step(req)
+                record.controller_s += ask_s
                 controller.observe(record)
             req.cycles.append(record)
             if self.config.validate_caches:
@@ -160,6 +163,18 @@ class SpeculativeEngine:
             check_finite(logits, "target")
         req.tokens.append(make_target_drawer(logits, self.sampling, req.generator)(0))
         return CycleRecord(ctx, 0, 0, 0, 0, 1, verify_s=self.clock() - t0, forward_s=t_fwd)
+
+    def _wants_draft(self, req: _Request, controller: Controller, cap: int) -> tuple[bool, float]:
+        """Depth 0: (draft this cycle?, seconds the controller took). Always True, without asking, for a
+        controller that does not decide depth 0."""
+        if not controller.decides_depth_zero:
+            return True, 0.0
+        t0 = self.clock()
+        empty = np.zeros(0, dtype=np.float32)
+        state = DraftState(depth=0, frontier_scores=empty, step_probs=empty, node_scores=empty,
+                           context_len=len(req.tokens), max_depth=cap, history=req.cycles)
+        go = bool(controller.should_continue(state))
+        return go, self.clock() - t0
 
     def _speculative_cycle(self, req: _Request, controller: Controller, cap: int) -> CycleRecord:
         clock, ctx = self.clock, len(req.tokens)

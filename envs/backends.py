@@ -39,9 +39,9 @@ class ReplayBackend:
     def __deepcopy__(self, memo):
         return self  # read-only after construction; gymnasium deep-copies make() kwargs
 
-    def new_episode(self, index: int, rng: np.random.Generator):
+    def new_episode(self, index: int, rng: np.random.Generator, depth_zero: bool = False):
         noise_rng = np.random.default_rng(int(rng.integers(2**31))) if self.time_noise else None
-        return replay_cycles(self.traces[index], self.profile, noise_rng)
+        return replay_cycles(self.traces[index], self.profile, noise_rng, depth_zero=depth_zero)
 
     def throughput_of(self, controller: Controller) -> float:
         return throughput([replay_generate(rt, controller, self.profile) for rt in self.traces])
@@ -77,10 +77,11 @@ class LiveLoop:
     """One live request driven message by message (the generator protocol, over a worker thread)."""
 
     def __init__(self, engine: SpeculativeEngine, prompt_ids: list[int], max_new_tokens: int, seed: int, width: int,
-                 recharge_profile=None):
+                 recharge_profile=None, depth_zero: bool = False):
         self.questions: queue.Queue = queue.Queue(maxsize=1)
         self.answers: queue.Queue = queue.Queue(maxsize=1)
         controller = _BridgeController(width, self.questions, self.answers)
+        controller.decides_depth_zero = depth_zero
         self.result = None
         self.recharge_profile, self.width = recharge_profile, width
         self._thread = threading.Thread(
@@ -136,10 +137,10 @@ class LiveBackend:
     def __deepcopy__(self, memo):
         return self  # shared by design (models, engine); per-episode state lives in each LiveLoop
 
-    def new_episode(self, index: int, rng: np.random.Generator) -> LiveLoop:
+    def new_episode(self, index: int, rng: np.random.Generator, depth_zero: bool = False) -> LiveLoop:
         seed = int(rng.integers(2**31))
         return LiveLoop(self.engine, self.prompts[index], self.max_new_tokens, seed, self.width,
-                        self.profile if self.timing == "profile" else None)
+                        self.profile if self.timing == "profile" else None, depth_zero=depth_zero)
 
     def throughput_of(self, controller: Controller) -> float:
         results = [self.engine.generate(p, self.max_new_tokens, controller=controller) for p in self.prompts]

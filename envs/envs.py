@@ -39,6 +39,9 @@ class EnvConfig:
     environment deterministic given its seed; the trainer moves rho between rollouts instead (``set_rho``)."""
     size_ladder: tuple[int, ...] = SIZE_LADDER
     """Verification sizes the size action indexes (capped by the nodes drafted)."""
+    depth_zero: bool = False
+    """Also decide depth 0 (draft at all this cycle?): the depth agent is asked before the first draft
+    step, and "stop" there makes the cycle an autoregressive step."""
 
     def __post_init__(self) -> None:
         if self.reward not in ("average", "throughput"):
@@ -78,7 +81,8 @@ class _DecisionEnv(gym.Env):
         for k in range(self.backend.num_episodes):
             self.episode_index = (first + k) % self.backend.num_episodes
             self.close()  # an unfinished live request must release its engine thread
-            self._loop = self.backend.new_episode(self.episode_index, self.np_random)
+            self._loop = self.backend.new_episode(self.episode_index, self.np_random,
+                                                  depth_zero=self.config.depth_zero)
             self.other.reset()
             self.ep_tokens, self.ep_seconds, self._continues = 0, 0.0, 0
             obs, _, terminated, info = self._advance(None)
@@ -117,8 +121,8 @@ class _DecisionEnv(gym.Env):
                 info = {"accepted": payload.accepted, "emitted": payload.emitted, "depth": payload.depth,
                         "num_verified": payload.num_verified, "cycle_s": payload.total_s - payload.controller_s}
                 reply = None
-            elif kind == "depth":
-                reply = self.other.should_continue(payload)
+            elif kind == "depth":  # at depth 0 only a controller that decides depth 0 is asked
+                reply = self.other.should_continue(payload) if payload.depth or self.other.decides_depth_zero else True
             else:
                 reply = self.other.num_to_verify(payload)
 

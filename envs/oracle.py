@@ -1,7 +1,7 @@
 """Hindsight oracle and exact static grid search in replay.
 
 The oracle knows every cycle's outcome in advance (it reads the trace) and picks, at every position, the
-(depth, size) that minimises the total remaining time; dynamic programming over (position, number of
+(depth, size) that minimises the total remaining time (depth 0, no draft, included); dynamic programming over (position, number of
 draft pending inputs) makes that exact for the recorded trajectory under the cost profile's expected
 times. No real controller can beat it on that trajectory: it is the upper bound learned policies are
 measured against.
@@ -39,9 +39,11 @@ def oracle_plan(rt: ReplayTrace, profile, sizes: Sequence[int] = SIZE_LADDER) ->
     for t in range(n - 2, -1, -1):
         ctx, cap = rt.context_len(t), rt.depth_cap(t)
         for p in range(1, max_pending + 1):
-            value, act = np.inf, (0, 0)
-            if cap < 1:  # the engine itself decodes this step autoregressively
-                value = profile.verify_s(0, ctx) + profile.overhead_s(0, depth=0) + best[t + 1, min(p + 1, max_pending)]
+            # depth 0 (no draft: an autoregressive step; the draft falls one more token behind) is always an
+            # option, and the only one where the engine caps the depth at 0. Pending counts beyond
+            # max_pending are charged as max_pending: optimistic, so the oracle stays an upper bound.
+            value = profile.verify_s(0, ctx) + profile.overhead_s(0, depth=0) + best[t + 1, min(p + 1, max_pending)]
+            act = (0, 0)
             for depth in range(1, cap + 1):
                 draft = profile.draft_chunk_s(p, ctx) + (depth - 1) * profile.draft_step_s(rt.width, ctx)
                 drafted = rt.num_drafted(t, depth)
@@ -60,6 +62,8 @@ def oracle_plan(rt: ReplayTrace, profile, sizes: Sequence[int] = SIZE_LADDER) ->
 
 class OracleController(Controller):
     """Plays an ``OraclePlan`` in replay (it needs the future: replay only)."""
+
+    decides_depth_zero = True
 
     def __init__(self, rt: ReplayTrace, plan: OraclePlan):
         self.tree_width = rt.width
@@ -80,7 +84,7 @@ class OracleController(Controller):
 
     def observe(self, record: CycleRecord) -> None:
         depth, _ = self._action()
-        self.pending = self.rt.pending_after(self.t, depth, record.accepted)
+        self.pending = self.pending + 1 if depth == 0 else self.rt.pending_after(self.t, depth, record.accepted)
         self.t += record.emitted
 
 

@@ -109,7 +109,12 @@ class ReplayTrace:
         return t + 1 >= len(self.trace.tokens)
 
     def state(self, t: int, depth: int, history: Sequence[CycleRecord]) -> DraftState:
-        """The DraftState the live engine shows a controller after draft step ``depth`` at position t."""
+        """The DraftState the live engine shows a controller after draft step ``depth`` at position t
+        (depth 0: before the first step, empty arrays)."""
+        if depth == 0:
+            empty = np.zeros(0, dtype=np.float32)
+            return DraftState(depth=0, frontier_scores=empty, step_probs=empty, node_scores=empty,
+                              context_len=self.context_len(t), max_depth=self.depth_cap(t), history=history)
         pos = self.position(t)
         view = pos.views.get(depth)
         if view is None:
@@ -160,16 +165,21 @@ class ReplayTrace:
 
 
 def replay_cycles(
-    rt: ReplayTrace, profile=None, rng: np.random.Generator | None = None, speculative: bool = True
+    rt: ReplayTrace, profile=None, rng: np.random.Generator | None = None, speculative: bool = True,
+    depth_zero: bool = False,
 ) -> Generator[tuple[str, object], object, None]:
     """The engine's cycle loop on a trace, as a coroutine: yields ``("depth", DraftState)`` (send a bool:
     continue?), ``("size", DraftState)`` (send the number of nodes to verify) and ``("cycle",
     CycleRecord)`` (send None) after every cycle. Times come from ``profile`` (expected values, or with
-    sampled noise when ``rng`` is given). ``speculative=False`` decodes autoregressively."""
+    sampled noise when ``rng`` is given). ``speculative=False`` decodes autoregressively.
+    ``depth_zero``: also ask ``("depth", state at depth 0)`` before drafting (the engine does so for
+    controllers with ``decides_depth_zero``); False makes the cycle an autoregressive step."""
     records: list[CycleRecord] = []
     t, pending = 0, 1
     while not rt.done(t):
         cap = rt.depth_cap(t)
+        if speculative and cap >= 1 and depth_zero and not (yield ("depth", rt.state(t, 0, records))):
+            cap = 0  # depth 0 chosen: an autoregressive step, the draft falls one more token behind
         if not speculative or cap < 1:
             rec = CycleRecord(rt.context_len(t), 0, 0, 0, 0, 1)
             charge_times(rec, profile, rng, pending=0, width=rt.width)
@@ -204,7 +214,8 @@ def replay_generate(
         if controller.tree_width != rt.width:
             raise ValueError(f"controller tree_width {controller.tree_width} != trace tree_width {rt.width}")
         controller.reset()
-    loop = replay_cycles(rt, profile, rng, speculative=controller is not None)
+    loop = replay_cycles(rt, profile, rng, speculative=controller is not None,
+                         depth_zero=controller is not None and controller.decides_depth_zero)
     records, ctrl_s, reply = [], 0.0, None
     while True:
         try:

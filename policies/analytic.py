@@ -9,6 +9,10 @@ an exponential average of accepted / predicted over past cycles.
 * Size: V maximising (1 + E(V)) / (t_draft + t_verify(V) + t_overhead(V)), V on the ladder.
 * Depth: continue while the best ratio after one more level (its nodes predicted from the frontier and
   the last step's probabilities) beats the best ratio now.
+* Depth 0 (draft at all?): from the per-token acceptance of the recent speculative cycles (geometric
+  maximum likelihood), the article's expected tokens per cycle E(alpha, d) = (1 - alpha^(d+1)) / (1 - alpha)
+  over the cost of drafting d and verifying d, at the best d, against one autoregressive step's 1 / T(0).
+  While speculation is off, it drafts again every ``probe_every`` cycles to refresh the estimate.
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ class AnalyticController(Controller):
     """Cost-model controller; ``profile`` provides draft_step_s(width, ctx), verify_s(nodes, ctx) and
     overhead_s(nodes) (``engine.profile.CostProfile``)."""
 
+    decides_depth_zero = True
+
     def __init__(self, profile, tree_width: int = 1, max_depth: int = 16, ladder: tuple[int, ...] = LADDER,
-                 smoothing: float = 0.2):
+                 smoothing: float = 0.2, probe_every: int = 8):
         if profile is None:
             raise ValueError("AnalyticController needs a cost profile (python -m engine.profile)")
         self.profile, self.tree_width, self.max_depth = profile, tree_width, max_depth
-        self.ladder, self.smoothing = np.asarray(ladder), smoothing
+        self.ladder, self.smoothing, self.probe_every = np.asarray(ladder), smoothing, probe_every
         self.reset()
 
     def reset(self) -> None:
@@ -55,7 +61,31 @@ class AnalyticController(Controller):
         return float(ratio[i]), int(sizes[i])
 
     # ------------------------------------------------------------------------------------ decisions
+    def speculation_pays(self, state: DraftState) -> bool:
+        """Depth 0: is drafting expected to beat an autoregressive step, given recent acceptance?"""
+        history = state.history
+        off = 0
+        while off < len(history) and history[-1 - off].depth == 0:
+            off += 1
+        recent = [r for r in history[-16:] if r.depth > 0 and r.num_verified > 0]
+        if not recent or off >= self.probe_every:
+            return True
+        accepted = sum(r.accepted for r in recent)
+        rejected = sum(r.accepted < r.num_verified for r in recent)
+        alpha = min(accepted / max(accepted + rejected, 1e-9), 0.99)
+        ctx, width, p = state.context_len, self.tree_width, self.profile
+        autoregressive = 1.0 / (p.verify_s(0, ctx) + p.overhead_s(0, depth=0))
+        best = 0.0
+        for d in range(1, max(1, min(self.max_depth, state.max_depth)) + 1):
+            tokens = (1.0 - alpha ** (d + 1)) / (1.0 - alpha)
+            cost = (d * p.draft_step_s(width, ctx) + p.verify_s(d, ctx, chain=width == 1)
+                    + p.overhead_s(d, depth=d, tree_width=width))
+            best = max(best, tokens / cost)
+        return best > autoregressive
+
     def should_continue(self, state: DraftState) -> bool:
+        if state.depth == 0:
+            return self.speculation_pays(state)
         if state.depth >= self.max_depth:
             return False
         ctx = state.context_len

@@ -96,7 +96,9 @@ class LearnedController(Controller):
 
     def __init__(self, depth_actor: Actor | None, size_actor: Actor | None, *, size_ladder: Sequence[int],
                  tree_width: int, max_depth: int, device_feats: np.ndarray, fallback: Controller | None = None,
-                 meta: dict[str, Any] | None = None):
+                 meta: dict[str, Any] | None = None, depth_zero: bool = False):
+        """``depth_zero``: the depth actor was trained to decide depth 0 too (draft at all?); policies
+        trained without it always draft."""
         if (depth_actor is None or size_actor is None) and fallback is None:
             raise ValueError("a LearnedController without both actors needs a fallback controller")
         if fallback is not None and fallback.tree_width != tree_width:
@@ -106,6 +108,7 @@ class LearnedController(Controller):
         self.tree_width, self.max_depth = int(tree_width), int(max_depth)
         self.device_feats = np.asarray(device_feats, dtype=np.float32)
         self.meta = meta or {}
+        self.decides_depth_zero = bool(depth_zero)
 
     def _capped(self, state: DraftState) -> DraftState:
         # the policy was trained on trees of depth <= max_depth (replay's cap): show it the same cap
@@ -121,6 +124,8 @@ class LearnedController(Controller):
         if state.depth >= self.max_depth:
             return False
         if self.depth_actor is None:
+            if state.depth == 0 and not self.fallback.decides_depth_zero:
+                return True
             return self.fallback.should_continue(state)
         return bool(self.depth_actor.act(depth_observation(self._capped(state), self.device_feats)))
 
@@ -142,14 +147,14 @@ class LearnedController(Controller):
 
 def save_policy(path: str | Path, depth_actor: Actor, size_actor: Actor, *, size_ladder: Sequence[int],
                 tree_width: int, max_depth: int, device_feats: np.ndarray, pair: str, profile: dict | None,
-                train_config: dict | None = None, metrics: dict | None = None) -> Path:
+                train_config: dict | None = None, metrics: dict | None = None, depth_zero: bool = False) -> Path:
     """Write one standalone policy file (both actors and everything needed to use them)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "feature_version": FEATURE_VERSION,
         "depth": depth_actor.to_spec(), "size": size_actor.to_spec(), "size_ladder": [int(s) for s in size_ladder],
-        "tree_width": int(tree_width), "max_depth": int(max_depth),
+        "tree_width": int(tree_width), "max_depth": int(max_depth), "depth_zero": bool(depth_zero),
         "device_features": [float(x) for x in np.asarray(device_feats).ravel()], "pair": str(pair),
         "profile": json.dumps(profile, default=str), "train_config": json.dumps(train_config or {}, default=str),
         "metrics": json.dumps(metrics or {}, default=str),
@@ -186,6 +191,7 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", profile=No
     try:
         ladder = [int(s) for s in data["size_ladder"]]
         width, max_depth = int(data["tree_width"]), int(data["max_depth"])
+        depth_zero = bool(data.get("depth_zero", False))  # files written before depth 0 existed: always draft
         feats = np.asarray(data["device_features"], dtype=np.float32)
         meta = {key: json.loads(data[key]) for key in ("profile", "train_config", "metrics")}
     except (KeyError, TypeError, ValueError) as err:
@@ -196,4 +202,4 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", profile=No
         feats = device_features(profile, width)
     meta.update(pair=data.get("pair"), path=str(path))
     return LearnedController(depth, size, size_ladder=ladder, tree_width=width, max_depth=max_depth,
-                             device_feats=feats, meta=meta)
+                             device_feats=feats, meta=meta, depth_zero=depth_zero)

@@ -131,13 +131,14 @@ class CoTrainer:
         """Both decisions from the given actors, a fresh baseline for any that is missing."""
         return LearnedController(depth, size, size_ladder=self.env_config.size_ladder, tree_width=self.backend.width,
                                  max_depth=self.max_depth, device_feats=self.device_feats,
-                                 fallback=None if depth is not None and size is not None else self.baseline())
+                                 fallback=None if depth is not None and size is not None else self.baseline(),
+                                 depth_zero=self.env_config.depth_zero)
 
     # ----------------------------------------------------------------------------------------- phases
     def _make_venv(self, name: str, other_factory: Callable[[], Controller]) -> VecNormalize:
         env_cls = SizeEnv if name == "size" else DepthEnv
         config = EnvConfig(reward=self.env_config.reward, rho=self.rho, rho_update=0.0,
-                           size_ladder=self.env_config.size_ladder)
+                           size_ladder=self.env_config.size_ladder, depth_zero=self.env_config.depth_zero)
         fns = [lambda: env_cls(self.backend, other_factory(), config) for _ in range(self.ppo.n_envs)]
         venv = DummyVecEnv(fns)
         venv.seed(self.seed + (0 if name == "size" else 1000) + 10 * len(self.history))

@@ -6,12 +6,15 @@ from engine.control import Controller, DraftState
 
 
 class StaticController(Controller):
-    """Draft ``depth`` levels (``tree_width`` > 1 drafts a tree), verify the top ``verify`` nodes."""
+    """Draft ``depth`` levels (``tree_width`` > 1 drafts a tree), verify the top ``verify`` nodes; depth 0
+    never drafts (autoregressive decoding through the speculative loop)."""
+
+    decides_depth_zero = True
 
     def __init__(self, depth: int = 4, verify: int | None = None, tree_width: int = 1):
-        for name, value in (("depth", depth), ("tree_width", tree_width)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name, value, low in (("depth", depth, 0), ("tree_width", tree_width, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         verify = depth if verify is None else verify
         if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
             raise ValueError(f"verify must be an integer >= 0, got {verify!r}")

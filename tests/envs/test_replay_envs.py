@@ -16,7 +16,7 @@ from engine.tree import DraftTree
 from envs import EnvConfig, ReplayBackend, ReplayTrace, replay_generate, throughput
 from envs.oracle import OracleController, oracle_plan, oracle_throughput, static_grid
 from envs.replay import SIZE_LADDER
-from policies import AnalyticController, HeuristicController, StaticController
+from policies import AnalyticController, ConfidenceController, HeuristicController, StaticController
 from tests_envs_helpers import make_synthetic_trace
 
 
@@ -155,3 +155,40 @@ def test_bad_inputs(linear_profile):
                    depth_controller=StaticController(4, 8, tree_width=2)).unwrapped
     with pytest.raises(RuntimeError, match="reset"):
         env.step(0)
+
+
+def test_depth_zero_decisions_in_the_depth_env(linear_profile):
+    """With ``depth_zero`` the depth agent is asked before the first draft step; "stop" there is a
+    depth-0 (autoregressive) cycle. Always stopping at depth 0 decodes the trace autoregressively, and
+    the average reward still sums to tokens - rho * time."""
+    env = gym.make("draftpilot/ReplayDepth-v0", backend=_backend(linear_profile),
+                   size_controller=StaticController(6, 8, tree_width=2),
+                   config=EnvConfig(rho=20.0, depth_zero=True)).unwrapped
+    obs, _ = env.reset(seed=3)
+    assert env._state.depth == 0 and obs.shape == env.observation_space.shape
+    total, term, depths = 0.0, False, []
+    while not term:
+        _, reward, term, _, info = env.step(0)
+        total += reward
+        if "depth" in info:
+            depths.append(info["depth"])
+    assert set(depths) == {0}
+    assert info["episode_tokens"] == len(env.backend.traces[env.episode_index].trace.tokens) - 1
+    assert total == pytest.approx(info["episode_tokens"] - 20.0 * info["episode_s"], abs=1e-9)
+    check_env(env)
+
+
+def test_depth_zero_in_the_size_env_asks_only_controllers_that_decide_it(linear_profile):
+    """The size env forwards depth-0 questions to its depth controller only if that controller decides
+    depth 0 (StaticController(0) then never drafts: no size decision is ever asked); others always draft."""
+    backend = _backend(linear_profile)
+    env = gym.make("draftpilot/ReplaySize-v0", backend=backend, depth_controller=StaticController(0, tree_width=2),
+                   config=EnvConfig(depth_zero=True)).unwrapped
+    with pytest.raises(ValueError, match="no episode of this backend has a size decision"):
+        env.reset(seed=0)  # every episode runs to its end without drafting, so without a size decision
+    confidence = ConfidenceController(0.0, max_depth=3, tree_width=2)  # never decides depth 0
+    assert not confidence.decides_depth_zero
+    env = gym.make("draftpilot/ReplaySize-v0", backend=backend, depth_controller=confidence,
+                   config=EnvConfig(depth_zero=True)).unwrapped
+    env.reset(seed=0)
+    assert env._state.depth == 3

@@ -29,8 +29,23 @@ def recorded(tiny_pair):
     return out
 
 
+class EveryThird(StaticController):
+    """Depth 0 (no draft) on every third cycle: replay must skip the same cycles and let the draft catch up
+    on the same pending tokens as the engine."""
+
+    def reset(self):
+        self.n = 0
+
+    def should_continue(self, state):
+        if state.depth == 0:
+            self.n += 1
+            return self.n % 3 != 0
+        return super().should_continue(state)
+
+
 def _controllers(width):
-    grid = [StaticController(d, v, tree_width=width) for d in (1, 2, 4, 6) for v in (1, 2, 3, 5, 8, 64)]
+    grid = [StaticController(d, v, tree_width=width) for d in (0, 1, 2, 4, 6) for v in (1, 2, 3, 5, 8, 64)]
+    grid += [EveryThird(2, 3, tree_width=width), EveryThird(4, 8, tree_width=width)]
     grid.append(ConfidenceController(0.3, max_depth=MAX_DEPTH, tree_width=width, max_verify=6))
     if width == 1:
         grid.append(HeuristicController(2, max_depth=MAX_DEPTH))

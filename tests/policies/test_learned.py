@@ -70,6 +70,7 @@ def test_training_smoke_exports_a_loadable_policy(tmp_path, tiny_pair):
     assert any((path.parent / "tb").rglob("events.out.tfevents*"))
     ctrl = load_policy(path)
     assert isinstance(ctrl, LearnedController) and ctrl.tree_width == config.tree_width
+    assert ctrl.decides_depth_zero  # train.py trains the depth-0 decision by default
     for key in ("learned_on_val", "static_best_on_val", "analytic_on_val", "oracle_on_val"):
         assert np.isfinite(metrics[key]) and metrics[key] > 0
     # no controller beats the hindsight oracle on the validation traces
@@ -113,6 +114,10 @@ def test_policy_file_round_trip_is_exact(tiny_data, tmp_path):
     path = save_policy(tmp_path / "p.pt", depth, size, size_ladder=trainer.env_config.size_ladder, tree_width=2,
                        max_depth=4, device_feats=np.zeros(3), pair="tiny", profile=None)
     loaded = load_policy(path)
+    assert not loaded.decides_depth_zero  # trained without depth-0 decisions: it always drafts
+    path0 = save_policy(tmp_path / "p0.pt", depth, size, size_ladder=trainer.env_config.size_ladder, tree_width=2,
+                        max_depth=4, device_feats=np.zeros(3), pair="tiny", profile=None, depth_zero=True)
+    assert load_policy(path0).decides_depth_zero
     obs = np.random.default_rng(1).uniform(0, 2, (50, depth.weights[0].shape[1])).astype(np.float32)
     assert [depth.act(o) for o in obs] == [loaded.depth_actor.act(o) for o in obs]
     assert torch.allclose(depth.logits(obs), loaded.depth_actor.logits(obs), atol=1e-6)

@@ -17,7 +17,7 @@ def state(depth: int) -> DraftState:
 
 
 @pytest.mark.parametrize("kwargs", [
-    {"depth": 0}, {"depth": -1}, {"depth": 1.5}, {"depth": True}, {"depth": "4"},
+    {"depth": -1}, {"depth": 1.5}, {"depth": True}, {"depth": "4"},
     {"tree_width": 0}, {"tree_width": 2.0}, {"tree_width": False},
     {"verify": -1}, {"verify": 1.5}, {"verify": True},
 ])
@@ -59,3 +59,57 @@ def test_engine_drafts_exactly_depth_and_verifies_min_of_verify_and_nodes(tiny_p
         # a level adds tree_width children per frontier node, the frontier keeps the tree_width best
         assert cycle.num_drafted == tree_width + (cap - 1) * tree_width**2
         assert cycle.num_verified == min(ctrl.verify, cycle.num_drafted)
+
+
+def test_depth_zero_is_autoregressive_decoding_through_the_loop(tiny_pair):
+    """StaticController(0) never drafts: every cycle is a depth-0 step, tokens equal autoregressive
+    decoding, and the controller is asked at depth 0 (and told every cycle)."""
+    engine = SpeculativeEngine(tiny_pair)
+    ids = tiny_pair.encode("def main():")
+    ar = engine.generate(ids, max_new_tokens=16)
+    off = engine.generate(ids, max_new_tokens=16, controller=StaticController(0))
+    assert off.tokens == ar.tokens
+    assert all(c.depth == 0 and c.num_drafted == 0 and c.emitted == 1 for c in off.cycles)
+    assert StaticController(0).should_continue(state(0)) is False
+    assert StaticController(2).should_continue(state(0)) is True
+
+
+class Alternating(StaticController):
+    """Drafts (depth 2) every other cycle, switches speculation off in between."""
+
+    def reset(self):
+        self.n = 0
+
+    def should_continue(self, st):
+        if st.depth == 0:
+            self.n += 1
+            return self.n % 2 == 0
+        return super().should_continue(st)
+
+
+def test_mixed_depth_zero_cycles_stay_exact_and_the_draft_catches_up(tiny_pair):
+    from engine import EngineConfig
+
+    engine = SpeculativeEngine(tiny_pair, config=EngineConfig(validate_caches=True))
+    ids = tiny_pair.encode("The quick brown fox")
+    ar = engine.generate(ids, max_new_tokens=24)
+    mixed = engine.generate(ids, max_new_tokens=24, controller=Alternating(2, 2))
+    assert mixed.tokens == ar.tokens
+    depths = [c.depth for c in mixed.cycles]
+    assert 0 in depths and 2 in depths
+
+
+def test_depth_zero_not_asked_of_controllers_that_do_not_decide_it(tiny_pair):
+    asked = []
+
+    class Recorder(Controller):
+        def should_continue(self, st):
+            asked.append(st.depth)
+            return st.depth < 2
+
+        def num_to_verify(self, st):
+            return 2
+
+    engine = SpeculativeEngine(tiny_pair)
+    engine.generate(tiny_pair.encode("x"), max_new_tokens=8, controller=Recorder())
+    assert asked and min(asked) == 1
