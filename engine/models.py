@@ -18,8 +18,13 @@ class IncompatiblePairError(ValueError):
 # Chosen by measurement on the development CPU (benchmarks/dtype_cpu.py; README has the table).
 DEFAULT_CPU_DTYPE = torch.float32
 DEFAULT_CUDA_DTYPE = torch.bfloat16
-# The weight format ``weights="auto"`` means (engine.quant; chosen by measurement, README "Quantized").
+# What ``weights="auto"`` means (engine.quant; chosen by measurement: benchmarks/quant_cpu.py, README
+# "Quantized execution"): on the CPU an int4 target (the GGUF's Q4_K codes as they are: exact greedy
+# decoding, 5x float32's speed) and a 4-bit draft (c = 0.40 of a target step against 0.59 with the
+# draft's 5-8 bit tensors in int8; the draft is only a proposal, so its rounding costs acceptance, never
+# exactness).
 DEFAULT_CPU_WEIGHTS = "int4"
+DEFAULT_CPU_DRAFT_WEIGHTS = "int4-strict"
 DEFAULT_CUDA_WEIGHTS = "bfloat16"
 
 
@@ -39,6 +44,8 @@ class ModelPair:
     """Weight format of the draft's linear layers."""
     quant_info: dict | None = None
     """Per-module conversion info of quantized models (kind, source type), {"target": ..., "draft": ...}."""
+    draft_vocab: int = 0
+    """Tokens the draft's LM head keeps (0: the whole vocabulary; ``engine.quant.RestrictedHead``)."""
 
     @property
     def precision(self) -> str:
@@ -46,7 +53,8 @@ class ModelPair:
         "target+draft" formats when they differ."""
         target = self.weights or str(self.dtype).removeprefix("torch.")
         draft = self.draft_weights or target
-        return target if draft == target else f"{target}+{draft}"
+        label = target if draft == target else f"{target}+{draft}"
+        return f"{label}-dv{self.draft_vocab}" if self.draft_vocab else label
 
     @property
     def device(self) -> torch.device:
@@ -117,6 +125,7 @@ def load_pair(
     random_weights: bool = False,
     weights: str | None = "auto",
     draft_weights: str | None = None,
+    draft_vocab: int | None = None,
 ) -> ModelPair:
     """Load a model pair.
 
@@ -128,12 +137,20 @@ def load_pair(
 
     ``weights``: the target's weight format (``engine.quant``): "float32", "bfloat16", "int8", "int4",
     "int4-strict", or "auto" (the dense ``dtype`` if one is named, else int4 on CPU, bfloat16 on CUDA);
-    ``draft_weights`` the draft's (default: the same). Integer formats of the default pair are converted
+    ``draft_weights`` the draft's (default: the target's format; with both on "auto" on the CPU,
+    int4-strict). Integer formats of the default pair are converted
     from the GGUF blocks once and cached; other pairs are quantized from their float weights at load.
+    ``draft_vocab``: the draft's LM head keeps only this many tokens (``engine.quant.draft_vocab_ids``;
+    a cheaper draft step, exactness untouched); None or 0 keeps the whole vocabulary.
     """
     dev = resolve_device(device)
     fmt = resolve_weights(weights, dtype, dev)
-    draft_fmt = resolve_weights(draft_weights, "auto", dev) if draft_weights not in (None, "auto") else fmt
+    if draft_weights not in (None, "auto"):
+        draft_fmt = resolve_weights(draft_weights, "auto", dev)
+    elif weights in (None, "auto") and isinstance(dtype, str) and dtype == "auto" and dev.type == "cpu":
+        draft_fmt = DEFAULT_CPU_DRAFT_WEIGHTS  # the device default, as for the target
+    else:
+        draft_fmt = fmt
     if (name is None) == (target is None and draft is None) or (target is None) != (draft is None):
         raise ValueError("give either a pair name, or both target= and draft=")
     if name == "tiny":
@@ -142,16 +159,19 @@ def load_pair(
         tgt, dft, tok = build_tiny_pair(dtype=_dense_dtype(fmt, dtype, dev))
         if draft_fmt != fmt:
             dft = dft.to(_dense_dtype(draft_fmt, dtype, dev))
-        info = _quantize_in_place(tgt, fmt), _quantize_in_place(dft, draft_fmt)
-        return _make_pair(tgt.to(dev), dft.to(dev), tok, tok, "tiny", fmt, draft_fmt, info)
+        rows = _head_rows(dft, tok, draft_vocab)
+        info = _convert(tgt, fmt), _convert(dft, draft_fmt, head_rows=rows)
+        return _make_pair(tgt.to(dev), dft.to(dev), tok, tok, "tiny", fmt, draft_fmt, info, draft_vocab)
     if random_weights:
         from engine.random_pair import build_random_pair
 
         if name is None:
             raise ValueError("random_weights=True needs a pair name (the architecture to build)")
         pair = build_random_pair(name, dtype=_dense_dtype(fmt, dtype, dev), device=dev)
-        info = _quantize_in_place(pair.target, fmt), _quantize_in_place(pair.draft, draft_fmt)
-        return _make_pair(pair.target, pair.draft, pair.tokenizer, pair.tokenizer, pair.name, fmt, draft_fmt, info)
+        rows = _head_rows(pair.draft, pair.tokenizer, draft_vocab)
+        info = _convert(pair.target, fmt), _convert(pair.draft, draft_fmt, head_rows=rows)
+        return _make_pair(pair.target, pair.draft, pair.tokenizer, pair.tokenizer, pair.name, fmt, draft_fmt, info,
+                          draft_vocab)
     specs = None
     if name is not None:
         from engine.weights import DEFAULT_PAIRS, ensure_default_pair
@@ -165,17 +185,14 @@ def load_pair(
     tgt_tok = AutoTokenizer.from_pretrained(str(target))
     dft_tok = AutoTokenizer.from_pretrained(str(draft))
     models, infos = [], []
-    for path, f, spec in ((target, fmt, specs and specs[0]), (draft, draft_fmt, specs and specs[1])):
+    for path, f, spec, tok in ((target, fmt, specs and specs[0], None),
+                               (draft, draft_fmt, specs and specs[1], dft_tok)):
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_dense_dtype(f, dtype, dev)).eval()
-        if spec is not None and f in _integer_formats():
-            from engine.weights import load_quantized_spec
-
-            infos.append(load_quantized_spec(model, spec, f, progress=progress))
-        else:
-            infos.append(_quantize_in_place(model, f))
+        rows = _head_rows(model, tok, draft_vocab) if tok is not None else None
+        infos.append(_convert(model, f, spec, rows, progress))
         models.append(model.to(dev))
     return _make_pair(models[0], models[1], tgt_tok, dft_tok, name or f"{target}+{draft}", fmt, draft_fmt,
-                      tuple(infos))
+                      tuple(infos), draft_vocab)
 
 
 def _integer_formats() -> tuple[str, ...]:
@@ -192,16 +209,37 @@ def _dense_dtype(fmt: str, dtype: str | torch.dtype, device: torch.device) -> to
     return resolve_dtype(fmt, device)
 
 
-def _quantize_in_place(model, fmt: str) -> dict | None:
-    if fmt not in _integer_formats():
+def _head_rows(model, tokenizer, draft_vocab: int | None) -> torch.Tensor | None:
+    """The token ids a restricted draft head keeps (None: all)."""
+    if not draft_vocab:
         return None
-    from engine.quant import quantize_model
+    from engine.quant import draft_vocab_ids
 
-    return quantize_model(model, fmt)
+    always = set(getattr(tokenizer, "all_special_ids", None) or [])
+    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
+        ids = getattr(src, "eos_token_id", None)
+        always.update([ids] if isinstance(ids, int) else (ids or []))
+    return draft_vocab_ids(draft_vocab, model.get_output_embeddings().out_features, always)
+
+
+def _convert(model, fmt: str, spec=None, head_rows: torch.Tensor | None = None, progress: bool = True) -> dict | None:
+    """Put ``model`` in weight format ``fmt`` (integer formats: from ``spec``'s GGUF blocks when given, else
+    from its float weights) with its LM head restricted to ``head_rows``; returns the conversion info."""
+    from engine import quant
+
+    if fmt in quant.INTEGER_FORMATS:
+        if spec is not None:
+            from engine.weights import load_quantized_spec
+
+            return load_quantized_spec(model, spec, fmt, progress=progress, head_rows=head_rows)
+        return quant.quantize_model(model, fmt, head_rows)
+    if head_rows is not None:
+        quant.restrict_dense_head(model, head_rows)
+    return None
 
 
 def _make_pair(target, draft, target_tok, draft_tok, name: str, weights: str = "", draft_weights: str = "",
-               info: tuple | None = None) -> ModelPair:
+               info: tuple | None = None, draft_vocab: int | None = None) -> ModelPair:
     check_compatible(target, draft, target_tok, draft_tok)
     for model in (target, draft):
         model.requires_grad_(False)
@@ -216,7 +254,7 @@ def _make_pair(target, draft, target_tok, draft_tok, name: str, weights: str = "
     return ModelPair(target, draft, target_tok, name, frozenset(int(i) for i in eos), max_context,
                      weights or str(next(target.parameters()).dtype).removeprefix("torch."),
                      draft_weights or weights or str(next(draft.parameters()).dtype).removeprefix("torch."),
-                     quant_info)
+                     quant_info, int(draft_vocab or 0))
 
 
 def check_compatible(target, draft, target_tok, draft_tok) -> None:

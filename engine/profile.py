@@ -330,7 +330,8 @@ def main(argv: list[str] | None = None) -> CostProfile:
     parser.add_argument("--weights", default="auto", help="weight format of the target's linears: auto (int4 on "
                         "CPU, bfloat16 on CUDA; the dense --dtype if one is named), float32, bfloat16, int8, int4, "
                         "int4-strict")
-    parser.add_argument("--draft-weights", default="auto", help="weight format of the draft (default: as --weights)")
+    parser.add_argument("--draft-weights", default="auto", help="weight format of the draft (auto: int4-strict when --weights is auto on CPU, else as --weights)")
+    parser.add_argument("--draft-vocab", type=int, default=0, help="tokens the draft's LM head keeps (0: all; e.g. 32768: the most frequent by the tokenizer's merge order; exact either way)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda:0, ...")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="small grids, 2 reps (explicit grid flags win)")

@@ -342,5 +342,5 @@ def measure_profile_cli(args: argparse.Namespace, config: ProfileConfig) -> Cost
     if args.threads:
         torch.set_num_threads(args.threads)
     pair = load_pair(args.pair, dtype=args.dtype, device=args.device, random_weights=args.random_weights,
-                     weights=args.weights, draft_weights=args.draft_weights)
+                     weights=args.weights, draft_weights=args.draft_weights, draft_vocab=args.draft_vocab)
     return measure_profile(pair, config, random_weights=args.random_weights)

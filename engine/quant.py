@@ -14,7 +14,8 @@ Weight formats (``WEIGHT_FORMATS``) of a model's linear layers (attention and ML
   stores with more bits (Q5_0, Q6_K, Q8_0) go to int8 instead: the int4 kernel's smallest group is 32 and
   Q6_K scales change every 16 weights, so no 4-bit layout holds them, and rounding them to 4 bits would
   throw away precision the GGUF's authors chose to keep (``int4-strict`` forces 4 bits on every tensor
-  whose shape allows it, e.g. for a cheaper draft).
+  whose shape allows it, e.g. for a cheaper draft). Models without a GGUF source (float checkpoints, the
+  tiny test pair) are rounded to 4 bits per group (min..max on 16 levels) in both int4 formats.
 
 The kernels are fast only with bfloat16 inputs (measured, torch 2.13, AVX-512 CPU, 8960 x 1536, 2
 threads: int4 0.4-0.7 ms per 1-row product in bfloat16, 12-13 ms in float32 or float16, which take a
@@ -114,9 +115,9 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def _check_int4_shape(n: int, k: int, name: str) -> None:
-    if k % GROUP_SIZE or n % 8:
+    if k % GROUP_SIZE or n % 16:
         raise QuantizationError(
-            f"{name}: int4 needs in_features divisible by {GROUP_SIZE} and out_features by 8, got [{n}, {k}]"
+            f"{name}: int4 needs in_features divisible by {GROUP_SIZE} and out_features by 16, got [{n}, {k}]"
         )
 
 
@@ -270,8 +271,12 @@ def gguf_linears(path: str | Path) -> Iterator[GgufLinear]:
 
 
 # -------------------------------------------------------------------------------------- conversion
+FLOAT_SOURCES = ("float32", "float16", "bfloat16", "float64", "F32", "F16", "BF16")
+"""Source types without block quantisation: ``int4`` rounds them to 4 bits (nothing finer to keep)."""
+
+
 def _int4_ok(n: int, k: int) -> bool:
-    return k % GROUP_SIZE == 0 and n % 8 == 0
+    return k % GROUP_SIZE == 0 and n % 16 == 0
 
 
 def quantized_state(
@@ -291,7 +296,7 @@ def quantized_state(
         if fmt in ("int4", "int4-strict") and exact_int4 is not None and _int4_ok(n, k):
             codes, sz = exact_int4()
             kind = "int4"
-        elif fmt == "int4-strict" and _int4_ok(n, k):
+        elif (fmt == "int4-strict" or qtype in FLOAT_SOURCES) and _int4_ok(n, k):
             codes, sz = quantize_int4(dense())
             kind = "int4"
         else:
@@ -312,26 +317,93 @@ def quantized_state(
     return tensors, info
 
 
-def build_module(state: dict[str, torch.Tensor], module: str, bias: torch.Tensor | None) -> nn.Module:
-    """The quantized module ``module`` from cached tensors."""
+def build_module(state: dict[str, torch.Tensor], module: str, bias: torch.Tensor | None,
+                 rows: torch.Tensor | None = None) -> nn.Module:
+    """The quantized module ``module`` from cached tensors; ``rows``: keep only these output rows (a
+    restricted LM head, ``RestrictedHead``)."""
+    if rows is not None:
+        bias = None if bias is None else bias[rows]
     if f"{module}.codes4" in state:
-        packed = state[f"{module}.codes4"]
+        packed, sz = state[f"{module}.codes4"], state[f"{module}.scales_zeros"]
+        if rows is not None:
+            packed, sz = packed[rows], sz[:, rows]
         codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
-        return Int4Linear(codes, state[f"{module}.scales_zeros"], bias)
+        return Int4Linear(codes, sz, bias)
     if f"{module}.codes8" in state:
-        return Int8Linear(state[f"{module}.codes8"], state[f"{module}.scales"], bias)
+        codes, scales = state[f"{module}.codes8"], state[f"{module}.scales"]
+        if rows is not None:
+            codes, scales = codes[rows], scales[rows]
+        return Int8Linear(codes, scales, bias)
     raise QuantizationError(f"no quantized weights for {module}")
 
 
-def replace_linears(model: nn.Module, state: dict[str, torch.Tensor], modules: list[str]) -> None:
-    """Swap each named ``nn.Linear`` of ``model`` for its quantized module (bias kept, float32)."""
+class RestrictedHead(nn.Module):
+    """An LM head over a subset of the vocabulary: logits of the kept tokens from a smaller linear layer,
+    ``MASKED_LOGIT`` for every other token (probability exactly 0 after softmax, yet finite, so the
+    engine's NaN/inf guard still means what it says). For a draft model only: the exact sampler accepts
+    any draft distribution, so the output law is untouched; what changes is the cost of a draft step
+    (the head is the largest matrix of a small model) and how often a draft can propose the target's token."""
+
+    MASKED_LOGIT = -1.0e30
+
+    def __init__(self, inner: nn.Module, keep: torch.Tensor, vocab_size: int):
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("keep", keep.to(torch.long).clone())
+        self.in_features, self.out_features = inner.in_features, int(vocab_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sub = self.inner(x)
+        out = sub.new_full((*sub.shape[:-1], self.out_features), self.MASKED_LOGIT)
+        out[..., self.keep] = sub
+        return out
+
+    def extra_repr(self) -> str:
+        return f"kept={self.keep.numel()} of {self.out_features} tokens"
+
+
+def draft_vocab_ids(size: int, vocab_size: int, always: set[int] | frozenset[int] = frozenset()) -> torch.Tensor:
+    """The token ids a restricted draft head keeps: the ``size`` lowest ids (in a byte-level BPE vocabulary
+    the 256 bytes, then merges in the order they were learned, most frequent pair first on the
+    tokenizer's own training corpus) plus ``always`` (end-of-sequence and other special tokens), topped up
+    with the next ids to a multiple of 16 rows (the int4 packing's granularity); sorted."""
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= vocab_size:
+        raise ValueError(f"draft vocabulary size must be an integer in [1, {vocab_size}], got {size!r}")
+    ids = set(range(size)) | {int(i) for i in always if 0 <= int(i) < vocab_size}
+    extra = size
+    while len(ids) % 16 and extra < vocab_size:  # the int4 packing needs a multiple of 16 output rows
+        ids.add(extra)
+        extra += 1
+    return torch.tensor(sorted(ids), dtype=torch.long)
+
+
+def restrict_dense_head(model: nn.Module, keep: torch.Tensor) -> None:
+    """Replace a dense ``lm_head`` by a ``RestrictedHead`` over the ``keep`` token ids."""
+    head = model.lm_head
+    if not isinstance(head, nn.Linear):
+        raise QuantizationError(f"lm_head is a {type(head).__name__}; restrict it while converting instead")
+    inner = nn.Linear(head.in_features, len(keep), bias=head.bias is not None, dtype=head.weight.dtype)
+    with torch.no_grad():
+        inner.weight.copy_(head.weight[keep])
+        if head.bias is not None:
+            inner.bias.copy_(head.bias[keep])
+    model.lm_head = RestrictedHead(inner.requires_grad_(False), keep, head.out_features)
+
+
+def replace_linears(model: nn.Module, state: dict[str, torch.Tensor], modules: list[str],
+                    head_rows: torch.Tensor | None = None) -> None:
+    """Swap each named ``nn.Linear`` of ``model`` for its quantized module (bias kept, float32);
+    ``head_rows``: the LM head keeps only these tokens (``RestrictedHead``)."""
     for name in modules:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, child)
         if not isinstance(old, nn.Linear):
             raise QuantizationError(f"{name} is a {type(old).__name__}, not a Linear")
-        new = build_module(state, name, old.bias)
+        rows = head_rows if name == "lm_head" else None
+        new = build_module(state, name, old.bias, rows)
+        if rows is not None:
+            new = RestrictedHead(new, rows, old.out_features)
         if (new.out_features, new.in_features) != (old.out_features, old.in_features):
             raise QuantizationError(
                 f"{name}: quantized weight is [{new.out_features}, {new.in_features}], the model's "
@@ -345,7 +417,7 @@ def linear_names(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
-def quantize_model(model: nn.Module, fmt: str) -> dict[str, dict]:
+def quantize_model(model: nn.Module, fmt: str, head_rows: torch.Tensor | None = None) -> dict[str, dict]:
     """Quantize ``model``'s linear layers in place from their current float weights (round to nearest;
     models without a GGUF source, e.g. the tiny test pair). Returns per-module info with max errors."""
     names = linear_names(model)
@@ -357,7 +429,7 @@ def quantize_model(model: nn.Module, fmt: str) -> dict[str, dict]:
 
     state, info = quantized_state(source(), fmt)
     model.to(torch.float32)
-    replace_linears(model, state, names)
+    replace_linears(model, state, names, head_rows)
     return info
 
 
@@ -420,7 +492,7 @@ def _cache_valid(path: Path, sha256: str, fmt: str) -> bool:
     )
 
 
-def load_quantized(model: nn.Module, path: Path) -> dict[str, dict]:
+def load_quantized(model: nn.Module, path: Path, head_rows: torch.Tensor | None = None) -> dict[str, dict]:
     """Swap ``model``'s linears for the cached quantized ones at ``path``; returns the stamp's module info.
     Raises ``QuantizationError`` if the cache is unreadable or does not fit the model."""
     from safetensors import SafetensorError
@@ -437,7 +509,7 @@ def load_quantized(model: nn.Module, path: Path) -> dict[str, dict]:
         missing, extra = sorted(expected - set(modules))[:3], sorted(set(modules) - expected)[:3]
         raise QuantizationError(f"quantized cache {path} does not fit the model (missing {missing}, extra {extra})")
     model.to(torch.float32)
-    replace_linears(model, state, modules)
+    replace_linears(model, state, modules, head_rows)
     return stamp["modules"]
 
 

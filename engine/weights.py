@@ -252,15 +252,15 @@ def ensure_quantized(spec: PublishedGguf, fmt: str, cache: Path | str | None = N
 
 
 def load_quantized_spec(model, spec: PublishedGguf, fmt: str, cache: Path | str | None = None,
-                        progress: bool = True) -> dict:
+                        progress: bool = True, head_rows=None) -> dict:
     """Swap ``model``'s linears for ``spec``'s cached ``fmt`` conversion (built on first use). A cache that
     cannot be read (truncated or corrupt file) is deleted and rebuilt once."""
     from engine.quant import QuantizationError, load_quantized
 
     path = ensure_quantized(spec, fmt, cache, progress)
     try:
-        return load_quantized(model, path)
+        return load_quantized(model, path, head_rows)
     except QuantizationError as err:
         print(f"warning: {err}; rebuilding it", file=sys.stderr)
         shutil.rmtree(path, ignore_errors=True)
-        return load_quantized(model, ensure_quantized(spec, fmt, cache, progress))
+        return load_quantized(model, ensure_quantized(spec, fmt, cache, progress), head_rows)

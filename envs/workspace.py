@@ -19,12 +19,12 @@ from engine.profile import CostProfile
 
 
 def load_models(pair: str, dtype: str = "auto", device: str = "auto", threads: int = 0,
-                weights: str = "auto", draft_weights: str = "auto") -> ModelPair:
+                weights: str = "auto", draft_weights: str = "auto", draft_vocab: int = 0) -> ModelPair:
     """A named pair (qwen2.5-coder, tiny) or "TARGET::DRAFT" (paths or hub ids) in the given weight formats
     (``engine.quant``); ``threads`` > 0 sets torch's intra-op threads first."""
     if threads:
         torch.set_num_threads(threads)
-    formats = dict(dtype=dtype, device=device, weights=weights, draft_weights=draft_weights)
+    formats = dict(dtype=dtype, device=device, weights=weights, draft_weights=draft_weights, draft_vocab=draft_vocab)
     if "::" in pair:
         target, draft = pair.split("::", 1)
         return load_pair(target=target, draft=draft, **formats)

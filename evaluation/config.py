@@ -30,7 +30,9 @@ class EvalConfig:
     """Weight format of the target's linears (auto: int4 on CPU, bfloat16 on CUDA, or the --dtype named;
     float32, bfloat16, int8, int4, int4-strict)."""
     draft_weights: str = "auto"
-    """Weight format of the draft's linears (auto: as --weights)."""
+    """Weight format of the draft's linears (auto: int4-strict when --weights is auto on CPU, else as --weights)."""
+    draft_vocab: int = 0
+    """Tokens the draft's LM head keeps (0: the whole vocabulary); a cheaper draft step, exact either way."""
     device: str = "auto"
     """auto (CUDA when present), cpu, cuda, ..."""
     threads: int = 0

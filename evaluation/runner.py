@@ -49,7 +49,7 @@ class Setup:
             self.names.remove("static_tree")
             self.warnings.append("tree_width is 1: the static tree is the static chain, measured once")
         self.pair = workspace.load_models(config.pair, config.dtype, config.device, config.threads,
-                                          config.weights, config.draft_weights)
+                                          config.weights, config.draft_weights, config.draft_vocab)
         if policy and self.policy_meta.get("pair") not in (None, self.pair.name):
             self.warnings.append(f"the policy was trained on pair {self.policy_meta.get('pair')!r}, evaluated on "
                                  f"{self.pair.name!r}")

@@ -9,6 +9,7 @@ from collections import Counter
 
 import numpy as np
 
+from engine.profiler import device_name
 from evaluation.runs import aggregate, group_by_language, per_prompt
 from evaluation.stats import paired_ratio_from_rows
 
@@ -22,16 +23,6 @@ TARGETS = (
 )
 FIDELITY_TOLERANCE = 0.10
 """Replay-predicted vs live decode tokens/s of the learned policy must agree within this fraction."""
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def conditions(setup) -> dict:
@@ -52,7 +43,7 @@ def conditions(setup) -> dict:
         "draft_params_m": sum(p.numel() for p in pair.draft.parameters()) / 1e6,
         "dtype": pair.precision, "device": str(pair.device),
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-        "cpu": cpu_name(), "gpu": torch.cuda.get_device_name(pair.device) if pair.device.type == "cuda" else None,
+        "cpu": device_name(torch.device("cpu")), "gpu": torch.cuda.get_device_name(pair.device) if pair.device.type == "cuda" else None,
         "threads": torch.get_num_threads(),
         "sampling": "greedy" if config.temperature == 0 else f"temperature {config.temperature:g} (no top-k/top-p)",
         "prompt_file": config.prompts or "built-in suite (prompts/suite.jsonl)",

@@ -301,3 +301,30 @@ def test_unknown_gguf_type_names_the_tensor_and_type(tmp_path):
 
 def test_integer_formats_listed():
     assert set(INTEGER_FORMATS) == {"int8", "int4", "int4-strict"}
+
+
+# ------------------------------------------------------------------------------- restricted draft head
+@pytest.mark.parametrize("formats", [dict(weights="int4"), dict(weights="int4", draft_weights="float32"),
+                                     dict(dtype=torch.float64)])
+def test_restricted_draft_head_keeps_greedy_exactness(formats, prompts):
+    pair = load_pair("tiny", device="cpu", draft_vocab=160, **formats)
+    head = pair.draft.lm_head
+    # ids 0..159, EOS (256), then 160..174 to a multiple of 16 rows
+    assert head.out_features == pair.vocab_size == 272 and head.keep.tolist() == list(range(175)) + [256]
+    assert pair.precision.endswith("-dv160")
+    engine = SpeculativeEngine(pair)
+    for prompt in prompts:
+        ids = pair.encode(prompt)
+        ar = engine.generate(ids, max_new_tokens=24)
+        for controller in CONTROLLERS[:4]:
+            assert engine.generate(ids, max_new_tokens=24, controller=controller).tokens == ar.tokens, controller
+    with torch.inference_mode():
+        logits = pair.draft(torch.tensor([pair.encode("abc")])).logits[0]
+    outside = torch.ones(272, dtype=torch.bool)
+    outside[head.keep] = False
+    assert torch.all(logits[:, outside] == head.MASKED_LOGIT) and torch.isfinite(logits).all()
+
+
+def test_bad_draft_vocab_is_refused():
+    with pytest.raises(ValueError, match="draft vocabulary size"):
+        load_pair("tiny", weights="int4", device="cpu", draft_vocab=10**6)

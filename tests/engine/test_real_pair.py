@@ -46,3 +46,43 @@ def test_real_pair_greedy_speculative_equals_autoregressive(real_pair):
         assert 0.3 < st["acceptance_rate"] <= 1.0
         assert st["mean_accepted"] > 0.5
         assert sum(c.emitted for c in res.cycles) + 1 == len(res.tokens)
+
+
+@pytest.fixture(scope="module")
+def real_pair_default():
+    """The CPU default formats (int4 target from the GGUF's Q4_K codes, 4-bit draft): converted once."""
+    return load_pair("qwen2.5-coder", device="cpu", progress=False)
+
+
+def test_default_formats_are_quantized_and_exact(real_pair_default):
+    pair = real_pair_default
+    assert pair.weights == "int4" and pair.draft_weights == "int4-strict", pair.precision
+    kinds = {m["kind"] for m in pair.quant_info["target"].values()}
+    assert kinds == {"int4", "int8"}  # Q4_K codes kept as int4, Q6_K tensors in int8
+    engine = SpeculativeEngine(pair, SamplingConfig(temperature=0.0))
+    prompt = pair.encode("Scrivi una funzione Python che restituisce il massimo di una lista.")
+    ar = engine.generate(prompt, max_new_tokens=32, controller=None)
+    for controller in (StaticController(depth=3), StaticController(depth=4, verify=2),
+                       StaticController(depth=2, verify=6, tree_width=3), StaticController(depth=0)):
+        res = engine.generate(prompt, max_new_tokens=32, controller=controller)
+        assert res.tokens == ar.tokens, controller
+    assert engine.generate(prompt, max_new_tokens=32, controller=StaticController(depth=3)).stats["mean_accepted"] > 0.5
+
+
+def test_default_target_is_batch_invariant(real_pair_default):
+    """Rows of a 6-row verification forward are bitwise the one-row decode steps (the guarantee greedy
+    exactness rests on, on the real shapes)."""
+    from engine.engine import forward_logits
+    from engine.kvcache import keep_entries, new_cache
+
+    model = real_pair_default.target
+    ids = real_pair_default.encode("Explain recursion.") + [1000 + i for i in range(6)]
+    ctx = len(ids) - 6
+    with torch.inference_mode():
+        cache = new_cache(model)
+        forward_logits(model, ids[:ctx], range(ctx), cache, "cpu", keep=1)
+        block = forward_logits(model, ids[ctx:], range(ctx, ctx + 6), cache, "cpu")
+        keep_entries(cache, ctx, [])
+        single = torch.stack([forward_logits(model, ids[ctx + j : ctx + j + 1], [ctx + j], cache, "cpu")[0]
+                              for j in range(6)])
+    assert torch.equal(block, single)
