@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
     totals = {n: sum(columns(n)[0]) / sum(columns(n)[1]) for n in names}
     identical = {n: sum(runs[n][i]["tokens"] == runs["autoregressive"][i]["tokens"] for i in ids) for n in names}
-    print(f"\n{pair.name} {str(pair.dtype).removeprefix('torch.')}, {len(ids)} {args.split} prompts x "
+    print(f"\n{pair.name} {pair.precision}, {len(ids)} {args.split} prompts x "
           f"{args.max_new_tokens} tokens, greedy, one sitting ({time.perf_counter() - started:.0f} s)")
     for name in names:
         print(f"  {name:60s} {totals[name]:7.3f} tok/s  {totals[name] / totals['autoregressive']:.3f}x AR  "

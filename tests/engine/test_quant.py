@@ -328,3 +328,25 @@ def test_restricted_draft_head_keeps_greedy_exactness(formats, prompts):
 def test_bad_draft_vocab_is_refused():
     with pytest.raises(ValueError, match="draft vocabulary size"):
         load_pair("tiny", weights="int4", device="cpu", draft_vocab=10**6)
+
+
+# ---------------------------------------------------------------------------------------- command line
+def test_generate_cli_takes_weight_formats_and_depth_zero(capsys):
+    from engine.generate import main
+
+    rc = main(["--pair", "tiny", "--prompt", "hi", "--weights", "int4", "--draft-weights", "int8",
+               "--draft-vocab", "200", "--depth", "0", "--max-new-tokens", "6"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "weights=int4+int8-dv200" in out
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--weights", "int3"], "unknown weight format 'int3'"),
+    (["--draft-vocab", "100000"], "draft vocabulary size"),
+])
+def test_generate_cli_refuses_bad_formats_with_one_error_line(argv, match, capsys):
+    from engine.generate import main
+
+    rc = main(["--pair", "tiny", "--prompt", "hi", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and match in err
