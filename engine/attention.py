@@ -29,14 +29,18 @@ MAX_ROWWISE_ROWS = 64
 """Query rows up to which attention runs row by row (verification sizes stay below; the engine caps
 what it verifies per forward at ``EngineConfig.max_verify``)."""
 
-_plan_cache: list = [None, None]  # (mask tensor, per-row key indices): one mask serves every layer of a forward
+_plan_cache: tuple = (None, None)
+"""(mask tensor, per-row key plan) of the last mask seen: one mask serves every layer of a forward. One tuple,
+replaced whole, so concurrent engines (evaluation.concurrency) never pair one mask with another's plan."""
 
 
 def _row_keys(mask: torch.Tensor) -> list[int | torch.Tensor]:
     """Per query row of a [1, 1, q, kv] mask: an int n when the row sees exactly keys [0, n), else the
     index tensor of the keys it sees."""
-    if _plan_cache[0] is mask:
-        return _plan_cache[1]
+    global _plan_cache
+    cached_mask, cached_plan = _plan_cache
+    if cached_mask is mask:
+        return cached_plan
     m = mask[0, 0]
     allowed = m if m.dtype == torch.bool else m == 0
     plan: list[int | torch.Tensor] = []
@@ -44,7 +48,7 @@ def _row_keys(mask: torch.Tensor) -> list[int | torch.Tensor]:
         idx = row.nonzero().flatten()
         n = int(idx.numel())
         plan.append(n if n == 0 or int(idx[-1]) == n - 1 else idx)
-    _plan_cache[0], _plan_cache[1] = mask, plan
+    _plan_cache = (mask, plan)
     return plan
 
 

@@ -40,6 +40,13 @@ class DraftState:
     history: Sequence[CycleRecord]
     """Records of this request's previous cycles, oldest first."""
 
+    @classmethod
+    def before_drafting(cls, context_len: int, max_depth: int, history: Sequence[CycleRecord]) -> DraftState:
+        """The depth-0 state (asked of controllers with ``decides_depth_zero``): nothing drafted yet."""
+        empty = np.zeros(0, dtype=np.float32)
+        return cls(depth=0, frontier_scores=empty, step_probs=empty, node_scores=empty, context_len=context_len,
+                   max_depth=max_depth, history=history)
+
 
 class Controller(ABC):
     """Decides draft depth (continue/stop after each step) and verification size, once per cycle."""

@@ -170,10 +170,7 @@ class SpeculativeEngine:
         if not controller.decides_depth_zero:
             return True, 0.0
         t0 = self.clock()
-        empty = np.zeros(0, dtype=np.float32)
-        state = DraftState(depth=0, frontier_scores=empty, step_probs=empty, node_scores=empty,
-                           context_len=len(req.tokens), max_depth=cap, history=req.cycles)
-        go = bool(controller.should_continue(state))
+        go = bool(controller.should_continue(DraftState.before_drafting(len(req.tokens), cap, req.cycles)))
         return go, self.clock() - t0
 
     def _speculative_cycle(self, req: _Request, controller: Controller, cap: int) -> CycleRecord:

@@ -14,7 +14,7 @@ import sys
 import torch
 
 from engine.engine import EngineConfig, SpeculativeEngine
-from engine.models import load_pair
+from engine.models import add_format_args, format_kwargs, load_pair
 from engine.sampling import SamplingConfig
 
 
@@ -26,10 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pair", default="qwen2.5-coder", help="named pair: qwen2.5-coder (default) or tiny")
     ap.add_argument("--target", help="target model path or hub id (with --draft; overrides --pair)")
     ap.add_argument("--draft", help="draft model path or hub id")
-    ap.add_argument("--dtype", default="auto", help="dense model dtype: auto, float32, bfloat16, float16, float64")
-    ap.add_argument("--weights", default="auto", help="weight format of the target's linears: auto (int4 on CPU, bfloat16 on CUDA; the dense --dtype if one is named), float32, bfloat16, int8, int4, int4-strict")
-    ap.add_argument("--draft-weights", default="auto", help="weight format of the draft (auto: int4-strict when --weights is auto on CPU, else as --weights)")
-    ap.add_argument("--draft-vocab", type=int, default=0, help="tokens the draft's LM head keeps (0: all; e.g. 32768: the most frequent by the tokenizer's merge order; exact either way)")
+    add_format_args(ap)
     ap.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
     ap.add_argument("--depth", type=int, default=4, help="static draft depth")
     ap.add_argument("--verify", type=int, default=None, help="nodes to verify (default: depth)")
@@ -50,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-        formats = dict(dtype=args.dtype, device=args.device, weights=args.weights, draft_weights=args.draft_weights,
-                       draft_vocab=args.draft_vocab)
+        formats = dict(device=args.device, **format_kwargs(args))
         pair = (load_pair(target=args.target, draft=args.draft, **formats)
                 if args.target or args.draft else load_pair(args.pair, **formats))
         engine = SpeculativeEngine(pair, sampling, EngineConfig(draft_mode=args.draft_mode))

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from engine.attention import use_rowwise_attention
+from engine.quant import INTEGER_FORMATS, WEIGHT_FORMATS
 
 
 class IncompatiblePairError(ValueError):
@@ -100,8 +101,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 def resolve_weights(weights: str | None, dtype: str | torch.dtype, device: torch.device) -> str:
     """The weight format to load: ``weights`` if given (and not "auto"); else the dense ``dtype`` if one
     was named; else the device's default format."""
-    from engine.quant import INTEGER_FORMATS, WEIGHT_FORMATS
-
     if weights in (None, "auto"):
         if not (isinstance(dtype, str) and dtype == "auto"):
             return str(resolve_dtype(dtype, device)).removeprefix("torch.")
@@ -195,16 +194,10 @@ def load_pair(
                       tuple(infos), draft_vocab)
 
 
-def _integer_formats() -> tuple[str, ...]:
-    from engine.quant import INTEGER_FORMATS
-
-    return INTEGER_FORMATS
-
-
 def _dense_dtype(fmt: str, dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype a model of format ``fmt`` is built in: the format itself if dense, else float32 (the
     integer formats quantize the linears only; everything around them stays float32)."""
-    if fmt in _integer_formats():
+    if fmt in INTEGER_FORMATS:
         return torch.float32
     return resolve_dtype(fmt, device)
 
@@ -215,11 +208,17 @@ def _head_rows(model, tokenizer, draft_vocab: int | None) -> torch.Tensor | None
         return None
     from engine.quant import draft_vocab_ids
 
-    always = set(getattr(tokenizer, "all_special_ids", None) or [])
+    always = set(getattr(tokenizer, "all_special_ids", None) or []) | _eos_ids(model, tokenizer)
+    return draft_vocab_ids(draft_vocab, model.get_output_embeddings().out_features, always)
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    """End-of-sequence ids declared by the model's generation config, its config or the tokenizer."""
+    eos: set[int] = set()
     for src in (getattr(model, "generation_config", None), model.config, tokenizer):
         ids = getattr(src, "eos_token_id", None)
-        always.update([ids] if isinstance(ids, int) else (ids or []))
-    return draft_vocab_ids(draft_vocab, model.get_output_embeddings().out_features, always)
+        eos.update([ids] if isinstance(ids, int) else (ids or []))
+    return eos
 
 
 def _convert(model, fmt: str, spec=None, head_rows: torch.Tensor | None = None, progress: bool = True) -> dict | None:
@@ -227,7 +226,7 @@ def _convert(model, fmt: str, spec=None, head_rows: torch.Tensor | None = None, 
     from its float weights) with its LM head restricted to ``head_rows``; returns the conversion info."""
     from engine import quant
 
-    if fmt in quant.INTEGER_FORMATS:
+    if fmt in INTEGER_FORMATS:
         if spec is not None:
             from engine.weights import load_quantized_spec
 
@@ -245,10 +244,7 @@ def _make_pair(target, draft, target_tok, draft_tok, name: str, weights: str = "
         model.requires_grad_(False)
         if next(model.parameters()).device.type == "cpu":
             use_rowwise_attention(model)  # batch-invariant attention (engine.attention)
-    eos = set()
-    for src in (getattr(target, "generation_config", None), target.config, target_tok):
-        ids = getattr(src, "eos_token_id", None)
-        eos.update([ids] if isinstance(ids, int) else (ids or []))
+    eos = _eos_ids(target, target_tok)
     max_context = min(_context_limit(target), _context_limit(draft))
     quant_info = None if info is None or info == (None, None) else {"target": info[0], "draft": info[1]}
     return ModelPair(target, draft, target_tok, name, frozenset(int(i) for i in eos), max_context,
@@ -276,3 +272,20 @@ def check_compatible(target, draft, target_tok, draft_tok) -> None:
 
 def _context_limit(model) -> int:
     return int(getattr(model.config, "max_position_embeddings", None) or 2**31 - 1)
+
+
+def add_format_args(parser) -> None:
+    """The model-format flags of every command line that loads a pair: --dtype, --weights,
+    --draft-weights, --draft-vocab (``format_kwargs`` turns them into ``load_pair`` arguments)."""
+    parser.add_argument("--dtype", default="auto", help="dense model dtype: auto, float32, bfloat16, float16, float64")
+    parser.add_argument("--weights", default="auto", help="weight format of the target's linears: auto (int4 on "
+                        "CPU, bfloat16 on CUDA; the dense --dtype if one is named), " + ", ".join(WEIGHT_FORMATS))
+    parser.add_argument("--draft-weights", default="auto",
+                        help="weight format of the draft (auto: int4-strict when --weights is auto on CPU, else as --weights)")
+    parser.add_argument("--draft-vocab", type=int, default=0, help="tokens the draft's LM head keeps (0: all; e.g. 32768: "
+                        "the most frequent by the tokenizer's merge order; exact either way)")
+
+
+def format_kwargs(args) -> dict[str, Any]:
+    """``load_pair`` keyword arguments from the flags of ``add_format_args``."""
+    return dict(dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights, draft_vocab=args.draft_vocab)

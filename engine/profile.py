@@ -320,18 +320,14 @@ def _plain(obj: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> CostProfile:
+    from engine.models import add_format_args
     from engine.profiler import ProfileConfig, add_config_arguments, config_from_args, measure_profile_cli
 
     parser = argparse.ArgumentParser(prog="python -m engine.profile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--pair", default="qwen2.5-coder", help="qwen2.5-coder (default) or tiny")
     parser.add_argument("--random-weights", action="store_true",
                         help="the pair's architecture with random weights, no download (timing only)")
-    parser.add_argument("--dtype", default="auto", help="dense model dtype: auto, float32, bfloat16, ...")
-    parser.add_argument("--weights", default="auto", help="weight format of the target's linears: auto (int4 on "
-                        "CPU, bfloat16 on CUDA; the dense --dtype if one is named), float32, bfloat16, int8, int4, "
-                        "int4-strict")
-    parser.add_argument("--draft-weights", default="auto", help="weight format of the draft (auto: int4-strict when --weights is auto on CPU, else as --weights)")
-    parser.add_argument("--draft-vocab", type=int, default=0, help="tokens the draft's LM head keeps (0: all; e.g. 32768: the most frequent by the tokenizer's merge order; exact either way)")
+    add_format_args(parser)
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda:0, ...")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="small grids, 2 reps (explicit grid flags win)")

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from engine.control import Controller, DraftState
 from engine.engine import SpeculativeEngine
 from engine.kvcache import keep_entries, new_cache
-from engine.models import ModelPair
+from engine.models import ModelPair, format_kwargs
 from engine.profile import CostProfile
 from engine.tree import ancestor_matrix, tree_attention_mask
 
@@ -341,6 +341,5 @@ def measure_profile_cli(args: argparse.Namespace, config: ProfileConfig) -> Cost
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    pair = load_pair(args.pair, dtype=args.dtype, device=args.device, random_weights=args.random_weights,
-                     weights=args.weights, draft_weights=args.draft_weights, draft_vocab=args.draft_vocab)
+    pair = load_pair(args.pair, device=args.device, random_weights=args.random_weights, **format_kwargs(args))
     return measure_profile(pair, config, random_weights=args.random_weights)

@@ -61,7 +61,24 @@ class QuantizationError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------- modules
-class Int4Linear(nn.Module):
+class _IntegerLinear(nn.Module):
+    """``y = x @ W.T + b`` through a weight-only integer kernel: the input cast to bfloat16 (the kernels'
+    fast path), the output back to the input's dtype, the bias added in float32."""
+
+    in_features: int
+    out_features: int
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._matmul(x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(_IntegerLinear):
     """``y = x @ W.T + b`` with W held as 4-bit codes and a bfloat16 scale and zero per 32 inputs."""
 
     def __init__(self, codes: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None):
@@ -75,18 +92,14 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_zeros", _aligned(scales_zeros.to(KERNEL_DTYPE)))
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).clone())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP_SIZE, self.scales_zeros).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_zeros)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP_SIZE}"
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(_IntegerLinear):
     """``y = x @ W.T + b`` with W held as int8 codes and one bfloat16 scale per output channel."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
@@ -96,12 +109,8 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", _aligned(scales.to(KERNEL_DTYPE)))
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).clone())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()
-        y = torch.ops.aten._weight_int8pack_mm(x2, self.codes, self.scales).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, per-channel"
@@ -114,8 +123,13 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def _int4_ok(n: int, k: int) -> bool:
+    """Shapes the int4 packing takes: in_features a multiple of the group, out_features of 16."""
+    return k % GROUP_SIZE == 0 and n % 16 == 0
+
+
 def _check_int4_shape(n: int, k: int, name: str) -> None:
-    if k % GROUP_SIZE or n % 16:
+    if not _int4_ok(n, k):
         raise QuantizationError(
             f"{name}: int4 needs in_features divisible by {GROUP_SIZE} and out_features by 16, got [{n}, {k}]"
         )
@@ -275,10 +289,6 @@ FLOAT_SOURCES = ("float32", "float16", "bfloat16", "float64", "F32", "F16", "BF1
 """Source types without block quantisation: ``int4`` rounds them to 4 bits (nothing finer to keep)."""
 
 
-def _int4_ok(n: int, k: int) -> bool:
-    return k % GROUP_SIZE == 0 and n % 16 == 0
-
-
 def quantized_state(
     linears: Iterator[tuple[str, str, int, int, Callable[[], tuple[torch.Tensor, torch.Tensor]] | None,
                             Callable[[], torch.Tensor]]],
@@ -293,14 +303,15 @@ def quantized_state(
     tensors: dict[str, torch.Tensor] = {}
     info: dict[str, dict] = {}
     for module, qtype, n, k, exact_int4, dense in linears:
+        reference = dense()  # dequantised once: the source of the rounding and the error reference
         if fmt in ("int4", "int4-strict") and exact_int4 is not None and _int4_ok(n, k):
             codes, sz = exact_int4()
             kind = "int4"
         elif (fmt == "int4-strict" or qtype in FLOAT_SOURCES) and _int4_ok(n, k):
-            codes, sz = quantize_int4(dense())
+            codes, sz = quantize_int4(reference)
             kind = "int4"
         else:
-            codes, sz = quantize_int8(dense())
+            codes, sz = quantize_int8(reference)
             kind = "int8"
         if kind == "int4":
             packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()  # two codes a byte, low first
@@ -310,7 +321,7 @@ def quantized_state(
         else:
             tensors[f"{module}.codes8"], tensors[f"{module}.scales"] = codes, sz
             applied = codes.double() * sz.double()[:, None]
-        reference = dense().double()
+        reference = reference.double()
         err = (applied - reference).abs()
         info[module] = {"kind": kind, "source": qtype, "shape": [n, k], "max_abs_error": float(err.max()),
                         "mean_rel_error": float(err.mean() / reference.abs().mean().clamp_min(1e-30))}

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from engine.engine import SpeculativeEngine, forward_logits
 from engine.kvcache import keep_entries, new_cache
-from engine.models import ModelPair, load_pair
+from engine.models import ModelPair, add_format_args, format_kwargs, load_pair
 from engine.sampling import SamplingConfig, check_finite, score_logprobs
 from engine.tree import DraftTree, expand_topk
 from envs.trace import Trace, TraceError
@@ -299,10 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--chat", dest="chat", action="store_true", default=True,
                       help="wrap each prompt as one user turn with the chat template (default)")
     chat.add_argument("--raw", dest="chat", action="store_false", help="encode prompts as they are")
-    ap.add_argument("--dtype", default="auto", help="dense model dtype: auto, float32, bfloat16, float16, float64")
-    ap.add_argument("--weights", default="auto", help="weight format of the target's linears: auto (int4 on CPU, bfloat16 on CUDA; the dense --dtype if one is named), float32, bfloat16, int8, int4, int4-strict")
-    ap.add_argument("--draft-weights", default="auto", help="weight format of the draft (auto: int4-strict when --weights is auto on CPU, else as --weights)")
-    ap.add_argument("--draft-vocab", type=int, default=0, help="tokens the draft's LM head keeps (0: all; e.g. 32768: the most frequent by the tokenizer's merge order; exact either way)")
+    add_format_args(ap)
     ap.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, ...")
     ap.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="positions per batched draft forward")
     ap.add_argument("--threads", type=int, default=0,
@@ -318,8 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
         prompts = read_prompts(args.prompts)
-        pair = load_pair(args.pair, dtype=args.dtype, device=args.device, weights=args.weights,
-                         draft_weights=args.draft_weights, draft_vocab=args.draft_vocab)
+        pair = load_pair(args.pair, device=args.device, **format_kwargs(args))
         summary = record_prompts(
             pair, prompts, args.out, sampling, max_depth=args.max_depth, tree_width=args.tree_width,
             max_new_tokens=args.max_new_tokens, seed=args.seed, samples_per_prompt=args.samples_per_prompt,

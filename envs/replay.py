@@ -112,9 +112,7 @@ class ReplayTrace:
         """The DraftState the live engine shows a controller after draft step ``depth`` at position t
         (depth 0: before the first step, empty arrays)."""
         if depth == 0:
-            empty = np.zeros(0, dtype=np.float32)
-            return DraftState(depth=0, frontier_scores=empty, step_probs=empty, node_scores=empty,
-                              context_len=self.context_len(t), max_depth=self.depth_cap(t), history=history)
+            return DraftState.before_drafting(self.context_len(t), self.depth_cap(t), history)
         pos = self.position(t)
         view = pos.views.get(depth)
         if view is None:
