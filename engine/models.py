@@ -9,10 +9,11 @@ from typing import Any
 import torch
 
 from engine.attention import use_rowwise_attention
+from engine.errors import DraftpilotError
 from engine.quant import INTEGER_FORMATS, WEIGHT_FORMATS
 
 
-class IncompatiblePairError(ValueError):
+class IncompatiblePairError(DraftpilotError, ValueError):
     """The two models do not give token ids the same meaning."""
 
 

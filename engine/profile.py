@@ -23,11 +23,13 @@ from typing import Any
 
 import numpy as np
 
+from engine.errors import DraftpilotError
+
 PROFILE_VERSION = 1
 _IQR_PER_SIGMA = 0.6744897501960817  # standard normal quartile: IQR/median of lognormal = 2 sinh(q sigma)
 
 
-class ProfileError(ValueError):
+class ProfileError(DraftpilotError, ValueError):
     """A cost profile file is unreadable, malformed or from another format version."""
 
 

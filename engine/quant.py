@@ -47,6 +47,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine.errors import DraftpilotError
+
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4", "int4-strict")
 INTEGER_FORMATS = ("int8", "int4", "int4-strict")
 KERNEL_DTYPE = torch.bfloat16  # the integer kernels' activation and scale dtype (their fast path)
@@ -56,7 +58,7 @@ QUANT_STAMP = "draftpilot-quantized.json"
 QUANT_VERSION = 2  # bump when the cached layout changes: older caches are rebuilt
 
 
-class QuantizationError(ValueError):
+class QuantizationError(DraftpilotError, ValueError):
     """A tensor cannot be converted to the requested format (shape or type not supported)."""
 
 

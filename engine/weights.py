@@ -29,11 +29,13 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from engine.errors import DraftpilotError
+
 CONVERTED_STAMP = "draftpilot-converted.json"
 _CHUNK = 8 << 20  # 8 MiB: large enough for fast hashing, small enough to never matter for RAM
 
 
-class WeightsError(RuntimeError):
+class WeightsError(DraftpilotError, RuntimeError):
     """A published model could not be fetched, verified or converted."""
 
 

@@ -23,10 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.errors import DraftpilotError
+
 FORMAT_VERSION = 1
 
 
-class TraceError(ValueError):
+class TraceError(DraftpilotError, ValueError):
     """A trace file is missing, corrupt or of another format version."""
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from engine.control import Controller, DraftState
+from engine.errors import DraftpilotError
 from engine.features import (
     DEPTH_OBS_DIM,
     FEATURE_VERSION,
@@ -40,7 +41,7 @@ FORMAT_VERSION = 1
 ACTIVATIONS = {"tanh": torch.tanh, "relu": torch.relu}
 
 
-class PolicyFileError(ValueError):
+class PolicyFileError(DraftpilotError, ValueError):
     """A policy file that cannot be used: corrupt, another format, or features this code does not compute."""
 
 
