@@ -1,0 +1,118 @@
+"""Writing files so that a kill never leaves a truncated one, and locking a directory against a second
+writer.
+
+``atomic_write`` writes through a uniquely named temporary file in the destination's directory, flushes it
+to disk and renames it over the destination: a reader sees the old file or the new one, never part of one,
+and two concurrent writers never share a temporary name. ``DirectoryLock`` takes an exclusive advisory
+lock (``fcntl.flock``) on ``<dir>/.lock``; the operating system drops it when the process dies, so a killed
+run never leaves a stale lock behind.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from engine.errors import DraftpilotError
+
+
+class DirectoryBusyError(DraftpilotError, RuntimeError):
+    """Another process holds the directory's lock."""
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a fresh temporary path next to ``path``; when the block ends without an error, the file written
+    there is flushed to disk and renamed to ``path``; on an error it is removed and ``path`` is untouched.
+    For writers that want a file name (``torch.save``, ``savefig``, ``np.savez``, a zip writer)."""
+    path = Path(path)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; the result is an ordinary file
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str, encoding: str = "utf-8") -> Path:
+    """Write ``data`` to ``path`` atomically (see the module docstring)."""
+    with atomic_path(path) as tmp:
+        if isinstance(data, str):
+            tmp.write_text(data, encoding=encoding)
+        else:
+            tmp.write_bytes(data)
+    return Path(path)
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int | None = 1, **dumps: Any) -> Path:
+    """``json.dumps(obj)`` written atomically, with a final newline."""
+    return atomic_write(path, json.dumps(obj, indent=indent, **dumps) + "\n")
+
+
+def atomic_save(path: str | os.PathLike, writer: Callable[[Path], object]) -> Path:
+    """Call ``writer(tmp_path)`` and move the result to ``path`` atomically."""
+    with atomic_path(path) as tmp:
+        writer(tmp)
+    return Path(path)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class DirectoryLock:
+    """An exclusive lock on a directory (``<dir>/.lock``, ``fcntl.flock``): ``with DirectoryLock(run):``.
+    A second holder fails at once with ``DirectoryBusyError`` naming the directory (no waiting: two runs
+    into one directory are a mistake to report, not to serialise)."""
+
+    def __init__(self, directory: str | os.PathLike, what: str = "directory"):
+        self.directory = Path(directory)
+        self.what = what
+        self._fd: int | None = None
+
+    def acquire(self) -> DirectoryLock:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DirectoryBusyError(
+                f"{self.what} {self.directory} is in use by another process; wait for it or choose another"
+            ) from None
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> DirectoryLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
