@@ -13,7 +13,7 @@ committed prefix plus its ancestors, gathered into a contiguous block, which is 
 autoregressive decode of that path would hold (same entries, same order, same positions). Each call is
 then the very call a one-row decode makes, so each row's output is bitwise that of the one-row step.
 
-Forwards with more than ``MAX_ROWWISE_ROWS`` query rows (prompt prefill, trace recording blocks) use one
+Forwards with more than ``MAX_ROWWISE_ROWS`` (65) query rows (prompt prefill, trace recording blocks) use one
 ordinary SDPA call: they are not compared row against row (a prefill is the same call in every mode).
 """
 
@@ -25,9 +25,13 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 ROWWISE_ATTENTION = "draftpilot_rowwise"
-MAX_ROWWISE_ROWS = 64
-"""Query rows up to which attention runs row by row (verification sizes stay below; the engine caps
-what it verifies per forward at ``EngineConfig.max_verify``)."""
+MAX_VERIFY_NODES = 64
+"""The most drafted nodes one verification may send to the target: ``EngineConfig.max_verify`` (default and
+upper bound), the top of the size ladders."""
+MAX_ROWWISE_ROWS = MAX_VERIFY_NODES + 1
+"""Query rows up to which attention runs row by row: every verification forward (the root plus at most
+``MAX_VERIFY_NODES`` nodes; the engine caps what it verifies at ``EngineConfig.max_verify``) stays in the
+row-wise, batch-invariant regime."""
 
 _plan_cache: tuple = (None, None)
 """(mask tensor, per-row key plan) of the last mask seen: one mask serves every layer of a forward. One tuple,

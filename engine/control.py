@@ -17,7 +17,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.errors import InputError, is_int, short_repr
 from engine.records import CycleRecord
+
+
+class ControllerError(InputError):
+    """The engine was given something that is not a ``Controller``, or a controller answered something that
+    is not a decision (``should_continue``: a bool; ``num_to_verify``: an integer) or has an unusable
+    ``tree_width``; the message names the controller and the answer."""
 
 
 @dataclass(frozen=True)
@@ -61,11 +68,31 @@ class Controller(ABC):
 
     @abstractmethod
     def should_continue(self, state: DraftState) -> bool:
-        """After a draft step: draft one more level? (At depth 0, with ``decides_depth_zero``: draft at all?)"""
+        """After a draft step: draft one more level (a bool)? (At depth 0, with ``decides_depth_zero``: draft
+        at all?)"""
 
     @abstractmethod
     def num_to_verify(self, state: DraftState) -> int:
-        """After drafting: how many of the drafted nodes (top by score) to verify; clamped to [0, N]."""
+        """After drafting: how many of the drafted nodes (top by score) to verify (an integer); clamped to
+        [0, min(N, EngineConfig.max_verify)]."""
 
     def observe(self, record: CycleRecord) -> None:  # noqa: B027 - optional hook
         """Called after every cycle with its outcome (online estimates live here)."""
+
+
+def decision(answer: object, controller: object) -> bool:
+    """``should_continue``'s answer as a bool. Anything but a bool (or the integers 0 and 1) is a
+    ``ControllerError`` naming the controller, rather than a silent truth value (None is False, NaN True)."""
+    if isinstance(answer, (bool, np.bool_)) or (is_int(answer) and answer in (0, 1)):
+        return bool(answer)
+    raise ControllerError(f"{type(controller).__name__}.should_continue must return a bool, got "
+                          f"{short_repr(answer)} ({type(answer).__name__})")
+
+
+def verify_size(answer: object, controller: object) -> int:
+    """``num_to_verify``'s answer as an int (then clamped by ``engine.tree.clamp_verify``); anything but an
+    integer (None, NaN, 2.5, an array) is a ``ControllerError``."""
+    if is_int(answer):
+        return int(answer)
+    raise ControllerError(f"{type(controller).__name__}.num_to_verify must return an integer, got "
+                          f"{short_repr(answer)} ({type(answer).__name__})")

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.control import Controller, DraftState
+from engine.attention import MAX_VERIFY_NODES
+from engine.control import Controller, ControllerError, DraftState, decision, verify_size
+from engine.errors import InputError, is_int, short_repr
 from engine.kvcache import cache_len, keep_entries, new_cache
 from engine.models import ModelPair
 from engine.records import CycleRecord, GenerationResult
@@ -26,7 +28,17 @@ from engine.sampling import (
     verify_chain,
     verify_tree,
 )
-from engine.tree import DraftTree, ancestor_matrix, expand_topk, tree_attention_mask
+from engine.tree import (
+    MAX_TREE_NODES,
+    DraftTree,
+    ancestor_matrix,
+    clamp_verify,
+    depth_limit,
+    expand_topk,
+    tree_attention_mask,
+)
+
+MAX_SEED = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -38,6 +50,14 @@ class EngineConfig:
     "sampled": chain drafts sampled from the draft distribution (Leviathan rule; tree_width must be 1)."""
     max_depth: int = 32
     """Hard cap on draft depth per cycle, whatever the controller says."""
+    max_verify: int = MAX_VERIFY_NODES
+    """Hard cap on drafted nodes verified in one target forward, whatever the controller asks (1 to 64: the
+    root plus these nodes stay within row-wise attention, ``engine.attention.MAX_ROWWISE_ROWS``)."""
+    max_tree_nodes: int = MAX_TREE_NODES
+    """Hard cap on the nodes of one cycle's draft tree. A width-W tree has ``W + (d - 1) W^2`` nodes at depth d
+    (``engine.tree.tree_size``), so the cap is a depth cap, ``engine.tree.depth_limit(W, max_tree_nodes)``,
+    folded into the cycle's depth cap (controllers see it in ``DraftState.max_depth``; replay applies the
+    same one). A ``tree_width`` above it is refused."""
     check_finite: bool = True
     """Stop with an error on NaN/inf logits."""
     validate_caches: bool = False
@@ -46,9 +66,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.draft_mode not in ("deterministic", "sampled"):
-            raise ValueError(f"draft_mode must be 'deterministic' or 'sampled', got {self.draft_mode!r}")
-        if self.max_depth < 1:
-            raise ValueError(f"max_depth must be >= 1, got {self.max_depth}")
+            raise InputError(f"draft_mode must be 'deterministic' or 'sampled', got {self.draft_mode!r}")
+        for name, low, high in (("max_depth", 1, None), ("max_verify", 1, MAX_VERIFY_NODES),
+                                ("max_tree_nodes", 1, None)):
+            value = getattr(self, name)
+            if not is_int(value) or value < low or (high is not None and value > high):
+                bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+                raise InputError(f"{name} must be an integer {bound}, got {value!r}")
 
 
 class Clock:
@@ -95,14 +119,22 @@ class SpeculativeEngine:
     ) -> GenerationResult:
         """Generate up to ``max_new_tokens`` after ``prompt`` (text is encoded as is, ids are used as is).
 
-        ``controller=None`` decodes autoregressively with the target only, through the same loop.
+        ``prompt``: a string, a list/tuple of integer token ids, or an integer tensor/array of shape [n] (or
+        [1, n], a batch of one). ``controller=None`` decodes autoregressively with the target only, through
+        the same loop; otherwise it must be an ``engine.Controller``. ``seed``: an integer in [0, 2**64)
+        (there is no random default: a request is reproducible from its arguments). Bad arguments raise
+        ``InputError`` (``ControllerError`` for the controller) before any model runs.
         """
         prompt_ids = self._prompt_ids(prompt)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if not is_int(max_new_tokens) or max_new_tokens <= 0:
+            raise InputError(f"max_new_tokens must be a positive integer, got {short_repr(max_new_tokens)}")
+        max_new_tokens = int(max_new_tokens)
         if len(prompt_ids) >= self.pair.max_context:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context limit is {self.pair.max_context}")
+            raise InputError(f"prompt has {len(prompt_ids)} tokens; the context limit is {self.pair.max_context}")
         self._check_controller(controller)
+        if not is_int(seed) or not 0 <= seed <= MAX_SEED:
+            raise InputError(f"seed must be an integer in [0, 2**64), got {short_repr(seed)}")
+        tree_cap = 0 if controller is None else depth_limit(controller.tree_width, self.config.max_tree_nodes)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         generator = torch.Generator(device=self.device).manual_seed(int(seed))
@@ -116,7 +148,7 @@ class SpeculativeEngine:
         while finish is None:
             remaining = max_new_tokens - (len(req.tokens) - len(prompt_ids))
             room = self.pair.max_context - len(req.tokens)
-            cap = min(self.config.max_depth, remaining - 1, room - 1)
+            cap = min(self.config.max_depth, remaining - 1, room - 1, tree_cap)
             if controller is None or cap < 1:
                 record = self._autoregressive_step(req)
             else:
@@ -170,7 +202,8 @@ class SpeculativeEngine:
         if not controller.decides_depth_zero:
             return True, 0.0
         t0 = self.clock()
-        go = bool(controller.should_continue(DraftState.before_drafting(len(req.tokens), cap, req.cycles)))
+        answer = controller.should_continue(DraftState.before_drafting(len(req.tokens), cap, req.cycles))
+        go = decision(answer, controller)
         return go, self.clock() - t0
 
     def _speculative_cycle(self, req: _Request, controller: Controller, cap: int) -> CycleRecord:
@@ -179,8 +212,8 @@ class SpeculativeEngine:
         tree, frontier, draft_probs, fwd_s, ctrl_s = self._draft(req, controller, cap)
         t_drafted = clock()
 
-        num_verify = int(controller.num_to_verify(self._state(tree, frontier, ctx, cap, req)))
-        selected = tree.select(min(max(num_verify, 0), len(tree)))
+        num_verify = verify_size(controller.num_to_verify(self._state(tree, frontier, ctx, cap, req)), controller)
+        selected = tree.select(clamp_verify(num_verify, len(tree), self.config.max_verify))
         t_chosen = clock()
 
         path, next_token, verify_fwd_s = self._verify(req, tree, selected, draft_probs)
@@ -213,7 +246,7 @@ class SpeculativeEngine:
 
         while max(tree.depths) < cap:
             t0 = clock()
-            go = controller.should_continue(self._state(tree, frontier, ctx, cap, req))
+            go = decision(controller.should_continue(self._state(tree, frontier, ctx, cap, req)), controller)
             ctrl_s += clock() - t0
             if not go:
                 break
@@ -349,30 +382,58 @@ class SpeculativeEngine:
         return None
 
     def _prompt_ids(self, prompt) -> list[int]:
+        """Token ids of ``prompt``; anything but text or integer ids of one sequence is an ``InputError``
+        (floats would be truncated, a batch flattened into one sequence)."""
         if isinstance(prompt, str):
-            ids = list(self.pair.tokenizer.encode(prompt))
-        elif isinstance(prompt, torch.Tensor):
-            ids = prompt.flatten().tolist()
-        else:
+            ids = [int(t) for t in self.pair.tokenizer.encode(prompt)]
+        elif isinstance(prompt, (torch.Tensor, np.ndarray)):
+            shape = tuple(prompt.shape)
+            if len(shape) == 2 and shape[0] == 1:
+                prompt = prompt[0]  # a batch of one, as tokenizers return it
+            elif len(shape) != 1:
+                raise InputError(f"prompt must be one sequence of token ids (shape [n] or [1, n]), got shape {shape}")
+            integer = (not (prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool)
+                       if isinstance(prompt, torch.Tensor) else np.issubdtype(prompt.dtype, np.integer))
+            if not integer:
+                raise InputError(f"prompt token ids must be integers, got a tensor of dtype {prompt.dtype}")
+            ids = [int(t) for t in prompt.tolist()]
+        elif isinstance(prompt, (list, tuple, range)):
+            bad = [t for t in prompt if not is_int(t)]
+            if bad:
+                raise InputError(f"prompt token ids must be integers, got {short_repr(bad[0])} "
+                                 f"({type(bad[0]).__name__})")
             ids = [int(t) for t in prompt]
+        else:
+            raise InputError("prompt must be a string, a list of token ids or an integer tensor, got "
+                             f"{type(prompt).__name__}")
         if not ids:
-            raise ValueError("empty prompt: give at least one token")
+            raise InputError("empty prompt: give at least one token")
         vocab = self.pair.vocab_size
         if any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            raise InputError(f"prompt token ids must be in [0, {vocab})")
         return ids
 
     def _check_controller(self, controller: Controller | None) -> None:
         if controller is None:
             return
+        if not isinstance(controller, Controller):
+            raise ControllerError(f"controller must be an engine.Controller (subclass it) or None, got "
+                                  f"{short_repr(controller)} ({type(controller).__name__})")
         width = getattr(controller, "tree_width", None)
-        if not isinstance(width, int) or width < 1:
-            raise ValueError(f"controller.tree_width must be an integer >= 1, got {width!r}")
+        if not is_int(width) or width < 1:
+            raise ControllerError(f"controller.tree_width must be an integer >= 1, got {short_repr(width)}")
+        vocab = self.pair.vocab_size
+        if width > vocab:
+            raise ControllerError(f"controller.tree_width {width} exceeds the vocabulary ({vocab} tokens): a node "
+                                  f"has at most {vocab} children")
+        if width > self.config.max_tree_nodes:
+            raise ControllerError(f"controller.tree_width {width} drafts more than EngineConfig.max_tree_nodes="
+                                  f"{self.config.max_tree_nodes} nodes in its first step")
         if self.config.draft_mode == "sampled":
             if width != 1:
-                raise ValueError("draft_mode='sampled' drafts chains only: use tree_width=1")
+                raise InputError("draft_mode='sampled' drafts chains only: use tree_width=1")
             if self.sampling.greedy:
-                raise ValueError("draft_mode='sampled' needs temperature > 0 (greedy drafts are deterministic)")
+                raise InputError("draft_mode='sampled' needs temperature > 0 (greedy drafts are deterministic)")
 
 
 def forward_logits(model, ids, positions, cache, device, keep: int = 0, mask=None) -> torch.Tensor:

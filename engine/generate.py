@@ -13,7 +13,9 @@ import sys
 
 import torch
 
-from engine.engine import EngineConfig, SpeculativeEngine
+from engine.cli import CLI_ERRORS, check_pair_args, check_positive, report_error, warn
+from engine.engine import MAX_SEED, EngineConfig, SpeculativeEngine
+from engine.errors import InputError
 from engine.models import add_format_args, format_kwargs, load_pair
 from engine.sampling import SamplingConfig
 
@@ -46,17 +48,26 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        # everything that can be checked without the models first: a bad flag fails at once
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+        config = EngineConfig(draft_mode=args.draft_mode)
+        check_positive(max_new_tokens=args.max_new_tokens)
+        if not 0 <= args.seed <= MAX_SEED:
+            raise InputError(f"--seed must be in [0, 2**64), got {args.seed}")
+        custom = bool(args.target or args.draft)
+        if custom and not (args.target and args.draft):
+            raise InputError("--target and --draft go together: give both, or neither and a --pair")
+        limits = check_pair_args(args.pair, args.device, custom=custom, **format_kwargs(args))
+        controller = None if args.autoregressive else _controller(args, limits)
         formats = dict(device=args.device, **format_kwargs(args))
-        pair = (load_pair(target=args.target, draft=args.draft, **formats)
-                if args.target or args.draft else load_pair(args.pair, **formats))
-        engine = SpeculativeEngine(pair, sampling, EngineConfig(draft_mode=args.draft_mode))
-        controller = None if args.autoregressive else _controller(args)
+        pair = load_pair(target=args.target, draft=args.draft, **formats) if custom else load_pair(args.pair, **formats)
+        if args.policy and (message := controller.pair_warning(pair)):
+            warn(message)
+        engine = SpeculativeEngine(pair, sampling, config)
         prompt = pair.encode(args.prompt, chat=not args.raw)
         result = engine.generate(prompt, max_new_tokens=args.max_new_tokens, controller=controller, seed=args.seed)
-    except (ValueError, FileNotFoundError, FloatingPointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except CLI_ERRORS as err:
+        return report_error(err)
     if args.json:
         print(json.dumps(result.to_dict(), indent=1, default=str))
         return 0
@@ -70,13 +81,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _controller(args):
+def _controller(args, limits):
+    """The controller the flags ask for (checked before any model loads; the vocabulary bound on
+    --tree-width is checked here for named pairs, by the engine for --target/--draft pairs)."""
     if args.policy:  # controllers live in policies; the engine itself never imports them
         from policies import load_policy
 
         return load_policy(args.policy, device=args.device if args.device != "auto" else "cpu")
     from policies import StaticController
 
+    if limits is not None and args.tree_width > limits.vocab_size:
+        raise InputError(f"--tree-width {args.tree_width} exceeds the vocabulary ({limits.vocab_size} tokens)")
+    if args.tree_width > EngineConfig.max_tree_nodes:
+        raise InputError(f"--tree-width {args.tree_width} drafts more than max_tree_nodes={EngineConfig.max_tree_nodes} "
+                         "nodes in one step")
     return StaticController(depth=args.depth, verify=args.verify, tree_width=args.tree_width)
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from engine.errors import DraftpilotError
+from engine.files import atomic_write
 
 PROFILE_VERSION = 1
 _IQR_PER_SIGMA = 0.6744897501960817  # standard normal quartile: IQR/median of lognormal = 2 sinh(q sigma)
@@ -237,12 +238,13 @@ class CostProfile:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def save(self, path: str | Path) -> Path:
+        """Write the profile as JSON, atomically (``engine.files.atomic_write``: a kill leaves the old file
+        or the new one, never part of one)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         # one top-level key per line, each value compact: diffable, and tables stay one line per table
         items = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in _plain(self.to_dict()).items()]
-        path.write_text("{\n" + ",\n".join(items) + "\n}\n")
-        return path
+        return atomic_write(path, "{\n" + ",\n".join(items) + "\n}\n")
 
     @classmethod
     def load(cls, path: str | Path) -> CostProfile:
@@ -321,8 +323,11 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
-def main(argv: list[str] | None = None) -> CostProfile:
-    from engine.models import add_format_args
+def main(argv: list[str] | None = None) -> int:
+    """The command line; returns the exit status (0, or 2 after one ``error: ...`` line). Every argument and
+    the output path are checked before any model loads."""
+    from engine.cli import CLI_ERRORS, check_output_file, check_pair_args, check_positive, report_error
+    from engine.models import add_format_args, format_kwargs
     from engine.profiler import ProfileConfig, add_config_arguments, config_from_args, measure_profile_cli
 
     parser = argparse.ArgumentParser(prog="python -m engine.profile", description=__doc__.split("\n\n")[0])
@@ -336,12 +341,23 @@ def main(argv: list[str] | None = None) -> CostProfile:
     parser.add_argument("--out", required=True, help="where to write the JSON profile")
     add_config_arguments(parser, ProfileConfig())
     args = parser.parse_args(argv)
-    profile = measure_profile_cli(args, config_from_args(args))
-    profile.save(args.out)
+    try:
+        if args.threads is not None:
+            check_positive(threads=args.threads)
+        config = config_from_args(args)  # ranges of every grid and count
+        limits = check_pair_args(args.pair, args.device, **format_kwargs(args))
+        config.check_fits(limits.max_context, limits.vocab_size, where=f"--pair {args.pair}")
+        out = check_output_file(args.out)
+        profile = measure_profile_cli(args, config)
+        profile.save(out)
+    except CLI_ERRORS as err:
+        return report_error(err)
     print(profile.format_table())
-    print(f"saved {args.out}")
-    return profile
+    print(f"saved {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    sys.exit(main())

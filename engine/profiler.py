@@ -19,12 +19,14 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from engine.attention import MAX_VERIFY_NODES
 from engine.control import Controller, DraftState
 from engine.engine import SpeculativeEngine
+from engine.errors import InputError, is_int
 from engine.kvcache import keep_entries, new_cache
 from engine.models import ModelPair, format_kwargs
 from engine.profile import CostProfile
-from engine.tree import ancestor_matrix, tree_attention_mask
+from engine.tree import MAX_TREE_NODES, ancestor_matrix, tree_attention_mask
 
 LADDER = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -52,6 +54,38 @@ class ProfileConfig:
     overhead_prompt_len: int = 32
     """Prompt length of the overhead runs (short: overhead hardly depends on context, prefill is slow)."""
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        """Ranges that hold for every pair (``check_fits`` adds the pair's context and vocabulary)."""
+        for name, low, high in (("contexts", 1, None), ("widths", 1, MAX_TREE_NODES), ("chunks", 1, None),
+                                ("sizes", 0, MAX_VERIFY_NODES)):
+            grid = getattr(self, name)
+            if (not isinstance(grid, (tuple, list)) or not grid or not all(is_int(v) for v in grid)
+                    or list(grid) != sorted(set(grid)) or grid[0] < low or (high is not None and grid[-1] > high)):
+                bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+                raise InputError(f"{name} (--{name}) must be distinct ascending integers {bound}, got {grid!r}")
+        for name, low in (("reps", 1), ("warmup", 0), ("prefill_reps", 1), ("overhead_cycles", 1),
+                          ("overhead_prompt_len", 1), ("seed", 0)):
+            value = getattr(self, name)
+            if not is_int(value) or value < low:
+                flag = "--" + name.replace("_", "-")
+                raise InputError(f"{name} ({flag}) must be an integer >= {low}, got {value!r}")
+        if self.contexts[0] <= self.chunks[-1]:
+            raise InputError(f"contexts (--contexts) must all exceed the largest chunk ({self.chunks[-1]}): the "
+                             f"first draft step runs the chunk on top of the context, got {self.contexts}")
+
+    def check_fits(self, max_context: int, vocab_size: int, where: str = "this pair") -> None:
+        """The grids fit a pair with this context limit and vocabulary (``InputError`` otherwise)."""
+        rows = max(self.sizes[-1] + 1, self.widths[-1], self.chunks[-1])
+        if self.contexts[-1] + rows > max_context:
+            raise InputError(f"contexts (--contexts) must lie in ({self.chunks[-1]}, {max_context - rows}] for "
+                             f"{where} (context limit {max_context}) and this grid, got {self.contexts}")
+        if self.widths[-1] > vocab_size:
+            raise InputError(f"widths (--widths) must not exceed the vocabulary of {where} ({vocab_size} tokens), "
+                             f"got {self.widths}")
+        if self.overhead_prompt_len >= max_context:
+            raise InputError(f"overhead_prompt_len (--overhead-prompt-len) must be below the context limit of "
+                             f"{where} ({max_context}), got {self.overhead_prompt_len}")
 
     @classmethod
     def quick(cls) -> ProfileConfig:
@@ -260,10 +294,7 @@ def measure_profile(pair: ModelPair, config: ProfileConfig | None = None, random
     import transformers
 
     config = config or ProfileConfig()
-    rows = max(max(config.sizes) + 1, max(config.widths), max(config.chunks))
-    if max(config.contexts) + rows > pair.max_context or min(config.contexts) <= max(config.chunks):
-        raise ValueError(f"contexts must lie in ({max(config.chunks)}, {pair.max_context - rows}] for this "
-                         f"pair and grid, got {config.contexts}")
+    config.check_fits(pair.max_context, pair.vocab_size, where=f"pair {pair.name}")
     meta = {
         "pair": pair.name, "dtype": pair.precision, "device": str(pair.device),
         "device_name": device_name(pair.device), "torch": torch.__version__,
@@ -331,6 +362,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def config_from_args(args: argparse.Namespace) -> ProfileConfig:
+    """The ``ProfileConfig`` of the flags (``InputError`` naming the flag when a value is out of range)."""
     base = ProfileConfig.quick() if args.quick else ProfileConfig()
     given = {f.name: getattr(args, f.name) for f in fields(ProfileConfig) if getattr(args, f.name) is not None}
     return replace(base, **given)

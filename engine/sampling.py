@@ -21,6 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.errors import DraftpilotError, InputError
+
+
+class NonFiniteLogitsError(DraftpilotError, FloatingPointError):
+    """A model produced NaN or inf logits; the request was stopped instead of emitting a wrong token."""
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -34,14 +40,16 @@ class SamplingConfig:
     """Keep the smallest set of most likely tokens whose mass reaches top_p (1.0 = no limit)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or not (self.temperature >= 0.0):
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if self.temperature != self.temperature or self.temperature == float("inf"):
-            raise ValueError(f"temperature must be finite, got {self.temperature!r}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InputError(f"{name} must be a number, got {value!r}")
+        if not (0.0 <= self.temperature < float("inf")):
+            raise InputError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InputError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p!r}")
 
     @property
     def greedy(self) -> bool:
@@ -82,7 +90,7 @@ def score_logprobs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
 def check_finite(logits: torch.Tensor, where: str) -> None:
     """Raise a clear error instead of letting NaN/inf logits turn into a silently wrong token."""
     if not bool(torch.isfinite(logits).all()):
-        raise FloatingPointError(
+        raise NonFiniteLogitsError(
             f"non-finite logits (NaN or inf) from the {where} model; the request was stopped "
             "rather than emitting a wrong token (check the dtype, the weights and the inputs)"
         )

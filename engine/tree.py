@@ -53,6 +53,33 @@ class DraftTree:
         return path[::-1]
 
 
+MAX_TREE_NODES = 32767
+"""Default ``EngineConfig.max_tree_nodes``: the most nodes a trace holds per position (int16 parent ids), so
+every tree the trace format can record is drafted in full."""
+
+
+def tree_size(width: int, depth: int) -> int:
+    """Nodes of a tree drafted ``depth`` levels at frontier width ``width`` (``expand_topk``: the first step
+    adds ``width`` children of the root, each later step ``width`` children to each of ``width`` frontier
+    nodes). A function of (width, depth) only: the node cap becomes a depth cap that the engine and replay
+    apply identically."""
+    return 0 if depth <= 0 else width + (depth - 1) * width * width
+
+
+def depth_limit(width: int, max_nodes: int) -> int:
+    """The deepest tree of frontier width ``width`` with at most ``max_nodes`` nodes (0: not even one
+    level fits)."""
+    if width > max_nodes:
+        return 0
+    return 1 + (max_nodes - width) // (width * width)
+
+
+def clamp_verify(num_verify: int, num_drafted: int, max_verify: int) -> int:
+    """Nodes actually verified when a controller asks for ``num_verify``: clamped to [0, min(drafted,
+    max_verify)]. The engine and replay both call this (same rule, same numbers)."""
+    return min(max(int(num_verify), 0), num_drafted, max_verify)
+
+
 def expand_topk(
     tree: DraftTree, parents: list[int], parent_scores: list[float], logprobs: torch.Tensor, width: int
 ) -> list[int]:

@@ -47,7 +47,7 @@ def oracle_plan(rt: ReplayTrace, profile, sizes: Sequence[int] = SIZE_LADDER) ->
             for depth in range(1, cap + 1):
                 draft = profile.draft_chunk_s(p, ctx) + (depth - 1) * profile.draft_step_s(rt.width, ctx)
                 drafted = rt.num_drafted(t, depth)
-                for size in sorted({min(s, drafted) for s in sizes}):
+                for size in sorted({rt.verified(s, drafted) for s in sizes}):
                     acc = rt.accepted(t, depth, size)
                     nxt = t + rt.emitted(t, acc)
                     cost = (draft + profile.verify_s(size, ctx, chain=rt.width == 1)

@@ -4,6 +4,10 @@ draft tree the engine would build there up to (max_depth, tree_width).
     python -m envs.record --pair tiny --prompts prompts.jsonl --out traces/tiny
     python -m envs.record --prompts prompts.jsonl --out traces/qwen --max-depth 8 --tree-width 4
 
+Recording into an --out that already holds traces resumes it: traces with the same settings are kept, and
+traces recorded with other settings are refused (one ``error:`` line, before any model loads where the
+settings tell) unless ``--overwrite`` says to record them again.
+
 The trajectory comes from ``SpeculativeEngine.generate`` itself (its output law is the target's; greedy
 gives the greedy text). The trees are batched: a node at depth d of position t only depends on the
 committed prefix ``prompt + tokens[:t+1]`` and its own ancestors, so the frontiers of many positions go
@@ -30,7 +34,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from engine.engine import SpeculativeEngine, forward_logits
+from engine.cli import CLI_ERRORS, check_output_dir, check_pair_args, report_error
+from engine.engine import MAX_SEED, SpeculativeEngine, forward_logits
+from engine.errors import DraftpilotError, InputError, is_int
 from engine.kvcache import keep_entries, new_cache
 from engine.models import ModelPair, add_format_args, format_kwargs, load_pair
 from engine.sampling import SamplingConfig, check_finite, score_logprobs
@@ -47,7 +53,31 @@ target sample per emitted token, so for a given seed the trajectory is the same 
 (tests/envs/test_record.py checks this, greedy and sampled)."""
 MATCH_KEYS = ("pair", "dtype", "sampling", "tree_width", "max_depth", "max_new_tokens", "seed", "prompt_ids")
 """An existing trace is kept on resume only if these meta entries equal the requested ones."""
+SETTING_KEYS = ("pair", "sampling", "tree_width", "max_depth", "max_new_tokens", "seed")
+"""The ``MATCH_KEYS`` the command line knows before any model loads (dtype and prompt ids need the pair)."""
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+MAX_TRACE_DEPTH = 127
+"""Depths are stored as int8 and parents as int16: max_depth <= 127, tree_width^2 * max_depth <= 32767."""
+
+
+class RecordError(DraftpilotError, ValueError):
+    """A prompt file or recording request that cannot be recorded as asked (bad prompts, settings that do not
+    fit the trace format, an --out holding traces recorded with other settings)."""
+
+
+def check_record_settings(*, max_depth: int, tree_width: int, max_new_tokens: int = 1, seed: int = 0,
+                          samples_per_prompt: int = 1, chunk: int = DEFAULT_CHUNK) -> None:
+    """Every recording setting in range (``InputError`` naming it, with its command-line flag)."""
+    for name, value, low in (("max_depth", max_depth, 1), ("tree_width", tree_width, 1),
+                             ("max_new_tokens", max_new_tokens, 1), ("seed", seed, 0),
+                             ("samples_per_prompt", samples_per_prompt, 1), ("chunk", chunk, 1)):
+        if not is_int(value) or value < low:
+            raise InputError(f"{name} (--{name.replace('_', '-')}) must be an integer >= {low}, got {value!r}")
+    if seed + samples_per_prompt - 1 > MAX_SEED:
+        raise InputError(f"seed (--seed) + samples_per_prompt - 1 must stay below 2**64, got seed {seed}")
+    if max_depth > MAX_TRACE_DEPTH or tree_width * tree_width * max_depth > 32767:
+        raise InputError(f"max_depth={max_depth}, tree_width={tree_width} do not fit the trace format (max_depth "
+                         f"<= {MAX_TRACE_DEPTH} and tree_width^2 * max_depth <= 32767)")
 
 
 @dataclass
@@ -85,7 +115,7 @@ def draft_trees(
     id), so it is forwarded once and shared (on two real prompts at depth 8, width 4, only 36% and 47% of
     the forwards remain). ``progress(n)`` is called after each chunk of n positions.
     """
-    assert max_depth >= 1 and tree_width >= 1 and chunk >= 1, (max_depth, tree_width, chunk)
+    check_record_settings(max_depth=max_depth, tree_width=tree_width, chunk=chunk)
     model, device = pair.draft, pair.device
     seq = [int(t) for t in prompt_ids] + [int(t) for t in tokens]
     n0, trees = len(prompt_ids), []
@@ -171,8 +201,8 @@ def record_trace(
     """Generate one trajectory (engine, ``seed``) and record the tree at each of its positions."""
     from policies import StaticController  # lazily: policies may import envs for training
 
-    if not 1 <= max_depth <= 127 or tree_width < 1 or tree_width * tree_width * max_depth > 32767:
-        raise ValueError(f"max_depth={max_depth}, tree_width={tree_width} do not fit the trace format")
+    check_record_settings(max_depth=max_depth, tree_width=tree_width, max_new_tokens=max_new_tokens, seed=seed,
+                          chunk=chunk)
     t0 = time.perf_counter()
     result = SpeculativeEngine(pair, sampling).generate(
         list(prompt_ids), max_new_tokens, controller=StaticController(**TRAJECTORY_CONTROLLER), seed=seed)
@@ -204,46 +234,93 @@ def read_prompts(path: str | Path) -> list[dict]:
         try:
             item = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{lineno}: not JSON ({err})") from err
+            raise RecordError(f"{path}:{lineno}: not JSON ({err})") from err
         if not isinstance(item, dict) or "id" not in item or not isinstance(item.get("prompt"), str):
-            raise ValueError(f"{path}:{lineno}: each line needs an 'id' and a string 'prompt'")
+            raise RecordError(f"{path}:{lineno}: each line needs an 'id' and a string 'prompt'")
         prompts.append(item)
     return _check_prompts(prompts, str(path))
 
 
 def _check_prompts(prompts: list[dict], where: str) -> list[dict]:
+    """Every prompt has a string 'prompt' and an id (a string or an integer) usable in a file name, once."""
     seen = set()
     for item in prompts:
-        pid = str(item.get("id"))
+        if not isinstance(item, dict):
+            raise RecordError(f"{where}: each prompt must be a dict with 'id' and 'prompt', got {type(item).__name__}")
+        raw = item.get("id")
+        if not (isinstance(raw, str) or is_int(raw)):
+            raise RecordError(f"{where}: prompt id must be a string or an integer, got {raw!r}")
+        pid = str(raw)
         if not _ID_RE.fullmatch(pid) or pid in seen or not isinstance(item.get("prompt"), str):
-            raise ValueError(f"{where}: prompt id {pid!r} is duplicate, not usable in a file name "
-                             "([A-Za-z0-9._-]) or has no string 'prompt'")
+            raise RecordError(f"{where}: prompt id {pid!r} is duplicate, not usable in a file name "
+                              "([A-Za-z0-9._-]) or has no string 'prompt'")
         seen.add(pid)
     if not prompts:
-        raise ValueError(f"{where}: no prompts")
+        raise RecordError(f"{where}: no prompts")
     return prompts
+
+
+def trace_path(out_dir: str | Path, prompt_id: object, sample: int) -> Path:
+    """Where the trace of one prompt and sample lives: ``DIR/<id>__s<sample>.npz``."""
+    return Path(out_dir) / f"{prompt_id}__s{sample}.npz"
+
+
+def mismatched_traces(out_dir: str | Path, wants: Iterable[tuple[Path, dict]], keys: Sequence[str] = MATCH_KEYS,
+                      ) -> list[tuple[Path, list[str]]]:
+    """(path, differing keys) of every readable trace among ``wants`` ((path, wanted meta)) whose meta differs
+    from the wanted one in ``keys``; missing and unreadable files are not listed (recording them loses nothing)."""
+    found = []
+    for path, want in wants:
+        if not path.is_file():
+            continue
+        try:
+            meta = Trace.load(path).meta
+        except TraceError:
+            continue
+        differ = [key for key in keys if meta.get(key) != want[key]]
+        if differ:
+            found.append((path, differ))
+    return found
+
+
+def _refuse(found: list[tuple[Path, list[str]]], out_dir: Path) -> None:
+    if found:
+        path, differ = found[0]
+        raise RecordError(f"--out {out_dir} already holds {len(found)} trace(s) recorded with other settings "
+                          f"(e.g. {path.name}: {', '.join(differ)} differ) that this run would record over; use "
+                          "another --out, or --overwrite (replace_mismatched=True) to record them again")
 
 
 def record_prompts(
     pair: ModelPair, prompts: str | Path | Iterable[dict], out_dir: str | Path, sampling: SamplingConfig, *,
     max_depth: int = 8, tree_width: int = 4, max_new_tokens: int = 128, seed: int = 0,
     samples_per_prompt: int = 1, chat: bool = True, chunk: int = DEFAULT_CHUNK, progress: bool = True,
+    replace_mismatched: bool = True,
 ) -> RecordSummary:
     """Record ``DIR/<id>__s<s>.npz`` for every prompt and sample s (seed ``seed + s``); traces already there
-    with the same ``MATCH_KEYS`` are kept, others (or unreadable ones) are recorded again."""
+    with the same ``MATCH_KEYS`` are kept; unreadable ones are recorded again, and so are traces recorded with
+    other settings when ``replace_mismatched`` (a cache's behaviour), else they are refused with a
+    ``RecordError`` before anything is recorded (the command line without --overwrite)."""
+    check_record_settings(max_depth=max_depth, tree_width=tree_width, max_new_tokens=max_new_tokens, seed=seed,
+                          samples_per_prompt=samples_per_prompt, chunk=chunk)
     items = read_prompts(prompts) if isinstance(prompts, (str, Path)) else _check_prompts(list(prompts), "prompts")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    plan = []  # per prompt: (item, [(prompt ids, sample, path, wanted meta) per sample])
+    for item in items:
+        ids = pair.encode(item["prompt"], chat=chat)
+        plan.append((item, [(ids, s, trace_path(out, item["id"], s),
+                             trace_meta(pair, ids, sampling, max_depth, tree_width, max_new_tokens, seed + s))
+                            for s in range(samples_per_prompt)]))
+    if not replace_mismatched:
+        _refuse(mismatched_traces(out, [(path, want) for _, samples in plan for *_, path, want in samples]), out)
     summary = RecordSummary(paths=[])
     start = time.perf_counter()
     with tqdm(desc="recording", unit="pos", disable=not progress, dynamic_ncols=True) as bar:
-        for index, item in enumerate(items):
-            ids = pair.encode(item["prompt"], chat=chat)
+        for index, (item, samples) in enumerate(plan):
             extra = {k: item[k] for k in ("language", "task") if k in item}
-            for s in range(samples_per_prompt):
-                path = out / f"{item['id']}__s{s}.npz"
+            for ids, s, path, want in samples:
                 summary.paths.append(path)
-                want = trace_meta(pair, ids, sampling, max_depth, tree_width, max_new_tokens, seed + s)
                 if _matches(path, want):
                     summary.skipped += 1
                     continue
@@ -305,24 +382,41 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=0,
                     help="torch CPU threads (0: torch's default; on a busy machine 1 can be much faster)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="record again the traces in --out that were recorded with other settings (default: refuse)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
     try:
+        # every argument, the prompts and --out are checked before the models load
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+        check_record_settings(max_depth=args.max_depth, tree_width=args.tree_width,
+                              max_new_tokens=args.max_new_tokens, seed=args.seed,
+                              samples_per_prompt=args.samples_per_prompt, chunk=args.chunk)
+        if args.threads < 0:
+            raise InputError(f"--threads must be >= 0 (0: torch's default), got {args.threads}")
+        limits = check_pair_args(args.pair, args.device, **format_kwargs(args))
+        if args.tree_width > limits.vocab_size:
+            raise InputError(f"--tree-width {args.tree_width} exceeds the vocabulary ({limits.vocab_size} tokens)")
         prompts = read_prompts(args.prompts)
+        out = check_output_dir(args.out)
+        if not args.overwrite:  # the settings known without the models; dtype and prompt ids after loading
+            known = {"pair": args.pair, "sampling": dataclasses.asdict(sampling), "tree_width": args.tree_width,
+                     "max_depth": args.max_depth, "max_new_tokens": args.max_new_tokens}
+            wants = [(trace_path(out, item["id"], s), {**known, "seed": args.seed + s})
+                     for item in prompts for s in range(args.samples_per_prompt)]
+            _refuse(mismatched_traces(out, wants, SETTING_KEYS), out)
+        if args.threads > 0:
+            torch.set_num_threads(args.threads)
         pair = load_pair(args.pair, device=args.device, **format_kwargs(args))
         summary = record_prompts(
-            pair, prompts, args.out, sampling, max_depth=args.max_depth, tree_width=args.tree_width,
+            pair, prompts, out, sampling, max_depth=args.max_depth, tree_width=args.tree_width,
             max_new_tokens=args.max_new_tokens, seed=args.seed, samples_per_prompt=args.samples_per_prompt,
-            chat=args.chat, chunk=args.chunk, progress=not args.no_progress)
-    except (ValueError, FileNotFoundError, FloatingPointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+            chat=args.chat, chunk=args.chunk, progress=not args.no_progress, replace_mismatched=args.overwrite)
+    except CLI_ERRORS as err:
+        return report_error(err)
     print(f"pair={pair.name} weights={pair.precision} device={pair.device} "
           f"threads={torch.get_num_threads()} sampling={sampling} max_depth={args.max_depth} "
           f"tree_width={args.tree_width} out={args.out}")

@@ -20,8 +20,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.control import Controller, DraftState
+from engine.attention import MAX_VERIFY_NODES
+from engine.control import Controller, DraftState, decision, verify_size
+from engine.errors import InputError
 from engine.records import CycleRecord
+from engine.tree import MAX_TREE_NODES, clamp_verify, depth_limit
 from envs.trace import Trace, TraceError
 
 SIZE_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -47,9 +50,14 @@ class Position:
 
 
 class ReplayTrace:
-    """A trace plus lazily built per-position replay facts."""
+    """A trace plus lazily built per-position replay facts.
 
-    def __init__(self, trace: Trace, max_new_tokens: int | None = None, engine_max_depth: int = 32):
+    ``engine_max_depth``, ``engine_max_verify`` and ``engine_max_tree_nodes`` are the ``EngineConfig`` caps of
+    the engine being replayed (defaults: the engine's defaults); replay applies them exactly as the engine
+    does (``depth_cap``, ``engine.tree.clamp_verify``)."""
+
+    def __init__(self, trace: Trace, max_new_tokens: int | None = None, engine_max_depth: int = 32,
+                 engine_max_verify: int = MAX_VERIFY_NODES, engine_max_tree_nodes: int = MAX_TREE_NODES):
         self.trace = trace
         meta = trace.meta
         self.width = int(meta.get("tree_width", 1))
@@ -59,6 +67,10 @@ class ReplayTrace:
             raise TraceError(f"{trace.prompt_id}: max_new_tokens {self.max_new_tokens} < trajectory length")
         self.max_context = int(meta.get("max_context", 2**31 - 1))
         self.engine_max_depth = engine_max_depth
+        self.engine_max_verify = engine_max_verify
+        self.engine_max_tree_nodes = engine_max_tree_nodes
+        if self.width > engine_max_tree_nodes:  # the engine refuses such a controller
+            raise InputError(f"{trace.prompt_id}: tree_width {self.width} exceeds max_tree_nodes {engine_max_tree_nodes}")
         self._positions: dict[int, Position] = {}
 
     def position(self, t: int) -> Position:
@@ -100,10 +112,16 @@ class ReplayTrace:
         return self.trace.prompt_len + t + 1
 
     def depth_cap(self, t: int) -> int:
-        """The engine's cap: min(engine max depth, remaining budget - 1, context room - 1, recorded depth)."""
+        """The engine's cap: min(engine max depth, remaining budget - 1, context room - 1, the tree-node cap's
+        depth, recorded depth)."""
         remaining = self.max_new_tokens - (t + 1)
         room = self.max_context - self.context_len(t)
-        return min(self.engine_max_depth, remaining - 1, room - 1, self.max_depth)
+        tree_cap = depth_limit(self.width, self.engine_max_tree_nodes)
+        return min(self.engine_max_depth, remaining - 1, room - 1, tree_cap, self.max_depth)
+
+    def verified(self, num_verify: int, num_drafted: int) -> int:
+        """Nodes the engine verifies when asked for ``num_verify`` (``engine.tree.clamp_verify``)."""
+        return clamp_verify(num_verify, num_drafted, self.engine_max_verify)
 
     def done(self, t: int) -> bool:
         return t + 1 >= len(self.trace.tokens)
@@ -188,7 +206,7 @@ def replay_cycles(
                 depth += 1
             num_drafted = rt.num_drafted(t, depth)
             num_verify = yield ("size", rt.state(t, depth, records))
-            num_verify = min(max(int(num_verify), 0), num_drafted)
+            num_verify = rt.verified(num_verify, num_drafted)
             accepted = rt.accepted(t, depth, num_verify)
             rec = CycleRecord(rt.context_len(t), depth, num_drafted, num_verify, accepted, rt.emitted(t, accepted))
             charge_times(rec, profile, rng, pending=pending, width=rt.width)
@@ -221,10 +239,10 @@ def replay_generate(
         except StopIteration:
             return records
         t0 = time.perf_counter()
-        if kind == "depth":
-            reply = controller.should_continue(payload)
+        if kind == "depth":  # answers are checked as the engine checks them
+            reply = decision(controller.should_continue(payload), controller)
         elif kind == "size":
-            reply = controller.num_to_verify(payload)
+            reply = verify_size(controller.num_to_verify(payload), controller)
         else:
             reply = None
             if measure_controller:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine.control import Controller, DraftState
+from engine.errors import InputError
 
 
 class StaticController(Controller):
@@ -14,10 +15,10 @@ class StaticController(Controller):
     def __init__(self, depth: int = 4, verify: int | None = None, tree_width: int = 1):
         for name, value, low in (("depth", depth, 0), ("tree_width", tree_width, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+                raise InputError(f"{name} must be an integer >= {low}, got {value!r}")
         verify = depth if verify is None else verify
         if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
-            raise ValueError(f"verify must be an integer >= 0, got {verify!r}")
+            raise InputError(f"verify must be an integer >= 0, got {verify!r}")
         self.depth = depth
         self.verify = verify
         self.tree_width = tree_width

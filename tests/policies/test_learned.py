@@ -17,7 +17,7 @@ from engine.features import FEATURE_VERSION
 from envs.backends import ReplayBackend
 from envs.envs import DepthEnv, EnvConfig, SizeEnv
 from policies import LearnedController, PolicyFileError, StaticController, load_policy
-from policies.learned import save_policy
+from policies.learned import HASH_KEY, payload_digest, save_policy
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -158,6 +158,10 @@ def test_checkpoint_resume_restores_the_trainer(tiny_data, tmp_path):
 
 
 def _write(path: Path, payload) -> Path:
+    """Save an edited payload with its hash brought up to date, so the check under test is the one that fails
+    (tests/policies/test_policy_file_validation.py covers the hash itself)."""
+    if isinstance(payload, dict) and HASH_KEY in payload:
+        payload = {**payload, HASH_KEY: payload_digest(payload)}
     torch.save(payload, path)
     return path
 

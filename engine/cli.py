@@ -1,0 +1,152 @@
+"""What every command line shares: one ``error: ...`` line and exit status 2 for the project's deliberate errors
+(``DraftpilotError``) and for files it cannot use (``OSError``), and the checks of model and output arguments
+that run before any model loads (a bad flag fails in a second, not after minutes of loading or measuring).
+
+    def main(argv=None) -> int:
+        args = build_parser().parse_args(argv)     # argparse errors exit 2 already
+        try:
+            limits = check_pair_args(args.pair, args.device, **format_kwargs(args))
+            out = check_output_file(args.out)
+            ...
+        except CLI_ERRORS as err:
+            return report_error(err)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.errors import DraftpilotError, InputError, is_int
+
+CLI_ERRORS = (DraftpilotError, OSError)
+"""What a command line reports as one line: deliberate errors and unusable files; anything else is a bug and
+keeps its traceback."""
+
+
+def report_error(err: BaseException, stream=None) -> int:
+    """Print ``error: <message>`` (one line) to stderr and return the exit status 2."""
+    message = " ".join(str(err).split()) or type(err).__name__
+    print(f"error: {message}", file=stream or sys.stderr)
+    return 2
+
+
+def warn(message: str, stream=None) -> None:
+    """Print ``warning: <message>`` (one line) to stderr."""
+    print("warning: " + " ".join(message.split()), file=stream or sys.stderr)
+
+
+@dataclass(frozen=True)
+class PairLimits:
+    """What a named pair allows, known from its configuration without loading weights."""
+
+    vocab_size: int
+    max_context: int
+
+
+def pair_limits(name: str) -> PairLimits:
+    """Vocabulary and context limit of a named pair (``InputError`` for an unknown name)."""
+    if name == "tiny":
+        from engine.tiny import tiny_config
+
+        config = tiny_config()
+        return PairLimits(config.vocab_size, config.max_position_embeddings)
+    from engine.random_pair import RANDOM_PAIR_CONFIGS
+    from engine.weights import DEFAULT_PAIRS
+
+    if name not in DEFAULT_PAIRS or name not in RANDOM_PAIR_CONFIGS:
+        raise InputError(f"--pair {name!r} is not a known pair; known: tiny, {', '.join(sorted(DEFAULT_PAIRS))}")
+    target, draft = RANDOM_PAIR_CONFIGS[name]
+    return PairLimits(min(target["vocab_size"], draft["vocab_size"]),
+                      min(target["max_position_embeddings"], draft["max_position_embeddings"]))
+
+
+def check_device(device: str) -> torch.device:
+    """``--device``: auto, cpu, cuda or cuda:N, and present on this machine."""
+    from engine.models import resolve_device
+
+    try:
+        dev = resolve_device(device)
+    except (RuntimeError, ValueError) as err:
+        raise InputError(f"--device {device!r} is not a device ({err}); use auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise InputError(f"--device {device!r}: only cpu and cuda are supported")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError(f"--device {device!r}: CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise InputError(f"--device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+def check_pair_args(pair: str | None, device: str = "auto", *, dtype: str = "auto", weights: str | None = "auto",
+                    draft_weights: str | None = "auto", draft_vocab: int | None = 0,
+                    custom: bool = False) -> PairLimits | None:
+    """Check the arguments of ``load_pair`` that can be checked without loading anything: the pair name
+    (unless ``custom``: --target/--draft were given), device, dtype, weight formats and --draft-vocab.
+    Returns the named pair's limits (None for a custom pair)."""
+    from engine.models import resolve_dtype, resolve_weights
+
+    limits = None if custom else pair_limits(str(pair))
+    dev = check_device(device)
+    for flag, call in (("--dtype", lambda: resolve_dtype(dtype, dev)),
+                       ("--weights", lambda: resolve_weights(weights, dtype, dev)),
+                       ("--draft-weights", lambda: draft_weights in (None, "auto")
+                        or resolve_weights(draft_weights, "auto", dev))):
+        if flag == "--dtype" and dtype == "auto":
+            continue
+        try:
+            call()
+        except ValueError as err:
+            raise InputError(f"{flag}: {err}") from None
+    if draft_vocab is not None and (not is_int(draft_vocab) or draft_vocab < 0
+                                    or (limits is not None and draft_vocab > limits.vocab_size)):
+        bound = f" in [1, {limits.vocab_size}]" if limits is not None else " >= 1"
+        raise InputError(f"--draft-vocab: the draft vocabulary size must be 0 (all tokens) or an integer{bound}, "
+                         f"got {draft_vocab!r}")
+    return limits
+
+
+def check_positive(**values: object) -> None:
+    """Each named value must be an integer >= 1 (``check_positive(reps=3)``); the flag is named in the error."""
+    for name, value in values.items():
+        if not is_int(value) or value < 1:
+            raise InputError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+
+
+def check_output_file(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """A file the command will write at the end: not a directory, and its directory exists or can be made and
+    takes new files (checked by creating and removing a temporary file there, so it holds for root and for
+    read-only file systems alike). The directory is created if missing."""
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{flag} {path} is a directory; give a file name")
+    _check_writable_dir(path.parent, f"{flag} {path}")
+    return path
+
+
+def check_output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """A directory the command will write files into: created if missing, must take new files."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{flag} {path} exists and is not a directory")
+    _check_writable_dir(path, f"{flag} {path}")
+    return path
+
+
+def _check_writable_dir(directory: Path, what: str) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise InputError(f"{what}: cannot create the directory {directory} ({err.strerror or err})") from None
+    try:
+        fd, name = tempfile.mkstemp(prefix=".write-check.", dir=directory)
+    except OSError as err:
+        raise InputError(f"{what}: cannot write in {directory} ({err.strerror or err})") from None
+    os.close(fd)
+    os.unlink(name)
