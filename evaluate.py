@@ -20,15 +20,23 @@ OUT/config.json, then prints where the report is and a short summary table.
 The full run is hours on a CPU: give it an --out and every measured prompt is saved as it completes
 (OUT/live_runs.partial.json); if it is interrupted (Ctrl-C, a crash, a machine that goes away), the same
 command resumes it, keeping the static grid search and the measured prompts (--restart starts afresh).
+A resume must measure the same thing: same settings, same policy file (path and sha256; without --policy
+the newest runs/*/policy.pt, which must still be the one the partial run used). An --out that holds a
+finished evaluation is not overwritten without --restart (which removes its report, results, figures and
+config first). One evaluation at a time per --out: a second one fails at once (the directory is locked).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+from engine.errors import DraftpilotError
+from engine.files import DirectoryLock, atomic_write_json
+from evaluation.checkpoint import prepare_output, stored_config
 from evaluation.config import QUICK, EvalConfig
-from policies.cli import add_dataclass_args, apply_preset, from_args, save_config
+from policies.cli import add_dataclass_args, apply_preset, from_args
 
 
 def build_parser(prog: str = "python evaluate.py") -> argparse.ArgumentParser:
@@ -54,25 +62,26 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv[1:]
     try:
         config = config_from_argv(argv, "python evaluate.py exactness" if audit_only else "python evaluate.py")
-        out = config.out_dir()
-        if audit_only:
-            from evaluation.report import write_exactness_report
-            from evaluation.runner import exactness_only
+        config = config.resolved()  # absolute paths, the policy file pinned: what config.json and a resume compare
+        out = Path(config.out)
+        with DirectoryLock(out, "output directory"):
+            state = prepare_output(out, config, audit_only=audit_only)  # all checks before anything is written
+            atomic_write_json(out / "config.json", stored_config(config), default=str)
+            if audit_only:
+                from evaluation.report import write_exactness_report
+                from evaluation.runner import exactness_only
 
-            results = exactness_only(config)
-            save_config(config, out / "config.json")
-            path = write_exactness_report(results, out)
-        else:
-            from evaluation.report import summary_lines, write_report
-            from evaluation.runner import evaluate
+                results = exactness_only(config)
+                path = write_exactness_report(results, out)
+            else:
+                from evaluation.report import summary_lines, write_report
+                from evaluation.runner import evaluate
 
-            save_config(config, out / "config.json")
-            partial = out / "live_runs.partial.json"
-            results = evaluate(config, checkpoint=partial)
-            path = write_report(results, out)
-            partial.unlink(missing_ok=True)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+                results = evaluate(config, checkpoint=state)
+                path = write_report(results, out)
+                state.path.unlink(missing_ok=True)
+    except (DraftpilotError, ValueError, OSError) as err:
+        print(f"error: {' '.join(str(err).split()) or type(err).__name__}", file=sys.stderr)  # one line
         return 2
     print(f"\nreport: {path}")
     if audit_only:

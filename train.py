@@ -5,18 +5,30 @@
     python train.py --rounds 3 --size-steps 60000    # a bigger budget
     python train.py --backend live --pair tiny       # train on the real engine with wall-clock reward
     python train.py --resume runs/<run>              # continue an interrupted run (phase granularity)
+    python train.py --run-name main --retrain        # train again in a run directory that holds a policy
 
 Pipeline: cost profile (measured once per pair/device/dtype, cached) -> traces of the train and validation
 prompts (recorded once, cached, resumable) -> replay environments -> PPO: size policy (depth from the best
 static setting), then depth (size from the size policy), alternating -> the joint controller with the best
 validation throughput is exported to ``<run>/policy.pt`` (load it with ``policies.load_policy``, or
 ``python -m engine.generate --policy <run>/policy.pt``). TensorBoard: ``tensorboard --logdir runs``.
+
+Run directories: a run holds an exclusive lock on its directory while it works (a second run with the same
+name fails at once). A run directory whose ``policy.pt`` was trained with this config (the config stored
+inside the policy file, not ``config.json``) is reused; one trained with another config is refused unless
+``--retrain``, which first removes the earlier run's outputs (policy, metrics, checkpoint, TensorBoard logs).
+An interrupted run (a checkpoint, no policy) is continued with ``--resume RUN``, which takes every setting
+from the run's ``config.json``: a flag given with it must agree with that config (``--progress`` excepted),
+else it is refused naming the flag; start a new run to change settings. Checkpoints are trusted-only (see
+``policies.ppo``): resume only runs you wrote.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -24,9 +36,11 @@ from pathlib import Path
 
 import torch
 
+from engine.errors import DraftpilotError
 from engine.features import device_features
+from engine.files import DirectoryLock, atomic_write_json
 from envs import workspace
-from policies.cli import add_dataclass_args, apply_preset, from_args, load_config, save_config
+from policies.cli import add_dataclass_args, apply_preset, from_args, given_flags, load_config, save_config
 from policies.ppo import PPOConfig
 
 
@@ -116,6 +130,53 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+class RunDirectoryError(DraftpilotError, ValueError):
+    """A run directory that cannot be used as asked: a policy trained with another config, an interrupted run
+    started again without --resume or --retrain, resume flags that contradict the run's config."""
+
+
+IGNORED_FIELDS = ("progress", "run_dir", "run_name")
+"""Settings that do not change what a run trains: they may differ between a run and a later command."""
+PATH_FIELDS = ("prompts", "profile", "cache_dir", "run_dir")
+"""Paths, stored absolute so that a run means the same from any working directory."""
+
+
+def effective_config(config: TrainConfig) -> TrainConfig:
+    """The config a run trains with and stores (``config.json`` and inside ``policy.pt``): paths absolute, and
+    one environment for the live backend (one engine: one request at a time)."""
+    paths = {name: str(Path(getattr(config, name)).resolve()) for name in PATH_FIELDS if getattr(config, name)}
+    config = replace(config, **paths)
+    if config.backend == "live":
+        config = replace(config, ppo=replace(config.ppo, n_envs=1))
+    return config
+
+
+def _flat(config: dict) -> dict:
+    out = {k: v for k, v in config.items() if k != "ppo"}
+    out.update({f"ppo.{k}": v for k, v in (config.get("ppo") or {}).items()})
+    return out
+
+
+def _flag(key: str) -> str:
+    return "--" + key.removeprefix("ppo.").replace("_", "-")
+
+
+def config_differences(stored: dict, current: dict, keys: set[str] | None = None) -> list[str]:
+    """``--flag: stored -> current`` for every setting (``IGNORED_FIELDS`` aside; only ``keys`` when given,
+    PPO fields as ``ppo.<name>``) on which two configs (``asdict`` form) disagree; paths compare resolved."""
+    a, b = _flat(stored), _flat(current)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if key in IGNORED_FIELDS or (keys is not None and key not in keys):
+            continue
+        x, y = a.get(key), b.get(key)
+        if key in PATH_FIELDS and x and y:
+            x, y = str(Path(x).resolve()), str(Path(y).resolve())
+        if x != y:
+            out.append(f"{_flag(key)}: {x!r} -> {y!r}")
+    return out
+
+
 QUICK = {"train_prompts": 1, "val_prompts": 1, "max_new_tokens": 24, "max_depth": 4, "rounds": 1,
          "size_steps": 512, "depth_steps": 1024, "eval_every": 512}
 QUICK_PPO = {"n_envs": 2, "n_steps": 128, "batch_size": 64, "n_epochs": 2}
@@ -181,7 +242,65 @@ def baselines(train_traces, val_traces, profile, config: TrainConfig) -> dict:
     }
 
 
+def run_directory(config: TrainConfig) -> Path:
+    """``run_dir/run_name``, or ``run_dir/<pair>-<reward>-s<seed>-<timestamp>`` without a name."""
+    return Path(config.run_dir) / (config.run_name or f"{config.pair.replace('/', '_').replace('::', '+')}-"
+                                   f"{config.reward}-s{config.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
 def train(config: TrainConfig, resume: Path | None = None, retrain: bool = False) -> dict:
+    """Train (or reuse, or resume) one run; returns its metrics and ``policy`` (the policy file's path). The
+    run directory is locked for the whole call (``DirectoryBusyError`` if another process holds it)."""
+    from policies.ppo import verify_checkpoint
+
+    config = effective_config(config)
+    run = Path(resume) if resume is not None else run_directory(config)
+    with DirectoryLock(run, "run directory"):
+        if resume is None:
+            reused = _reuse_or_clear(run, config, retrain)
+            if reused is not None:
+                return reused
+            checkpoint = None
+        else:  # checked now, before minutes of loading, and again when it is loaded
+            checkpoint = run / "checkpoint" if verify_checkpoint(run / "checkpoint") is not None else None
+        save_config(config, run / "config.json")
+        return _train(config, run, checkpoint)
+
+
+def _reuse_or_clear(run: Path, config: TrainConfig, retrain: bool) -> dict | None:
+    """A run directory before a fresh run: the metrics of a policy trained there with this config (reuse, the
+    config compared is the one stored inside ``policy.pt``), else None after removing every output of an
+    earlier run, so that a kill can never leave an old policy looking like this run's."""
+    from policies.learned import load_policy
+    from policies.ppo import has_checkpoint
+
+    policy = run / "policy.pt"
+    if not retrain and policy.is_file():
+        try:
+            meta = load_policy(policy).meta
+        except DraftpilotError as err:
+            raise RunDirectoryError(f"{policy} is not a usable policy ({err}); --retrain to train again") from err
+        changed = config_differences(meta.get("train_config") or {}, asdict(config))
+        if changed:
+            raise RunDirectoryError(f"{run} holds a policy trained with another config ({'; '.join(changed)}): pick "
+                                    "another --run-name or --retrain")
+        metrics = meta.get("metrics") or {}
+        if not (run / "metrics.json").is_file():  # a run killed between the policy and its metrics
+            atomic_write_json(run / "metrics.json", metrics)
+        print(f"reusing {run}: it was trained with this exact config (--retrain to train again)", flush=True)
+        return {**metrics, "policy": str(policy)}
+    if not retrain and has_checkpoint(run / "checkpoint"):
+        raise RunDirectoryError(f"{run} holds an interrupted run (a checkpoint, no policy): continue it with --resume "
+                                f"{run}, or start it over with --retrain")
+    for name in ("policy.pt", "metrics.json"):
+        (run / name).unlink(missing_ok=True)
+    for name in ("checkpoint", "tb"):
+        if (run / name).is_dir():
+            shutil.rmtree(run / name)
+    return None
+
+
+def _train(config: TrainConfig, run: Path, checkpoint: Path | None) -> dict:
     from torch.utils.tensorboard import SummaryWriter
 
     from envs.backends import LiveBackend, ReplayBackend
@@ -190,16 +309,6 @@ def train(config: TrainConfig, resume: Path | None = None, retrain: bool = False
     from policies.learned import save_policy
     from policies.ppo import CoTrainer
 
-    run = resume or Path(config.run_dir) / (config.run_name or
-                                            f"{config.pair.replace('/', '_').replace('::', '+')}-{config.reward}-"
-                                            f"s{config.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if resume is None and not retrain and (run / "policy.pt").is_file() and (run / "metrics.json").is_file():
-        if load_config(TrainConfig, run / "config.json") == config:
-            print(f"reusing {run}: it was trained with this exact config (--retrain to train again)", flush=True)
-            return {**json.loads((run / "metrics.json").read_text()), "policy": str(run / "policy.pt")}
-        raise ValueError(f"{run} holds a policy trained with another config: pick another --run-name or --retrain")
-    run.mkdir(parents=True, exist_ok=True)
-    save_config(config, run / "config.json")
     started = time.perf_counter()
     pair = load_models(config)
     profile = ensure_profile(config, pair)
@@ -224,7 +333,6 @@ def train(config: TrainConfig, resume: Path | None = None, retrain: bool = False
         engine = SpeculativeEngine(pair, SamplingConfig(temperature=config.temperature))
         prompts = [pair.encode(p["prompt"]) for p in train_prompts]
         backend = LiveBackend(engine, prompts, config.tree_width, config.max_new_tokens, profile)
-        config = replace(config, ppo=replace(config.ppo, n_envs=1))  # one engine: one request at a time
     else:
         backend = ReplayBackend(train_traces, profile, time_noise=config.time_noise)
     torch.set_num_threads(1)  # the policy networks are tiny; threads only add overhead
@@ -237,8 +345,8 @@ def train(config: TrainConfig, resume: Path | None = None, retrain: bool = False
                         device_feats=feats, seed=config.seed, device=policy_device,
                         tensorboard_dir=str(run / "tb"), eval_every=config.eval_every, writer=writer,
                         progress=config.progress)
-    if resume is not None and (run / "checkpoint" / "trainer.pt").is_file():
-        trainer.load(run / "checkpoint")
+    if checkpoint is not None:
+        trainer.load(checkpoint)
         print(f"resumed {run} after {len(trainer.history)} phases", flush=True)
     phases = [(name, r) for r in range(config.rounds) for name in ("size", "depth")]
     for name, r in phases[len(trainer.history):]:
@@ -263,7 +371,7 @@ def train(config: TrainConfig, resume: Path | None = None, retrain: bool = False
                        tree_width=config.tree_width, max_depth=config.max_depth, device_feats=feats,
                        pair=pair.name, profile=profile.to_dict(), train_config=asdict(config), metrics=metrics,
                        depth_zero=config.depth_zero)
-    (run / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    atomic_write_json(run / "metrics.json", metrics)
     metrics["policy"] = str(path)
     return metrics
 
@@ -274,20 +382,45 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(ap, TrainConfig)
     add_dataclass_args(ap, PPOConfig, group="PPO")
     ap.add_argument("--quick", action="store_true", help="tiny budget (plumbing check; explicit flags win)")
-    ap.add_argument("--resume", help="run directory to continue (its config.json is used)")
+    ap.add_argument("--resume", help="run directory to continue (its config.json is used: flags given with it must "
+                                     "agree with it, --progress excepted)")
     ap.add_argument("--retrain", action="store_true",
                     help="train again even if --run-name already holds a policy trained with this config")
     return ap
 
 
 def config_from_argv(argv: list[str] | None) -> tuple[TrainConfig, Path | None, bool]:
-    """(config, run directory to resume or None, retrain)."""
+    """(config, run directory to resume or None, retrain). With ``--resume RUN`` the config is the run's
+    ``config.json``; flags given with it must agree with it (``--progress`` is honoured), else
+    ``RunDirectoryError`` names the ones that differ."""
     ap = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
-    if args.resume:
-        return load_config(TrainConfig, Path(args.resume) / "config.json"), Path(args.resume), False
+    preset = {**QUICK, **QUICK_PPO} if args.quick else {}
     if args.quick:
-        apply_preset(ap, args, list(sys.argv[1:] if argv is None else argv), {**QUICK, **QUICK_PPO})
+        apply_preset(ap, args, argv, preset)
+    if args.resume:
+        if args.retrain:
+            raise RunDirectoryError("--resume continues a run and --retrain starts one over: give one of them")
+        run = Path(args.resume)
+        if not (run / "config.json").is_file():
+            raise RunDirectoryError(f"--resume {run}: not a train.py run directory (no config.json)")
+        stored = load_config(TrainConfig, run / "config.json")
+        given = (given_flags(ap, argv) | set(preset)) - {"resume", "retrain", "quick", "progress"}
+        if given:
+            requested = from_args(TrainConfig, args, ppo=from_args(PPOConfig, args))
+            ppo_names = {f.name for f in dataclasses.fields(PPOConfig)}
+            keys = {f"ppo.{k}" if k in ppo_names else k for k in given}
+            changed = config_differences(asdict(effective_config(stored)), asdict(effective_config(requested)), keys)
+            changed += [f"{_flag(k)} (the run is the --resume directory)" for k in sorted(given)
+                        if k in ("run_dir", "run_name")]
+            if changed:
+                raise RunDirectoryError(f"--resume {run} continues the run with the settings of its config.json; "
+                                        f"these flags differ from it: {'; '.join(changed)}. Drop them, or start a new "
+                                        "run (another --run-name) to change them")
+        if "progress" in given_flags(ap, argv):
+            stored = replace(stored, progress=args.progress)
+        return stored, run, False
     ppo = from_args(PPOConfig, args)
     return from_args(TrainConfig, args, ppo=ppo), None, args.retrain
 
@@ -296,8 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config, resume, retrain = config_from_argv(argv)
         metrics = train(config, resume, retrain)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (DraftpilotError, ValueError, OSError) as err:
+        print(f"error: {' '.join(str(err).split()) or type(err).__name__}", file=sys.stderr)  # one line
         return 2
     static = metrics["static_best_on_val"]
     print(f"\nexported policy: {metrics['policy']}")

@@ -11,6 +11,7 @@ run never leaves a stale lock behind.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import tempfile
@@ -67,6 +68,15 @@ def atomic_save(path: str | os.PathLike, writer: Callable[[Path], object]) -> Pa
     with atomic_path(path) as tmp:
         writer(tmp)
     return Path(path)
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file's bytes (read in chunks)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _fsync_dir(directory: Path) -> None:

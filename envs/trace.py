@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.errors import DraftpilotError
+from engine.files import atomic_path
 
 FORMAT_VERSION = 1
 
@@ -61,16 +62,16 @@ class Trace:
         return self.node_tokens[lo:hi], self.node_parents[lo:hi], self.node_depths[lo:hi], self.node_scores[lo:hi]
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        tmp = path.with_suffix(".tmp.npz")
-        np.savez_compressed(
-            tmp, prompt_id=np.asarray(self.prompt_id), prompt_len=np.asarray(self.prompt_len),
-            tokens=self.tokens.astype(np.int32), node_offsets=self.node_offsets.astype(np.int64),
-            node_tokens=self.node_tokens.astype(np.int32), node_parents=self.node_parents.astype(np.int16),
-            node_depths=self.node_depths.astype(np.int8), node_scores=self.node_scores.astype(np.float32),
-            meta=np.asarray(json.dumps({**self.meta, "format_version": FORMAT_VERSION})),
-        )
-        tmp.replace(path)  # a crash mid-write never leaves a half trace under the final name
+        """Write atomically (``engine.files.atomic_path``): a kill mid-write never leaves a half trace under the
+        final name, and the temporary file (``.<name>.<random>.tmp``) never matches ``*.npz``."""
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:  # a file object: numpy adds no ".npz" to it
+            np.savez_compressed(
+                f, prompt_id=np.asarray(self.prompt_id), prompt_len=np.asarray(self.prompt_len),
+                tokens=self.tokens.astype(np.int32), node_offsets=self.node_offsets.astype(np.int64),
+                node_tokens=self.node_tokens.astype(np.int32), node_parents=self.node_parents.astype(np.int16),
+                node_depths=self.node_depths.astype(np.int8), node_scores=self.node_scores.astype(np.float32),
+                meta=np.asarray(json.dumps({**self.meta, "format_version": FORMAT_VERSION})),
+            )
 
     @classmethod
     def load(cls, path: str | Path) -> Trace:

@@ -4,7 +4,7 @@ the controller names, prompt selection and the default policy lookup."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ENGINE_CONTROLLERS = ("autoregressive", "static_chain", "static_tree", "heuristic", "confidence", "analytic",
@@ -110,8 +110,9 @@ class EvalConfig:
     progress: bool = True
     """Progress bars."""
     restart: bool = False
-    """Discard a partial evaluation left in --out by an interrupted run. Without it, the same command resumes
-    one (static grid result and measured prompts kept); a partial run with another config is an error."""
+    """Start afresh in --out: remove what an earlier evaluation left there (a partial run, or a finished report
+    with its results, figures and config). Without it, the same command resumes a partial run (static grid
+    result and measured prompts kept); a partial run with another config or a finished one is an error."""
 
     def __post_init__(self) -> None:
         for name in ("tune_prompts_per_language", "max_new_tokens", "confirm_top", "reps",
@@ -153,6 +154,17 @@ class EvalConfig:
 
     def out_dir(self) -> Path:
         return Path(self.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
+
+    def resolved(self, runs_dir: str | Path = "runs") -> EvalConfig:
+        """A copy whose paths are absolute (out, cache_dir, prompts, profile) and whose policy is the file the
+        learned policy will be loaded from (``find_policy``: the newest ``runs/*/policy.pt`` when none is
+        given; None when the learned policy is not measured), so a stored config names what was used."""
+        def absolute(path: str | None) -> str | None:
+            return str(Path(path).resolve()) if path else None
+
+        policy = str(find_policy(self, runs_dir).resolve()) if "learned" in self.controller_names() else None
+        return replace(self, out=absolute(str(self.out_dir())), cache_dir=absolute(self.cache_dir),
+                       prompts=absolute(self.prompts), profile=absolute(self.profile), policy=policy)
 
 
 OPEN_PROMPTS = (

@@ -1,4 +1,4 @@
-"""The report's figures (matplotlib, Agg backend: no display needed)."""
+"""The report's figures (matplotlib, Agg backend: no display needed), each written atomically."""
 
 from __future__ import annotations
 
@@ -10,7 +10,21 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from engine.files import atomic_path  # noqa: E402
 from evaluation.runs import accepted_lengths  # noqa: E402
+
+FIGURES = ("speedup.png", "accepted_hist.png", "learned_actions.png")
+"""File names of the figures ``evaluation.report.write_report`` writes (``--restart`` removes them)."""
+
+
+def _save(fig, path: Path) -> Path:
+    """``fig`` as a PNG at ``path``, atomically (a kill never leaves a truncated image), then closed."""
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=110, format="png")  # the temporary name has no .png: say the format
+    finally:
+        plt.close(fig)
+    return Path(path)
 
 
 def speedup_plot(summary: dict, path: Path) -> Path:
@@ -31,11 +45,10 @@ def speedup_plot(summary: dict, path: Path) -> Path:
     ax.set_xticks(x, langs)
     ax.set_ylabel("speedup over autoregressive (tokens/s ratio)")
     ax.set_title("Speedup per controller and language (95% paired bootstrap CI over prompts)")
-    ax.legend(fontsize=7, ncol=2)
+    if names:
+        ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def accepted_hist(cycles_by_controller: dict[str, list], path: Path) -> Path:
@@ -53,9 +66,7 @@ def accepted_hist(cycles_by_controller: dict[str, list], path: Path) -> Path:
     for ax in axes.ravel()[len(data):]:
         ax.axis("off")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def verified_size_rows(rows) -> np.ndarray:
@@ -101,6 +112,4 @@ def learned_actions_plot(actions: dict, path: Path) -> Path:
             ax.text(0.5, 0.5, "no decisions recorded", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle("Learned policy: actions")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)

@@ -1,4 +1,5 @@
-"""results.json (every raw measurement and the config), report.md (tables, targets, conditions) and plots."""
+"""results.json (every raw measurement and the config), report.md (tables, targets, conditions) and plots,
+every file written atomically (a kill leaves the previous file or the new one, never part of one)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+from engine.files import atomic_write
 from evaluation import plots
 from evaluation.runs import per_prompt
 
@@ -206,8 +208,8 @@ def exactness_md(ex: dict) -> list[str]:
 
 # ----------------------------------------------------------------------------------------------- writers
 def write_json(results: dict, path: Path) -> Path:
-    path.write_text(json.dumps(_clean(results), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    return path
+    """``results`` made JSON-safe (``_clean``) and written atomically."""
+    return atomic_write(path, json.dumps(_clean(results), indent=1, ensure_ascii=False) + "\n")
 
 
 def write_report(results: dict, out_dir: str | Path) -> Path:
@@ -216,13 +218,14 @@ def write_report(results: dict, out_dir: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     summary = results["summary"]
     write_json(results, out / "results.json")  # first: the raw measurements survive a failing figure
-    figures = [("Speedup per controller and language", plots.speedup_plot(summary, out / "speedup.png"))]
+    speedup, hist, actions = plots.FIGURES
+    figures = [("Speedup per controller and language", plots.speedup_plot(summary, out / speedup))]
     rows = per_prompt(results["runs"])
     cycles = {name: [c for row in by.values() for c in row["cycles"]] for name, by in rows.items()}
-    figures.append(("Accepted length per cycle", plots.accepted_hist(cycles, out / "accepted_hist.png")))
+    figures.append(("Accepted length per cycle", plots.accepted_hist(cycles, out / hist)))
     if results.get("learned_actions"):
         figures.append(("Learned policy actions", plots.learned_actions_plot(results["learned_actions"],
-                                                                              out / "learned_actions.png")))
+                                                                              out / actions)))
     cond = results["conditions"]
     lines = ["# draftpilot evaluation", "",
              f"{cond['pair']} ({cond['dtype']}, {cond['device']}), {cond['sampling']}, split {cond['split']}, "
@@ -253,8 +256,7 @@ def write_report(results: dict, out_dir: str | Path) -> Path:
               "follow the same target-law trajectory (up to float rounding), the one the replay traces hold.",
               f"- Evaluation wall time: {_f(results.get('wall_s'), 0)} s.", ""]
     path = out / "report.md"
-    path.write_text("\n".join(lines), encoding="utf-8")
-    return path
+    return atomic_write(path, "\n".join(lines))
 
 
 def summary_lines(results: dict) -> list[str]:
@@ -285,5 +287,4 @@ def write_exactness_report(results: dict, out_dir: str | Path) -> Path:
     lines += exactness_md(results["exactness"]) + conditions_md(cond, results["config"])
     write_json(results, out / "exactness.json")
     path = out / "exactness.md"
-    path.write_text("\n".join(lines), encoding="utf-8")
-    return path
+    return atomic_write(path, "\n".join(lines))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -204,18 +203,21 @@ def audit_sampled(setup: Setup, factories: dict) -> dict:
     return out
 
 
-def evaluate(config: EvalConfig, checkpoint: Path | None = None) -> dict:
+def evaluate(config: EvalConfig, checkpoint=None) -> dict:
     """The whole evaluation; returns the results dict (raw runs included). ``checkpoint``: the partial
-    evaluation file (``evaluation.checkpoint``): the grid search's result and every measured prompt are
-    saved to it as they complete, and an earlier partial run with the same config is resumed from it."""
+    evaluation (``evaluation.checkpoint.Checkpoint``, or its file's path): the grid search's result and every
+    measured prompt are saved to it as they complete, and an earlier partial run with the same config is
+    resumed from it."""
     from engine import SamplingConfig, SpeculativeEngine
-    from evaluation.checkpoint import Checkpoint
+    from evaluation.checkpoint import Checkpoint, stored_config
     from evaluation.concurrency import run_load
     from evaluation.summary import conditions, summarize
     from evaluation.tuning import tune_static
 
     started = time.perf_counter()
-    state = Checkpoint.open(checkpoint, config) if checkpoint is not None else None
+    state = checkpoint
+    if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
+        state = Checkpoint.open(Path(checkpoint), config)
     if state is not None and state.resumed:
         print(f"resuming the partial evaluation in {state.path} (sitting {len(state.sittings)}: "
               f"{len(state.runs)} runs kept{', static grid kept' if state.tuning is not None else ''})", flush=True)
@@ -272,7 +274,7 @@ def evaluate(config: EvalConfig, checkpoint: Path | None = None) -> dict:
                         config.seed, reps=config.reps, progress=config.progress)
     exactness = exactness_section(setup, runs, factories, engine_names)
 
-    results = {"config": asdict(config), "conditions": conditions(setup), "warnings": setup.warnings,
+    results = {"config": stored_config(config), "conditions": conditions(setup), "warnings": setup.warnings,
                "controllers": {n: repr(controllers[n]) if n in controllers else f"transformers assisted generation "
                                f"{SCHEDULES[n]}" for n in measured},
                "tuning": tuning, "best_static": _best_static(tuning), "runs": runs, "replay": replay,
@@ -299,6 +301,7 @@ def exactness_only(config: EvalConfig) -> dict:
     prompts (fixed static settings instead of a grid search: chain (4, 4), tree (4, 8, W)), then the sampled
     two-sample test and the law checks."""
     from engine import SamplingConfig, SpeculativeEngine
+    from evaluation.checkpoint import stored_config
     from evaluation.exactness import greedy_audit
     from evaluation.summary import conditions
 
@@ -316,6 +319,6 @@ def exactness_only(config: EvalConfig) -> dict:
     exactness = {"greedy": True, "token_audit": greedy_audit(tokens)}
     if config.exactness:
         exactness.update(audit_sampled(setup, factories))
-    return {"config": asdict(config), "conditions": conditions(setup), "warnings": setup.warnings,
+    return {"config": stored_config(config), "conditions": conditions(setup), "warnings": setup.warnings,
             "controllers": {n: repr(c) for n, c in controllers.items()}, "exactness": exactness,
             "runs": runs, "wall_s": time.perf_counter() - started}

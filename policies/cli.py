@@ -17,6 +17,13 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from engine.errors import DraftpilotError
+from engine.files import atomic_write_json
+
+
+class ConfigFileError(DraftpilotError, ValueError):
+    """A saved config file that cannot be read back (not JSON, not an object, fields this code does not know)."""
+
 
 def field_docs(cls: type) -> dict[str, str]:
     """Attribute docstrings of a dataclass (the string literal right after each annotated field)."""
@@ -78,11 +85,16 @@ def apply_preset(parser: argparse.ArgumentParser, args: argparse.Namespace, argv
                  preset: dict[str, Any]) -> None:
     """Set ``preset`` values on ``args`` for every flag not given explicitly in ``argv`` (``--flag v`` or
     ``--flag=v``): a preset such as ``--quick`` replaces defaults, never the user's flags."""
-    given = {a.dest for a in parser._actions
-             if any(opt in argv or any(x.startswith(opt + "=") for x in argv) for opt in a.option_strings)}
+    given = given_flags(parser, argv)
     for key, value in preset.items():
         if key not in given:
             setattr(args, key, value)
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The ``dest`` of every option written in ``argv`` (``--flag v``, ``--flag=v``, ``--no-flag``)."""
+    return {a.dest for a in parser._actions
+            if any(opt in argv or any(x.startswith(opt + "=") for x in argv) for opt in a.option_strings)}
 
 
 def from_args(cls: type, args: argparse.Namespace, **overrides: Any):
@@ -94,18 +106,28 @@ def from_args(cls: type, args: argparse.Namespace, **overrides: Any):
 
 
 def save_config(config: Any, path: str | Path) -> Path:
-    """The config as JSON (saved next to every checkpoint and report)."""
+    """The config as JSON (saved next to every checkpoint and report), written atomically: a kill leaves the
+    previous file or the new one, never part of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dataclasses.asdict(config), indent=1, default=str) + "\n")
-    return path
+    return atomic_write_json(path, dataclasses.asdict(config), indent=1, default=str)
 
 
 def load_config(cls: type, path: str | Path):
-    """Read a config saved by ``save_config``; unknown keys are an error (a config from other code)."""
-    data = json.loads(Path(path).read_text())
+    """Read a config saved by ``save_config``; unknown keys are an error (a config from other code).
+    Raises ``ConfigFileError`` for a file that is not such a config (``FileNotFoundError`` if missing)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise ConfigFileError(f"{path} is not a readable config file ({err})") from err
+    if not isinstance(data, dict):
+        raise ConfigFileError(f"{path} is not a {cls.__name__} config (top level is {type(data).__name__})")
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ValueError(f"{path}: unknown {cls.__name__} fields {unknown}")
-    return cls(**data)
+        raise ConfigFileError(f"{path}: unknown {cls.__name__} fields {unknown}")
+    try:
+        return cls(**data)
+    except TypeError as err:
+        raise ConfigFileError(f"{path} is not a valid {cls.__name__} config ({err})") from err

@@ -7,11 +7,20 @@ SB3 ``PPO.learn`` on vectorised replay (or live) environments whose *other* deci
 ``LearnedController`` built from the other policy's current actor. A callback moves the average reward's
 rho toward the policy's throughput after every rollout, logs charts to TensorBoard and validates the joint
 controller (both current actors) on held-out traces, keeping the best by validation throughput.
+
+Checkpoints (``CoTrainer.save`` / ``load``, a directory, ``<run>/checkpoint`` in ``train.py``) are for
+resuming *your own* interrupted run and are trusted-only: the SB3 models are SB3's zip format, whose
+loader unpickles (cloudpickle) and can run code. The trainer's own state is plain tensors and numbers read
+with ``torch.load(weights_only=True)``, and ``manifest.json`` (plain JSON, written last and atomically)
+records the sha256 of every file; ``load`` refuses a directory without a manifest or with any file that
+does not match it, before unpickling anything. That stops a truncated, swapped or edited file, not someone
+who can also rewrite the manifest: never resume a checkpoint directory you did not write.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,12 +35,24 @@ from stable_baselines3.common.torch_layers import FlattenExtractor
 from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 
 from engine.control import Controller
+from engine.errors import DraftpilotError
 from engine.features import DEPTH_OBS_DIM, SIZE_OBS_DIM
+from engine.files import atomic_path, atomic_write_json, sha256_file
 from envs.envs import DepthEnv, EnvConfig, SizeEnv, reference_rho
 from policies.learned import Actor, LearnedController
 
 ACTIVATION_NAMES = {torch.nn.Tanh: "tanh", torch.nn.ReLU: "relu"}
 CLIP_OBS, OBS_EPS = 10.0, 1e-8
+CHECKPOINT_FORMAT, CHECKPOINT_VERSION = "draftpilot-checkpoint", 1
+MANIFEST = "manifest.json"
+CHECKPOINT_ENTRIES = ("trainer.pt", "size.zip", "depth.zip")
+"""The files of a checkpoint by role; on disk each is ``<stem>.<phases>-<random><ext>`` (a new name per save,
+so a kill between two files leaves the previous manifest and the files it names untouched)."""
+
+
+class CheckpointError(DraftpilotError, ValueError):
+    """A training checkpoint that is not loaded: no manifest, a file that does not match it, or trainer state
+    that is not plain tensors and numbers."""
 
 
 @dataclass
@@ -68,6 +89,21 @@ class PPOConfig:
     """tanh or relu."""
     rho_smoothing: float = 0.5
     """After each rollout rho moves this fraction toward the rollout's throughput (average reward)."""
+
+    def __post_init__(self) -> None:
+        for name in ("n_envs", "n_steps", "batch_size", "n_epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.activation not in ("tanh", "relu"):
+            raise ValueError(f"activation must be tanh or relu, got {self.activation!r}")
+        try:
+            arch = [int(x) for x in self.net_arch.split(",") if x.strip()]
+        except ValueError:
+            arch = [0]
+        if not arch or min(arch) < 1:
+            raise ValueError(f"net_arch must be comma-separated layer widths >= 1, got {self.net_arch!r}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
 
 
 @dataclass
@@ -192,38 +228,136 @@ class CoTrainer:
 
     # ------------------------------------------------------------------------------------ checkpoints
     def save(self, directory: str | Path) -> None:
-        """Models, observation statistics and trainer state (written at every phase boundary)."""
+        """Models, observation statistics and trainer state (written at every phase boundary), then the
+        manifest naming them with their sha256 (last, atomically: it is what makes the new files current).
+        Files of earlier saves are removed after it."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        tag = f"{len(self.history)}-{secrets.token_hex(4)}"
+        written: dict[str, Path] = {}
         for name, model in self.models.items():
-            model.save(directory / f"{name}.zip")
+            with atomic_path(directory / f"{name}.{tag}.zip") as tmp:
+                model.save(tmp)
+            written[f"{name}.zip"] = directory / f"{name}.{tag}.zip"
         best_tps, best_depth, best_size = self.best
-        state = {"rho": self.rho, "total_steps": self.total_steps, "best_tps": best_tps,
+        state = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "rho": float(self.rho),
+                 "total_steps": int(self.total_steps), "best_tps": float(best_tps),
                  "best_depth": best_depth.to_spec() if best_depth else None,
                  "best_size": best_size.to_spec() if best_size else None,
-                 "obs_rms": {n: {"mean": r.mean, "var": r.var, "count": r.count} for n, r in self.obs_rms.items()},
-                 "history": [dataclasses.asdict(h) for h in self.history]}
-        torch.save(state, directory / "trainer.pt.tmp")
-        (directory / "trainer.pt.tmp").replace(directory / "trainer.pt")
+                 "obs_rms": {n: {"mean": torch.as_tensor(np.asarray(r.mean, np.float64)),
+                                 "var": torch.as_tensor(np.asarray(r.var, np.float64)), "count": float(r.count)}
+                             for n, r in self.obs_rms.items()},
+                 "history": [{"policy": h.policy, "round": int(h.round), "steps": int(h.steps),
+                              "seconds": float(h.seconds), "validation": [[int(s), float(v)] for s, v in h.validation]}
+                             for h in self.history]}
+        with atomic_path(directory / f"trainer.{tag}.pt") as tmp:
+            torch.save(state, tmp)
+        written["trainer.pt"] = directory / f"trainer.{tag}.pt"
+        files = {role: {"file": path.name, "sha256": sha256_file(path)} for role, path in written.items()}
+        atomic_write_json(directory / MANIFEST, {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
+                                                 "phases": len(self.history), "files": files})
+        current = {entry["file"] for entry in files.values()}
+        for path in directory.iterdir():
+            if path.name not in current and (_is_checkpoint_file(path.name) or path.name == "trainer.pt.tmp"):
+                path.unlink(missing_ok=True)
 
     def load(self, directory: str | Path) -> None:
-        """Continue from ``save``: the next phase starts where the checkpoint's last phase ended."""
+        """Continue from ``save``: the next phase starts where the checkpoint's last phase ended. Every file is
+        checked against the manifest first (``verify_checkpoint``); the trainer state is read with
+        ``weights_only=True``; the SB3 zips are then unpickled by ``PPO.load`` (trusted-only: see the module
+        docstring). Raises ``CheckpointError``."""
         directory = Path(directory)
-        state = torch.load(directory / "trainer.pt", weights_only=False)  # our own file, not a user's
+        files = verify_checkpoint(directory)
+        if files is None:
+            raise CheckpointError(f"no checkpoint in {directory} (no {MANIFEST})")
+        state = read_trainer_state(files["trainer.pt"])
         for name in ("size", "depth"):
-            if (directory / f"{name}.zip").is_file():
-                self.models[name] = PPO.load(directory / f"{name}.zip", device=self.device)
+            if f"{name}.zip" in files:
+                self.models[name] = PPO.load(files[f"{name}.zip"], device=self.device)
         for name, stats in state["obs_rms"].items():
-            rms = RunningMeanStd(shape=stats["mean"].shape)
-            rms.mean, rms.var, rms.count = stats["mean"], stats["var"], stats["count"]
+            rms = RunningMeanStd(shape=tuple(stats["mean"].shape))
+            rms.mean, rms.var = stats["mean"].numpy().astype(np.float64), stats["var"].numpy().astype(np.float64)
+            rms.count = float(stats["count"])
             self.obs_rms[name] = rms
-        self.rho, self.total_steps = state["rho"], state["total_steps"]
+        self.rho, self.total_steps = float(state["rho"]), int(state["total_steps"])
         obs_dims = {"depth": DEPTH_OBS_DIM, "size": SIZE_OBS_DIM}
         ladder = len(self.env_config.size_ladder)
         actors = [Actor(state[k], obs_dims[n], 2 if n == "depth" else ladder) if state[k] else None
                   for k, n in (("best_depth", "depth"), ("best_size", "size"))]
-        self.best = (state["best_tps"], *actors)
-        self.history = [PhaseLog(**h) for h in state["history"]]
+        self.best = (float(state["best_tps"]), *actors)
+        self.history = [PhaseLog(h["policy"], int(h["round"]), int(h["steps"]), float(h["seconds"]),
+                                 [(int(s), float(v)) for s, v in h["validation"]]) for h in state["history"]]
+
+
+def _is_checkpoint_file(name: str) -> bool:
+    """A file ``save`` writes (any generation), or one an older version wrote (``trainer.pt``, ``size.zip``, ...)."""
+    if name in CHECKPOINT_ENTRIES:
+        return True
+    stem, _, ext = name.rpartition(".")
+    return any(stem.startswith(role.rpartition(".")[0] + ".") and ext == role.rpartition(".")[2]
+               for role in CHECKPOINT_ENTRIES)
+
+
+def has_checkpoint(directory: str | Path) -> bool:
+    """Whether ``directory`` holds anything of a checkpoint (a manifest or checkpoint files; temporary files
+    of an interrupted write do not count)."""
+    directory = Path(directory)
+    return directory.is_dir() and any(p.name == MANIFEST or _is_checkpoint_file(p.name) for p in directory.iterdir())
+
+
+def verify_checkpoint(directory: str | Path) -> dict[str, Path] | None:
+    """The checkpoint's files by role (``trainer.pt``, ``size.zip``, ``depth.zip``) after checking each one's
+    sha256 against ``manifest.json``; None when ``directory`` holds no checkpoint at all. Raises
+    ``CheckpointError`` (naming the file) for a missing or unreadable manifest or a file that does not match
+    it. Reads no file but the manifest as anything other than bytes."""
+    directory = Path(directory)
+    manifest = directory / MANIFEST
+    if not manifest.is_file():
+        if has_checkpoint(directory):
+            raise CheckpointError(f"{directory} has no {MANIFEST}, so its files cannot be checked and are not loaded "
+                                  "(a checkpoint this code did not write, or an older version's); delete the "
+                                  "directory to train from the start")
+        return None
+    try:
+        data = json.loads(manifest.read_text(encoding="utf-8"))
+        ok = data.get("format") == CHECKPOINT_FORMAT and isinstance(data.get("files"), dict)
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as err:
+        raise CheckpointError(f"{manifest} is not a readable checkpoint manifest ({err})") from err
+    if not ok or data.get("version") != CHECKPOINT_VERSION:
+        raise CheckpointError(f"{manifest} is not a draftpilot checkpoint manifest (version {CHECKPOINT_VERSION})")
+    files: dict[str, Path] = {}
+    for role, entry in data["files"].items():
+        name = entry.get("file") if isinstance(entry, dict) else None
+        if (role not in CHECKPOINT_ENTRIES or not isinstance(name, str) or Path(name).name != name
+                or name.startswith(".") or not _is_checkpoint_file(name)):
+            raise CheckpointError(f"{manifest}: entry {role!r} -> {name!r} is not a checkpoint file of this directory")
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing: {manifest} lists it")
+        if sha256_file(path) != entry.get("sha256"):
+            raise CheckpointError(f"{path} does not match its sha256 in {manifest}: modified or not written by this "
+                                  "run; refusing to load it")
+        files[role] = path
+    if "trainer.pt" not in files:
+        raise CheckpointError(f"{manifest} lists no trainer state")
+    return files
+
+
+def read_trainer_state(path: str | Path) -> dict:
+    """The trainer state ``CoTrainer.save`` wrote, read with ``weights_only=True`` (tensors and plain types
+    only: anything else is refused unexecuted)."""
+    path = Path(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - torch raises many kinds for a foreign or corrupt file
+        first = (str(err).strip().splitlines() or [""])[0][:160]
+        raise CheckpointError(f"{path} is not a plain trainer state, refusing to load it "
+                              f"({type(err).__name__}: {first})") from err
+    keys = ("rho", "total_steps", "best_tps", "best_depth", "best_size", "obs_rms", "history")
+    if (not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT
+            or state.get("version") != CHECKPOINT_VERSION or any(k not in state for k in keys)):
+        raise CheckpointError(f"{path} is not a draftpilot trainer state (version {CHECKPOINT_VERSION})")
+    return state
 
 
 class _TrainCallback(BaseCallback):

@@ -99,3 +99,127 @@ def test_config_comparison_ignores_progress_and_restart_only():
     assert differing_fields(a, {**a, "temperature": 0.70000000000001}) == []
     assert differing_fields(a, {**a, "reps": 2}) == ["reps: 1 -> 2"]
     assert differing_fields(a, {**a, "seed": 1}) == ["seed: None -> 1"]
+
+
+# --------------------------------------------------------------------------- what a resume compares, --out
+def _partial_for(argv):
+    """A partial evaluation (no runs yet) as the command ``argv`` would leave it."""
+    import evaluate
+    from evaluation.checkpoint import prepare_output
+
+    config = evaluate.config_from_argv(argv).resolved()
+    state = prepare_output(config.out, config)
+    state.save()
+    return config, state
+
+
+def _lines(stderr: str) -> list[str]:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in stderr, stderr
+    return lines
+
+
+def test_the_same_out_given_relative_or_absolute_resumes(workdir, tiny_policy, monkeypatch):
+    out = workdir / "relative"
+    first = _Counting(runner.run_engine, stop_at=len(CONTROLLERS) + len(CONTROLLERS) + 1)
+    monkeypatch.setattr(runner, "run_engine", first)
+    with pytest.raises(KeyboardInterrupt):
+        run_cli(_argv(workdir, tiny_policy, "relative"))
+    assert json.loads((out / PARTIAL).read_text())["runs"]
+    monkeypatch.setattr(runner, "run_engine", first.inner)
+    monkeypatch.chdir(workdir)
+    relative = ["--pair", "tiny", "--quick", "--threads", "1", "--policy", str(tiny_policy.relative_to(workdir)),
+                "--cache-dir", "cache", "--out", "relative", "--no-progress", "--languages", "it,en",
+                "--controllers", ",".join(CONTROLLERS), "--prompts-per-language", "2", "--max-new-tokens", "16",
+                "--tune-max-new-tokens", "16", "--no-replay", "--no-exactness"]
+    rc, stdout, stderr = run_cli(relative)
+    assert rc == 0 and "resuming the partial evaluation" in stdout, stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["out"] == str(out) and config["cache_dir"] == str(workdir / "cache")
+    assert config["policy"] == str(tiny_policy) and len(config["policy_sha256"]) == 64
+
+
+def test_resume_with_a_replaced_policy_file_is_refused(workdir, tiny_policy, tmp_path):
+    import torch
+
+    from evaluation.checkpoint import prepare_output
+
+    policy = tmp_path / "policy.pt"
+    policy.write_bytes(tiny_policy.read_bytes())
+    argv = _argv(workdir, policy, "replaced")
+    config, _ = _partial_for(argv)
+    assert prepare_output(config.out, config).resumed  # control: the unchanged policy resumes
+    (workdir / "replaced" / "config.json").write_text('{"from": "the first sitting"}\n')
+    payload = torch.load(policy, weights_only=True)
+    torch.save({**payload, "metrics": json.dumps({"retrained": True})}, policy)  # same path, other bytes
+    rc, _, stderr = run_cli(argv)
+    assert rc == 2 and "policy_sha256" in _lines(stderr)[0] and f"the policy file {policy} was replaced" in stderr
+    assert json.loads((workdir / "replaced" / "config.json").read_text()) == {"from": "the first sitting"}
+
+
+def test_resume_without_policy_after_a_newer_policy_appeared_is_refused(workdir, tiny_policy, tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("a", "b"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+    older = tmp_path / "runs" / "a" / "policy.pt"
+    older.write_bytes(tiny_policy.read_bytes())
+    argv = [a for a in _argv(workdir, tiny_policy, "newer") if a != str(tiny_policy)]
+    argv.remove("--policy")
+    config, _ = _partial_for(argv)
+    assert config.policy == str(older)
+    newer = tmp_path / "runs" / "b" / "policy.pt"
+    newer.write_bytes(tiny_policy.read_bytes())
+    os.utime(newer, (older.stat().st_atime, older.stat().st_mtime + 60))
+    rc, _, stderr = run_cli(argv)
+    line = _lines(stderr)[0]
+    assert rc == 2 and f"policy: '{older}' -> '{newer}'" in line and f"--policy {older}" in line
+
+
+def test_a_finished_out_is_kept_unless_restart(workdir, tiny_policy):
+    out = workdir / "finished"
+    out.mkdir()
+    old = {"report.md": "# old report\n", "results.json": "{}\n", "config.json": '{"old": 1}\n',
+           "learned_actions.png": "old figure"}
+    for name, text in old.items():
+        (out / name).write_text(text)
+    cheap = ["--controllers", "autoregressive", "--prompts-per-language", "1", "--max-new-tokens", "8",
+             "--tune-max-new-tokens", "8", "--no-replay", "--no-exactness"]
+    for argv in (tiny_args(workdir, tiny_policy, "finished", *cheap),
+                 ["exactness"] + tiny_args(workdir, tiny_policy, "finished", *cheap)):
+        rc, _, stderr = run_cli(argv)
+        assert rc == 2 and "already holds a finished evaluation" in _lines(stderr)[0] and "--restart" in stderr
+        assert {name: (out / name).read_text() for name in old} == old  # nothing touched
+    rc, _, stderr = run_cli(tiny_args(workdir, tiny_policy, "finished", *cheap, "--restart"))
+    assert rc == 0, stderr
+    assert not (out / "learned_actions.png").exists()  # the old run's figure went with it
+    assert (out / "report.md").read_text() != old["report.md"]
+    assert json.loads((out / "config.json").read_text())["controllers"] == "autoregressive"
+
+
+def test_two_evaluations_into_one_out_cannot_run_at_once(workdir, tiny_policy):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = workdir / "busy"
+    code = ("import sys; from engine.files import DirectoryLock; DirectoryLock(sys.argv[1]).acquire(); "
+            "print('locked', flush=True); sys.stdin.read()")
+    root = Path(runner.__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-c", code, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, cwd=root)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        rc, _, stderr = run_cli(_argv(workdir, tiny_policy, "busy"))
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+    assert rc == 2 and "in use by another process" in _lines(stderr)[0]
+    assert not (out / "config.json").exists()
+
+
+def test_an_unusable_out_gives_one_error_line(workdir, tiny_policy):
+    (workdir / "a-file").write_text("not a directory")
+    rc, _, stderr = run_cli(_argv(workdir, tiny_policy, "a-file"))
+    assert rc == 2 and str(workdir / "a-file") in _lines(stderr)[0]

@@ -1,0 +1,353 @@
+"""Files and runs: checkpoints that never execute planted code, writes that a kill cannot truncate, run
+directories that never serve a policy trained with another config, and one run per directory at a time."""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import io
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import policies.ppo as ppo
+import train
+from engine.files import DirectoryBusyError, sha256_file
+from policies import load_policy
+from policies.cli import save_config
+from policies.ppo import MANIFEST, CheckpointError, read_trainer_state, verify_checkpoint
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def quick_config(tmp: Path, **kw) -> train.TrainConfig:
+    values = {**train.QUICK, "pair": "tiny", "cache_dir": str(tmp / "cache"), "run_dir": str(tmp / "runs"),
+              "progress": False, "languages": "it,en", "run_name": "base"}
+    values.update(kw)
+    return train.TrainConfig(**values, ppo=train.PPOConfig(**train.QUICK_PPO))
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> dict:
+    """One quick tiny run (policy, metrics, checkpoint); tests copy its directory before changing anything."""
+    tmp = tmp_path_factory.mktemp("runs")
+    metrics = train.train(quick_config(tmp))
+    return {"tmp": tmp, "run": Path(metrics["policy"]).parent}
+
+
+def copy_run(base: dict, name: str) -> Path:
+    run = base["tmp"] / "runs" / name
+    shutil.copytree(base["run"], run)
+    (run / ".lock").unlink(missing_ok=True)
+    return run
+
+
+def run_main(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = train.main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def one_error_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+@contextlib.contextmanager
+def locked_by_another_process(directory: Path):
+    """A second process that holds ``directory``'s lock until the block ends."""
+    code = ("import sys; from engine.files import DirectoryLock; DirectoryLock(sys.argv[1]).acquire(); "
+            "print('locked', flush=True); sys.stdin.read()")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(directory)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, cwd=Path(train.__file__).parent)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        yield
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+
+
+# ------------------------------------------------------------------------------------------- checkpoints
+class _Planted:
+    """Unpickling this calls ``open(marker, "w")``: a stand-in for arbitrary code in a planted checkpoint."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return builtins.open, (self.marker, "w")
+
+
+def plant(path: Path, marker: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"rho": _Planted(marker)}, path)
+    return path
+
+
+def test_the_planted_pickle_does_run_code_when_unpickled(tmp_path):
+    """Control: the payload the next tests plant really executes under a plain unpickler."""
+    marker = tmp_path / "pwned"
+    torch.load(plant(tmp_path / "trainer.pt", marker), weights_only=False)
+    assert marker.exists()
+
+
+def test_planted_trainer_state_never_executes_on_resume(base, tmp_path):
+    marker = tmp_path / "pwned"
+    run = tmp_path / "evil"
+    save_config(quick_config(base["tmp"]), run / "config.json")
+    planted = plant(run / "checkpoint" / "trainer.pt", marker)
+    # no manifest: refused before anything is read
+    rc, _, stderr = run_main(["--resume", str(run)])
+    assert rc == 2 and MANIFEST in one_error_line(stderr) and not marker.exists()
+    # a forged manifest that vouches for the planted file: the weights-only reader still refuses it unexecuted
+    (run / "checkpoint" / MANIFEST).write_text(json.dumps({
+        "format": "draftpilot-checkpoint", "version": 1, "phases": 1,
+        "files": {"trainer.pt": {"file": "trainer.pt", "sha256": sha256_file(planted)}}}))
+    assert verify_checkpoint(run / "checkpoint") == {"trainer.pt": planted}
+    with pytest.raises(CheckpointError, match="not a plain trainer state"):
+        read_trainer_state(planted)
+    rc, _, stderr = run_main(["--resume", str(run)])
+    assert rc == 2 and "trainer.pt is not a plain trainer state" in one_error_line(stderr)
+    assert not marker.exists()
+
+
+def test_tampered_or_missing_checkpoint_files_are_refused(base):
+    run = copy_run(base, "tampered")
+    files = verify_checkpoint(run / "checkpoint")
+    assert set(files) == {"trainer.pt", "size.zip", "depth.zip"}
+    assert read_trainer_state(files["trainer.pt"])["history"]  # plain state, read with weights_only=True
+    rc, stdout, stderr = run_main(["--resume", str(run)])  # control: the untouched copy resumes
+    assert rc == 0 and "resumed" in stdout, stderr
+    files = verify_checkpoint(run / "checkpoint")
+    with open(files["size.zip"], "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(CheckpointError, match="does not match its sha256"):
+        verify_checkpoint(run / "checkpoint")
+    rc, _, stderr = run_main(["--resume", str(run)])
+    assert rc == 2 and files["size.zip"].name in one_error_line(stderr) and "refusing" in stderr
+    files["size.zip"].unlink()
+    with pytest.raises(CheckpointError, match="missing"):
+        verify_checkpoint(run / "checkpoint")
+
+
+def test_a_kill_while_checkpointing_keeps_the_previous_checkpoint(base, monkeypatch):
+    from envs.backends import ReplayBackend
+    from envs.envs import EnvConfig
+    from policies import StaticController
+    from policies.ppo import CoTrainer
+
+    run = copy_run(base, "killed-save")
+    config = quick_config(base["tmp"])
+    pair = train.load_models(config)
+    profile = train.ensure_profile(config, pair)
+    train_prompts, _ = train.select_prompts(config)
+    traces = train.ensure_traces(config, pair, train_prompts, "train")
+
+    def trainer():
+        return CoTrainer(ReplayBackend(traces, profile), config.ppo, EnvConfig(),
+                         lambda: StaticController(2, 2, tree_width=1), None, max_depth=config.max_depth,
+                         device_feats=np.zeros(3, np.float32))
+
+    first = trainer()
+    first.load(run / "checkpoint")
+    before = json.loads((run / "checkpoint" / MANIFEST).read_text())
+    first.run_phase("size", 64, 1)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ppo, "atomic_write_json", killed)  # killed after the new files, before the manifest
+    with pytest.raises(KeyboardInterrupt):
+        first.save(run / "checkpoint")
+    monkeypatch.undo()
+    assert json.loads((run / "checkpoint" / MANIFEST).read_text()) == before
+    again = trainer()
+    again.load(run / "checkpoint")  # the previous checkpoint, intact
+    assert len(again.history) == before["phases"]
+    first.save(run / "checkpoint")  # a completed save replaces it and removes the older files
+    assert len(list((run / "checkpoint").glob("size.*.zip"))) == 1
+    again.load(run / "checkpoint")
+    assert len(again.history) == before["phases"] + 1
+
+
+# ---------------------------------------------------------------------------------------- atomic writes
+def _half_then_die(monkeypatch, target, name):
+    """Replace ``target.name`` with a writer that writes half of its output to the file, then dies."""
+    def dying(*args, **kwargs):
+        path = next(a for a in args if isinstance(a, (str, Path)) or hasattr(a, "write"))
+        if hasattr(path, "write"):
+            path.write(b"PK\x03\x04half")
+        else:
+            Path(path).write_bytes(b"half a file")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(target, name, dying)
+
+
+def _write_text_dies(monkeypatch):
+    original = Path.write_text
+
+    def dying(self, data, *args, **kwargs):
+        original(self, data[: len(data) // 2], *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", dying)
+
+
+def _writers(tmp_path):
+    from envs.trace import Trace
+    from evaluation import plots
+    from evaluation.checkpoint import Checkpoint
+    from evaluation.config import EvalConfig
+    from evaluation.report import write_json
+
+    trace = Trace("p", 3, np.array([1, 2], np.int32), np.array([0, 1, 1]), np.array([5], np.int32),
+                  np.array([-1], np.int16), np.array([1], np.int8), np.array([-0.5], np.float32))
+
+    def figure(path):
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots()
+        ax.plot([0, 1])
+        return plots._save(fig, path)
+
+    eval_config = EvalConfig(controllers="autoregressive", out=str(tmp_path))
+    return {
+        "config.json": (lambda p: save_config(quick_config(tmp_path), p), _write_text_dies),
+        "results.json": (lambda p: write_json({"x": [1.0, float("nan")]}, p), _write_text_dies),
+        "partial evaluation": (lambda p: Checkpoint(p, eval_config).save(), _write_text_dies),
+        "trace": (trace.save, lambda mp: _half_then_die(mp, np, "savez_compressed")),
+        "figure": (figure, lambda mp: _half_then_die(mp, __import__("matplotlib.figure").figure.Figure, "savefig")),
+    }
+
+
+@pytest.mark.parametrize("kind", ["config.json", "results.json", "partial evaluation", "trace", "figure"])
+def test_a_write_killed_midway_leaves_the_old_file_intact(kind, tmp_path, monkeypatch):
+    write, kill = _writers(tmp_path)[kind]
+    path = tmp_path / "out" / f"file-{kind.replace(' ', '_')}"
+    path.parent.mkdir()
+    write(path)
+    old = path.read_bytes()
+    assert old
+    kill(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        write(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == old
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
+
+
+def test_a_killed_trace_write_leaves_nothing_the_reader_picks_up(tmp_path, monkeypatch):
+    from envs.trace import Trace
+
+    trace = Trace("p", 3, np.array([1], np.int32), np.array([0, 0]), np.zeros(0, np.int32), np.zeros(0, np.int16),
+                  np.zeros(0, np.int8), np.zeros(0, np.float32))
+    _half_then_die(monkeypatch, np, "savez_compressed")
+    with pytest.raises(KeyboardInterrupt):
+        trace.save(tmp_path / "a__s0.npz")
+    monkeypatch.undo()
+    assert not list(tmp_path.iterdir())
+    trace.save(tmp_path / "a__s0.npz")
+    assert Trace.load(tmp_path / "a__s0.npz").prompt_id == "p"
+    assert [p.name for p in tmp_path.iterdir()] == ["a__s0.npz"]  # saved under exactly that name
+
+
+# ------------------------------------------------------------------------------------------ run directories
+def test_reuse_trusts_the_policy_file_not_config_json(base, monkeypatch):
+    """The issue's case: a killed ``--retrain --seed 1`` (old code) left config.json saying seed 1 next to the
+    seed-0 policy; a rerun with --seed 1 must not serve that policy."""
+    run = copy_run(base, "stale")
+    tmp = base["tmp"]
+    save_config(quick_config(tmp, run_name="stale", seed=1), run / "config.json")
+    with pytest.raises(train.RunDirectoryError, match=r"another config \(--seed: 0 -> 1\)"):
+        train.train(quick_config(tmp, run_name="stale", seed=1))
+    assert load_policy(run / "policy.pt").meta["train_config"]["seed"] == 0  # refused, not replaced
+    # the same config, with relative paths and progress bars, is reused
+    monkeypatch.chdir(tmp)
+    metrics = train.train(quick_config(Path("."), run_name="stale", progress=True))
+    assert Path(metrics["policy"]).resolve() == run / "policy.pt"
+
+
+def test_retrain_removes_stale_outputs_before_training(base, monkeypatch):
+    run = copy_run(base, "retrain")
+    tmp = base["tmp"]
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "_train", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(quick_config(tmp, run_name="retrain", seed=1), retrain=True)
+    monkeypatch.undo()
+    assert not (run / "policy.pt").exists() and not (run / "metrics.json").exists()
+    assert not (run / "checkpoint").exists() and not (run / "tb").exists()
+    assert json.loads((run / "config.json").read_text())["seed"] == 1
+    metrics = train.train(quick_config(tmp, run_name="retrain", seed=1))  # trains: nothing left to reuse
+    assert load_policy(metrics["policy"]).meta["train_config"]["seed"] == 1
+    assert json.loads((run / "metrics.json").read_text())["learned_on_val"] == metrics["learned_on_val"]
+
+
+def test_an_interrupted_run_needs_resume_or_retrain(base):
+    run = copy_run(base, "interrupted")
+    (run / "policy.pt").unlink()
+    (run / "metrics.json").unlink()
+    rc, _, stderr = run_main(["--pair", "tiny", "--quick", "--languages", "it,en", "--no-progress",
+                              "--cache-dir", str(base["tmp"] / "cache"), "--run-dir", str(run.parent),
+                              "--run-name", run.name])
+    line = one_error_line(stderr)
+    assert rc == 2 and f"--resume {run}" in line and "--retrain" in line
+    assert verify_checkpoint(run / "checkpoint") is not None  # nothing was removed
+
+
+def test_a_second_run_with_the_same_name_fails_at_once(base):
+    run = copy_run(base, "busy")
+    config_before = (run / "config.json").read_bytes()
+    with locked_by_another_process(run):
+        with pytest.raises(DirectoryBusyError):
+            train.train(quick_config(base["tmp"], run_name="busy"))
+        rc, _, stderr = run_main(["--resume", str(run)])
+    assert rc == 2 and "in use by another process" in one_error_line(stderr)
+    assert (run / "config.json").read_bytes() == config_before
+    rc, _, stderr = run_main(["--resume", str(run)])  # the other process is gone: the run is free again
+    assert rc == 0, stderr
+
+
+def test_resume_refuses_flags_that_differ_from_the_run(base):
+    run = copy_run(base, "flags")
+    with pytest.raises(train.RunDirectoryError) as err:
+        train.config_from_argv(["--resume", str(run), "--rounds", "5", "--seed", "9"])
+    assert "--rounds: 1 -> 5" in str(err.value) and "--seed: 0 -> 9" in str(err.value)
+    with pytest.raises(train.RunDirectoryError, match="--n-envs: 2 -> 3"):
+        train.config_from_argv(["--resume", str(run), "--n-envs", "3"])
+    with pytest.raises(train.RunDirectoryError, match="--run-name"):
+        train.config_from_argv(["--resume", str(run), "--run-name", "other"])
+    with pytest.raises(train.RunDirectoryError, match="--retrain"):
+        train.config_from_argv(["--resume", str(run), "--retrain"])
+    # flags that agree with the run (paths given relative or absolute alike) and --progress are accepted
+    config, resume, _ = train.config_from_argv(["--resume", str(run), "--seed", "0", "--quick", "--progress",
+                                                "--cache-dir", str(base["tmp"] / "cache" / ".." / "cache")])
+    assert resume == run and config.progress and config.seed == 0
+    rc, _, stderr = run_main(["--resume", str(run), "--rounds", "5"])
+    assert rc == 2 and "--rounds: 1 -> 5" in one_error_line(stderr)
+    rc, _, stderr = run_main(["--resume", str(base["tmp"] / "nowhere")])
+    assert rc == 2 and "no config.json" in one_error_line(stderr)
+
+
+def test_unusable_run_directories_give_one_error_line(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    rc, _, stderr = run_main(["--pair", "tiny", "--quick", "--no-progress", "--run-dir", str(tmp_path / "file"),
+                              "--run-name", "x"])
+    assert rc == 2 and str(tmp_path / "file") in one_error_line(stderr)
+    rc, _, stderr = run_main(["--pair", "tiny", "--quick", "--n-envs", "0", "--run-dir", str(tmp_path)])
+    assert rc == 2 and "n_envs must be >= 1" in one_error_line(stderr)
+    rc, _, stderr = run_main(["--pair", "tiny", "--quick", "--activation", "bogus", "--run-dir", str(tmp_path)])
+    assert rc == 2 and "activation" in one_error_line(stderr)
