@@ -49,8 +49,9 @@ from torch import nn
 
 from engine.errors import DraftpilotError
 
-WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4", "int4-strict")
-INTEGER_FORMATS = ("int8", "int4", "int4-strict")
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4", "int4-strict", "kquant", "kquant-strict")
+INTEGER_FORMATS = ("int8", "int4", "int4-strict", "kquant", "kquant-strict")
+KQUANT_FORMATS = ("kquant", "kquant-strict")  # engine.kquant: the compiled kernels (engine.native)
 KERNEL_DTYPE = torch.bfloat16  # the integer kernels' activation and scale dtype (their fast path)
 GROUP_SIZE = 32  # int4 quantisation group along the input dimension (a Q4_K sub-block)
 INNER_K_TILES = 8  # the CPU packing's k-tiling (any of 2, 4, 8; the kernel reads what the packing wrote)
@@ -184,22 +185,30 @@ Q4_K_BLOCK_BYTES = 144  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 
 QK_K = 256
 
 
-def q4_k_decode(blocks: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_K blocks of a [rows, cols] tensor -> (codes uint8 [rows, cols], scales float32 [rows, cols / 32],
-    mins float32 [rows, cols / 32]) with ``weight = scale * code - min`` per 32-weight sub-block.
+def _super_blocks(blocks: np.ndarray, nbytes: int, rows: int, cols: int, qtype: str) -> np.ndarray:
+    """The raw bytes of a K-quant tensor as [super-blocks, nbytes], shape-checked."""
+    if cols % QK_K:
+        raise QuantizationError(f"{qtype} rows must be a multiple of {QK_K} weights, got {cols}")
+    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1, nbytes)
+    if b.shape[0] != rows * cols // QK_K:
+        raise QuantizationError(f"{qtype}: {b.shape[0]} blocks for a [{rows}, {cols}] tensor")
+    return b
+
+
+def q4_k_fields(blocks: np.ndarray, rows: int, cols: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K blocks of a [rows, cols] tensor -> their fields: (codes uint8 [rows, cols] in input order,
+    d float16 [blocks], dmin float16 [blocks], sc uint8 [blocks, 8], m uint8 [blocks, 8]) with
+    ``weight = d * sc * code - dmin * m`` per 32-weight sub-block.
 
     Layout (ggml's block_q4_K): per 256 weights, fp16 ``d`` and ``dmin``, 8 pairs of 6-bit (sc, m) packed
     in 12 bytes, and 128 bytes of codes; sub-block 2j takes the low nibbles of bytes 32j..32j+31, sub-block
-    2j+1 their high nibbles. ``scale = d * sc`` and ``min = dmin * m`` are exact in float32 (11 x 6 bits).
+    2j+1 their high nibbles.
     """
-    if cols % QK_K:
-        raise QuantizationError(f"Q4_K rows must be a multiple of {QK_K} weights, got {cols}")
-    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1, Q4_K_BLOCK_BYTES)
+    b = _super_blocks(blocks, Q4_K_BLOCK_BYTES, rows, cols, "Q4_K")
     nb = b.shape[0]
-    if nb != rows * cols // QK_K:
-        raise QuantizationError(f"Q4_K: {nb} blocks for a [{rows}, {cols}] tensor")
-    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # [nb, 1]
-    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    d = b[:, 0:2].copy().view(np.float16)[:, 0]
+    dmin = b[:, 2:4].copy().view(np.float16)[:, 0]
     s = b[:, 4:16]
     sc = np.empty((nb, 8), dtype=np.uint8)
     mn = np.empty((nb, 8), dtype=np.uint8)
@@ -209,10 +218,42 @@ def q4_k_decode(blocks: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, n
     mn[:, 4:] = (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)
     qs = b[:, 16:].reshape(nb, 4, 32)  # 4 groups of 32 bytes, each two sub-blocks
     codes = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(rows, cols)  # sub-block order 0..7
+    return codes.astype(np.uint8), d, dmin, sc, mn
+
+
+def q4_k_decode(blocks: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K blocks of a [rows, cols] tensor -> (codes uint8 [rows, cols], scales float32 [rows, cols / 32],
+    mins float32 [rows, cols / 32]) with ``weight = scale * code - min`` per 32-weight sub-block;
+    ``scale = d * sc`` and ``min = dmin * m`` are exact in float32 (11 x 6 bits)."""
+    codes, d, dmin, sc, mn = q4_k_fields(blocks, rows, cols)
     groups = cols // GROUP_SIZE
-    scale = (d * sc.astype(np.float32)).reshape(rows, groups)
-    mins = (dmin * mn.astype(np.float32)).reshape(rows, groups)
-    return codes.astype(np.uint8), scale, mins
+    scale = (d.astype(np.float32)[:, None] * sc.astype(np.float32)).reshape(rows, groups)
+    mins = (dmin.astype(np.float32)[:, None] * mn.astype(np.float32)).reshape(rows, groups)
+    return codes, scale, mins
+
+
+Q6_K_BLOCK_BYTES = 210  # 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, fp16 d
+
+
+def q6_k_fields(blocks: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q6_K blocks of a [rows, cols] tensor -> (codes uint8 [rows, cols] in input order (0..63), d float16
+    [blocks], sc int8 [blocks, 16]) with ``weight = d * sc * (code - 32)`` per 16 weights.
+
+    Layout (ggml's block_q6_K): per 256 weights ``ql`` (128 bytes), ``qh`` (64), ``scales`` (16), fp16
+    ``d``; in each half of 128 weights, byte i of its 64 ``ql`` bytes holds the low 4 bits of weight i (low
+    nibble) and of weight 64 + i (high nibble), byte t of its 32 ``qh`` bytes the high 2 bits of weights
+    t, t + 32, t + 64, t + 96 (bits 0-1, 2-3, 4-5, 6-7).
+    """
+    b = _super_blocks(blocks, Q6_K_BLOCK_BYTES, rows, cols, "Q6_K")
+    nb = b.shape[0]
+    ql = b[:, 0:128].reshape(nb, 2, 64)
+    qh = b[:, 128:192].reshape(nb, 2, 32)
+    sc = b[:, 192:208].copy().view(np.int8)
+    d = b[:, 208:210].copy().view(np.float16)[:, 0]
+    low = np.concatenate([ql & 0xF, ql >> 4], axis=2)  # [nb, 2, 128]: weights 0..63, then 64..127
+    high = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=2)  # weights t + 32 * j
+    codes = (low | (high << 4)).reshape(rows, cols).astype(np.uint8)
+    return codes, d, sc
 
 
 def q4_k_to_int4(blocks: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,6 +347,15 @@ def quantized_state(
     info: dict[str, dict] = {}
     for module, qtype, n, k, exact_int4, dense in linears:
         reference = dense()  # dequantised once: the source of the rounding and the error reference
+        if fmt in KQUANT_FORMATS:
+            kind, fields, applied = _kquant_fields(qtype, exact_int4, reference, strict=fmt == "kquant-strict")
+            for field, t in fields.items():
+                tensors[f"{module}.{kind}_{field}"] = t
+            reference = reference.double().numpy()
+            err = np.abs(applied - reference)
+            info[module] = {"kind": kind, "source": qtype, "shape": [n, k], "max_abs_error": float(err.max()),
+                            "mean_rel_error": float(err.mean() / max(float(np.abs(reference).mean()), 1e-30))}
+            continue
         if fmt in ("int4", "int4-strict") and exact_int4 is not None and _int4_ok(n, k):
             codes, sz = exact_int4()
             kind = "int4"
@@ -330,10 +380,30 @@ def quantized_state(
     return tensors, info
 
 
+def _kquant_fields(qtype: str, exact: Callable[[], tuple] | None, reference: torch.Tensor, strict: bool
+                   ) -> tuple[str, dict[str, torch.Tensor], np.ndarray]:
+    """One tensor in a kquant format: (layout "k4"/"k6", its tensors, the float64 weights it applies).
+    ``exact``: the GGUF blocks' own conversion (Q4_K -> k4, Q6_K -> k6), None for other sources."""
+    from engine import kquant
+
+    if exact is not None and qtype == "Q4_K":
+        codes, meta = exact()
+        return "k4", {"codes": codes, "meta": meta}, kquant.unpack_k4(codes, meta, reference.shape[1])
+    if exact is not None and qtype == "Q6_K" and not strict:
+        lo, hi, meta = exact()
+        return "k6", {"lo": lo, "hi": hi, "meta": meta}, kquant.unpack_k6(lo, hi, meta, reference.shape[1])
+    if strict:
+        codes, meta = kquant.quantize_k4(reference)
+        return "k4", {"codes": codes, "meta": meta}, kquant.unpack_k4(codes, meta, reference.shape[1])
+    lo, hi, meta = kquant.quantize_k6(reference)
+    return "k6", {"lo": lo, "hi": hi, "meta": meta}, kquant.unpack_k6(lo, hi, meta, reference.shape[1])
+
+
 def build_module(state: dict[str, torch.Tensor], module: str, bias: torch.Tensor | None,
-                 rows: torch.Tensor | None = None) -> nn.Module:
+                 rows: torch.Tensor | None = None, in_features: int | None = None) -> nn.Module:
     """The quantized module ``module`` from cached tensors; ``rows``: keep only these output rows (a
-    restricted LM head, ``RestrictedHead``)."""
+    restricted LM head, ``RestrictedHead``); ``in_features``: the layer's input width (the kquant layouts
+    store whole blocks of 128 inputs)."""
     if rows is not None:
         bias = None if bias is None else bias[rows]
     if f"{module}.codes4" in state:
@@ -342,6 +412,16 @@ def build_module(state: dict[str, torch.Tensor], module: str, bias: torch.Tensor
             packed, sz = packed[rows], sz[:, rows]
         codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
         return Int4Linear(codes, sz, bias)
+    for kind, fields in (("k4", ("codes", "meta")), ("k6", ("lo", "hi", "meta"))):
+        if f"{module}.{kind}_meta" in state:
+            from engine.kquant import KQuantLinear
+
+            tensors = {f: state[f"{module}.{kind}_{f}"] for f in fields}
+            if rows is not None:
+                tensors = {f: t[rows] for f, t in tensors.items()}
+            if in_features is None:
+                raise QuantizationError(f"{module}: a kquant layer needs its input width")
+            return KQuantLinear(kind, tensors, in_features, bias)
     if f"{module}.codes8" in state:
         codes, scales = state[f"{module}.codes8"], state[f"{module}.scales"]
         if rows is not None:
@@ -414,7 +494,7 @@ def replace_linears(model: nn.Module, state: dict[str, torch.Tensor], modules: l
         if not isinstance(old, nn.Linear):
             raise QuantizationError(f"{name} is a {type(old).__name__}, not a Linear")
         rows = head_rows if name == "lm_head" else None
-        new = build_module(state, name, old.bias, rows)
+        new = build_module(state, name, old.bias, rows, old.in_features)
         if rows is not None:
             new = RestrictedHead(new, rows, old.out_features)
         if (new.out_features, new.in_features) != (old.out_features, old.in_features):
@@ -468,7 +548,12 @@ def ensure_quantized_gguf(gguf_path: Path, name: str, sha256: str, fmt: str, roo
 
         for lin in tqdm(list(gguf_linears(gguf_path)), desc=f"{name} -> {fmt}", disable=not progress):
             exact = None
-            if lin.qtype == "Q4_K":
+            if fmt in KQUANT_FORMATS and lin.qtype in ("Q4_K", "Q6_K"):
+                from engine import kquant
+
+                convert = kquant.q4_k_to_k4 if lin.qtype == "Q4_K" else kquant.q6_k_to_k6
+                exact = lambda lin=lin, convert=convert: convert(lin.raw, lin.rows, lin.cols)  # noqa: E731
+            elif lin.qtype == "Q4_K":
                 exact = lambda lin=lin: q4_k_to_int4(lin.raw, lin.rows, lin.cols)  # noqa: E731
             elif lin.qtype not in SUPPORTED_GGUF_TYPES:
                 raise QuantizationError(

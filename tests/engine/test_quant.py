@@ -9,6 +9,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from tests_helpers import assert_greedy_identity, random_q4_k, write_gguf
 
 from engine import SpeculativeEngine, load_pair
 from engine.engine import forward_logits
@@ -32,16 +33,6 @@ from engine.tree import tree_attention_mask
 from policies import HeuristicController, StaticController
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-def random_q4_k(rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Random Q4_K blocks with finite positive fp16 d / dmin (any other byte pattern is a valid block)."""
-    rng = np.random.default_rng(seed)
-    nb = rows * cols // 256
-    blocks = rng.integers(0, 256, (nb, 144), dtype=np.uint8)
-    blocks[:, 0:2] = (rng.random(nb) * 0.01 + 1e-3).astype(np.float16).view(np.uint8).reshape(nb, 2)
-    blocks[:, 2:4] = (rng.random(nb) * 0.01).astype(np.float16).view(np.uint8).reshape(nb, 2)
-    return blocks.reshape(rows, -1)
 
 
 # ------------------------------------------------------------------------------------------ GGUF blocks
@@ -195,12 +186,7 @@ def test_greedy_speculative_equals_autoregressive_on_integer_formats(formats, pr
     weights, draft_weights = formats
     pair = load_pair("tiny", weights=weights, draft_weights=draft_weights, device="cpu")
     assert pair.weights == weights and pair.draft_weights == (draft_weights or weights)
-    engine = SpeculativeEngine(pair)
-    for prompt in prompts:
-        ids = pair.encode(prompt)
-        ar = engine.generate(ids, max_new_tokens=24)
-        for controller in CONTROLLERS:
-            assert engine.generate(ids, max_new_tokens=24, controller=controller).tokens == ar.tokens, controller
+    assert_greedy_identity(pair, prompts, CONTROLLERS)
 
 
 def test_precision_labels_the_pair():
@@ -221,14 +207,6 @@ def test_bad_weight_formats_are_refused(kwargs, match):
 
 
 # ------------------------------------------------------------------------------------ cache and errors
-def _write_gguf(path, tensors):
-    writer = gguf.GGUFWriter(str(path), "qwen2")
-    for name, data, qtype in tensors:
-        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 @pytest.fixture()
@@ -237,7 +215,7 @@ def small_gguf(tmp_path):
     rng = np.random.default_rng(3)
     q8 = gguf.quants.quantize(rng.standard_normal((64, 256)).astype(np.float32) * 0.05, gguf.GGMLQuantizationType.Q8_0)
     path = tmp_path / "m.gguf"
-    _write_gguf(path, [
+    write_gguf(path, [
         ("blk.0.attn_q.weight", random_q4_k(256, 256), gguf.GGMLQuantizationType.Q4_K),
         ("blk.0.ffn_down.weight", q8, gguf.GGMLQuantizationType.Q8_0),
         ("blk.0.attn_norm.weight", rng.standard_normal(256).astype(np.float32), gguf.GGMLQuantizationType.F32),
@@ -293,14 +271,14 @@ def test_gguf_conversion_cache_roundtrip_and_rebuild(small_gguf, tmp_path):
 def test_unknown_gguf_type_names_the_tensor_and_type(tmp_path):
     path = tmp_path / "iq.gguf"
     raw = np.zeros((8, 66), dtype=np.uint8)  # one IQ2_XXS block (66 bytes) per row of 256
-    _write_gguf(path, [("blk.0.attn_k.weight", raw, gguf.GGMLQuantizationType.IQ2_XXS)])
+    write_gguf(path, [("blk.0.attn_k.weight", raw, gguf.GGMLQuantizationType.IQ2_XXS)])
     with pytest.raises(QuantizationError, match=r"blk\.0\.attn_k\.weight.*IQ2_XXS"):
         ensure_quantized_gguf(path, "iq", "abc", "int8", tmp_path / "cache", progress=False)
     assert not (tmp_path / "cache" / "quant" / "iq" / "int8").exists(), "a failed conversion leaves no cache"
 
 
 def test_integer_formats_listed():
-    assert set(INTEGER_FORMATS) == {"int8", "int4", "int4-strict"}
+    assert set(INTEGER_FORMATS) == {"int8", "int4", "int4-strict", "kquant", "kquant-strict"}
 
 
 # ------------------------------------------------------------------------------- restricted draft head

@@ -1,0 +1,409 @@
+// K-quant matrix products for the CPU: y[M, N] = x[M, K] @ W[N, K]^T with W held in GGUF-style blocks of
+// 128 inputs and x quantised to int8 per 128 inputs (one float scale a block), integer dot products
+// (AVX-512 VNNI `vpdpbusd`: unsigned weight codes x signed activation codes), one float multiply-add per
+// block. Layouts (built in engine/quant.py; a row of W is nb = ceil(K / 128) blocks):
+//
+//   k4 (Q4_K):  codes  uint8 [N, nb, 64]  byte i: low nibble = code of input i, high nibble = input 64 + i
+//               meta   uint8 [N, nb, 12]  fp16 d, fp16 dmin, uint8 sc[4], uint8 m[4]   (one per 32 inputs)
+//               w = d * sc[g] * code - dmin * m[g],   g = input / 32
+//   k6 (Q6_K):  lo     uint8 [N, nb, 64]  low 4 bits of the codes, as k4
+//               hi     uint8 [N, nb, 32]  byte t: bits 0-1 = high 2 bits of input t, 2-3 of t + 32,
+//                                         4-5 of t + 64, 6-7 of t + 96
+//               meta   uint8 [N, nb, 10]  fp16 d, int8 sc[8]                             (one per 16 inputs)
+//               w = d * sc[g] * (code - 32),   g = input / 16
+//
+// Exactness: every output y[m, n] is computed by one thread with the same sequence of operations whatever
+// M is and whichever rows share its tile (rows are only tiled to share weight loads), so row m of an
+// M-row product is bitwise the 1-row product: batch invariance by construction. Threads split N only.
+// Activations: d = max|x| / 127 per block, code = round-half-even(x / d); a block holding a NaN or an
+// infinity gets d = NaN, so its outputs are NaN (never a silently finite value).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__F16C__)
+#include <immintrin.h>
+#define KQ_AVX512 1
+#else
+#define KQ_AVX512 0
+#endif
+
+namespace {
+
+constexpr int64_t QB = 128;        // inputs per block
+constexpr int64_t G16 = QB / 16;   // 16-input sums of activation codes per block
+constexpr int MAX_TILE = 8;        // activation rows sharing one pass over a weight row
+
+struct QuantizedRows {
+  std::vector<int8_t> q;     // [M, nb, 128]
+  std::vector<float> d;      // [M, nb]
+  std::vector<int32_t> sum;  // [M, nb, 8] sums of 16 codes
+  std::vector<float> dv;     // [M, nb, 16] d broadcast (one vector load per block)
+  std::vector<float> dsum;   // [M, nb, 8] d * sum
+};
+
+float half_to_float(uint16_t h) {
+  // IEEE binary16 -> binary32 (exact), portable
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F;
+  uint32_t man = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      exp = 127 - 15 + 1;
+      while ((man & 0x400) == 0) {
+        man <<= 1;
+        --exp;
+      }
+      man &= 0x3FF;
+      bits = sign | (exp << 23) | (man << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t nb, QuantizedRows& out) {
+  out.q.assign((size_t)(M * nb * QB), 0);
+  out.d.assign((size_t)(M * nb), 0.f);
+  out.sum.assign((size_t)(M * nb * G16), 0);
+  out.dv.assign((size_t)(M * nb * 16), 0.f);
+  out.dsum.assign((size_t)(M * nb * G16), 0.f);
+  at::parallel_for(0, M, 8, [&](int64_t mb, int64_t me) {
+  for (int64_t m = mb; m < me; ++m) {
+    const float* xr = x + m * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t k0 = b * QB;
+      const int64_t len = std::min<int64_t>(QB, K - k0);
+      float amax = 0.f;
+      bool finite = true;
+      for (int64_t i = 0; i < len; ++i) {
+        const float v = xr[k0 + i];
+        if (!std::isfinite(v)) finite = false;
+        amax = std::max(amax, std::fabs(v));
+      }
+      float* d = &out.d[(size_t)(m * nb + b)];
+      if (!finite) {
+        *d = NAN;  // codes stay 0: every product with this block is NaN * 0 = NaN
+        for (int64_t i = 0; i < 16; ++i) out.dv[(size_t)((m * nb + b) * 16 + i)] = NAN;
+        for (int64_t g = 0; g < G16; ++g) out.dsum[(size_t)((m * nb + b) * G16 + g)] = NAN;
+        continue;
+      }
+      if (amax == 0.f) continue;
+      *d = amax / 127.f;
+      const float id = 127.f / amax;
+      int8_t* q = &out.q[(size_t)((m * nb + b) * QB)];
+      for (int64_t i = 0; i < len; ++i) {
+        float r = std::nearbyint(xr[k0 + i] * id);
+        r = std::min(127.f, std::max(-127.f, r));
+        q[i] = (int8_t)r;
+      }
+      int32_t* s = &out.sum[(size_t)((m * nb + b) * G16)];
+      for (int64_t g = 0; g < G16; ++g) {
+        int32_t t = 0;
+        for (int64_t i = 0; i < 16; ++i) t += q[g * 16 + i];
+        s[g] = t;
+        out.dsum[(size_t)((m * nb + b) * G16 + g)] = *d * (float)t;
+      }
+      for (int64_t i = 0; i < 16; ++i) out.dv[(size_t)((m * nb + b) * 16 + i)] = *d;
+    }
+  }
+  });
+}
+
+// ------------------------------------------------------------------------------------------- portable
+// Reference arithmetic (any CPU): the same integer sums per block, one float multiply-add per block.
+void k4_rows_portable(const QuantizedRows& a, int64_t m0, int tile, int64_t nb, const uint8_t* codes,
+                      const uint8_t* meta, float* acc) {
+  for (int r = 0; r < tile; ++r) acc[r] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* c = codes + b * 64;
+    const uint8_t* mt = meta + b * 12;
+    const float d = half_to_float(load_u16(mt)), dmin = half_to_float(load_u16(mt + 2));
+    for (int r = 0; r < tile; ++r) {
+      const int64_t row = (m0 + r) * nb + b;
+      const int8_t* q = &a.q[(size_t)(row * QB)];
+      const int32_t* s = &a.sum[(size_t)(row * G16)];
+      int32_t isum = 0, imin = 0;
+      for (int g = 0; g < 4; ++g) {
+        int32_t t = 0;
+        for (int i = 0; i < 32; ++i) {
+          const int k = g * 32 + i;
+          const int code = k < 64 ? (c[k] & 0xF) : (c[k - 64] >> 4);
+          t += code * q[k];
+        }
+        isum += t * mt[4 + g];
+        imin += (s[2 * g] + s[2 * g + 1]) * mt[8 + g];
+      }
+      const float xd = a.d[(size_t)row];
+      acc[r] += (float)isum * (d * xd) - (float)imin * (dmin * xd);
+    }
+  }
+}
+
+void k6_rows_portable(const QuantizedRows& a, int64_t m0, int tile, int64_t nb, const uint8_t* lo,
+                      const uint8_t* hi, const uint8_t* meta, float* acc) {
+  for (int r = 0; r < tile; ++r) acc[r] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* l = lo + b * 64;
+    const uint8_t* h = hi + b * 32;
+    const uint8_t* mt = meta + b * 10;
+    const float d = half_to_float(load_u16(mt));
+    const int8_t* sc = reinterpret_cast<const int8_t*>(mt + 2);
+    for (int r = 0; r < tile; ++r) {
+      const int64_t row = (m0 + r) * nb + b;
+      const int8_t* q = &a.q[(size_t)(row * QB)];
+      const int32_t* s = &a.sum[(size_t)(row * G16)];
+      int32_t isum = 0;
+      for (int g = 0; g < 8; ++g) {
+        int32_t t = 0;
+        for (int i = 0; i < 16; ++i) {
+          const int k = g * 16 + i;
+          const int low = k < 64 ? (l[k] & 0xF) : (l[k - 64] >> 4);
+          const int high = (h[k % 32] >> (2 * (k / 32))) & 3;
+          t += (low | (high << 4)) * q[k];
+        }
+        isum += (t - 32 * s[g]) * sc[g];
+      }
+      acc[r] += (float)isum * (d * a.d[(size_t)row]);
+    }
+  }
+}
+
+#if KQ_AVX512
+// --------------------------------------------------------------------------------------------- AVX-512
+inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// One activation row against one weight block: wl / wh are the unsigned codes of inputs 0..63 / 64..127,
+// s_lo / s_hi the weight scale of each 32-bit lane (4 inputs), offs the 8 per-16-input offsets (k4: the mins,
+// k6: 32 * scale) that multiply the row's scaled 16-input code sums.
+inline void block_product(const QuantizedRows& a, int64_t row, __m512i wl, __m512i wh, __m512 s_lo, __m512 s_hi,
+                          __m256 offs, __m512& acc, __m256& acc_off) {
+  const int8_t* q = &a.q[(size_t)(row * QB)];
+  const __m512i il = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wl, _mm512_loadu_si512(q));
+  const __m512i ih = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wh, _mm512_loadu_si512(q + 64));
+  const __m512 blk = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih), s_hi, _mm512_mul_ps(_mm512_cvtepi32_ps(il), s_lo));
+  acc = _mm512_fmadd_ps(blk, _mm512_loadu_ps(&a.dv[(size_t)(row * 16)]), acc);
+  acc_off = _mm256_fmadd_ps(offs, _mm256_loadu_ps(&a.dsum[(size_t)(row * G16)]), acc_off);
+}
+
+template <int T>
+void k4_rows_avx512(const QuantizedRows& a, int64_t m0, int64_t nb, const uint8_t* codes, const uint8_t* meta,
+                    float* out) {
+  const __m512i mask4 = _mm512_set1_epi8(0x0F);
+  // lane -> sub-block: low nibbles cover inputs 0..63 (groups 0, 1), high nibbles 64..127 (groups 2, 3)
+  const __m512i idx_lo = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i idx_hi = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+  // the 8 sums of 16 activation codes pair with the 4 mins: m[g] for sums 2g and 2g + 1
+  const __m256i idx_min = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);
+  __m512 acc[T];
+  __m256 accm[T];
+  for (int r = 0; r < T; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    accm[r] = _mm256_setzero_ps();
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512i c = _mm512_loadu_si512(codes + b * 64);
+    const __m512i wl = _mm512_and_si512(c, mask4);
+    const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(c, 4), mask4);
+    const uint8_t* mt = meta + b * 12;
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(mt)));
+    const __m256 dmin = _mm256_set1_ps(_cvtsh_ss(load_u16(mt + 2)));
+    int32_t scm;
+    std::memcpy(&scm, mt + 4, 4);
+    const __m512 sc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_cvtsi32_si128(scm))), d);
+    const __m512 s_lo = _mm512_permutexvar_ps(idx_lo, sc);  // d * sc per lane (exact: 11 x 6 bits)
+    const __m512 s_hi = _mm512_permutexvar_ps(idx_hi, sc);
+    std::memcpy(&scm, mt + 8, 4);
+    const __m256 mins = _mm256_mul_ps(
+        _mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi32_si128(scm)), idx_min)), dmin);
+    for (int r = 0; r < T; ++r) block_product(a, (m0 + r) * nb + b, wl, wh, s_lo, s_hi, mins, acc[r], accm[r]);
+  }
+  for (int r = 0; r < T; ++r) out[r] = hsum(acc[r]) - hsum(accm[r]);
+}
+
+template <int T>
+void k6_rows_avx512(const QuantizedRows& a, int64_t m0, int64_t nb, const uint8_t* lo, const uint8_t* hi,
+                    const uint8_t* meta, float* out) {
+  const __m512i mask4 = _mm512_set1_epi8(0x0F);
+  const __m512i mask2 = _mm512_set1_epi8(0x03);
+  // 16-bit shift counts: the 32 high-bit bytes are broadcast to both 256-bit halves; the first half takes
+  // bits 0-1 (inputs t) and the second bits 2-3 (inputs t + 32); for the high nibbles 4-5 and 6-7
+  const __m512i cnt_lo = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+  const __m512i cnt_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+  const __m512i idx_lo = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m512i idx_hi = _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4);
+  __m512 acc[T];
+  __m256 accc[T];
+  for (int r = 0; r < T; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    accc[r] = _mm256_setzero_ps();
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512i l = _mm512_loadu_si512(lo + b * 64);
+    const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(hi + b * 32)));
+    const __m512i wl = _mm512_or_si512(_mm512_and_si512(l, mask4),
+                                       _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, cnt_lo), mask2), 4));
+    const __m512i wh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), mask4),
+                                       _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, cnt_hi), mask2), 4));
+    const uint8_t* mt = meta + b * 10;
+    const float d = _cvtsh_ss(load_u16(mt));
+    int64_t sc8;
+    std::memcpy(&sc8, mt + 2, 8);
+    const __m128i sc_bytes = _mm_cvtsi64_si128(sc8);
+    const __m512 sc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc_bytes)), _mm512_set1_ps(d));
+    const __m512 s_lo = _mm512_permutexvar_ps(idx_lo, sc);  // d * sc per lane
+    const __m512 s_hi = _mm512_permutexvar_ps(idx_hi, sc);
+    const __m256 corr = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc_bytes)), _mm256_set1_ps(32.f * d));
+    for (int r = 0; r < T; ++r) block_product(a, (m0 + r) * nb + b, wl, wh, s_lo, s_hi, corr, acc[r], accc[r]);
+  }
+  for (int r = 0; r < T; ++r) out[r] = hsum(acc[r]) - hsum(accc[r]);
+}
+#endif
+
+// One weight row n against activation rows [m0, m0 + tile): out[r] = y[m0 + r, n].
+struct K4Row {
+  const uint8_t* codes;
+  const uint8_t* meta;
+  template <int T>
+  void run(const QuantizedRows& a, int64_t m0, int64_t nb, float* out) const {
+#if KQ_AVX512
+    k4_rows_avx512<T>(a, m0, nb, codes, meta, out);
+#else
+    k4_rows_portable(a, m0, T, nb, codes, meta, out);
+#endif
+  }
+};
+
+struct K6Row {
+  const uint8_t* lo;
+  const uint8_t* hi;
+  const uint8_t* meta;
+  template <int T>
+  void run(const QuantizedRows& a, int64_t m0, int64_t nb, float* out) const {
+#if KQ_AVX512
+    k6_rows_avx512<T>(a, m0, nb, lo, hi, meta, out);
+#else
+    k6_rows_portable(a, m0, T, nb, lo, hi, meta, out);
+#endif
+  }
+};
+
+template <typename Row>
+void run_tile(const Row& row, const QuantizedRows& a, int64_t m0, int tile, int64_t nb, float* out) {
+  switch (tile) {
+    case 1: row.template run<1>(a, m0, nb, out); break;
+    case 2: row.template run<2>(a, m0, nb, out); break;
+    case 3: row.template run<3>(a, m0, nb, out); break;
+    case 4: row.template run<4>(a, m0, nb, out); break;
+    case 5: row.template run<5>(a, m0, nb, out); break;
+    case 6: row.template run<6>(a, m0, nb, out); break;
+    case 7: row.template run<7>(a, m0, nb, out); break;
+    default: row.template run<8>(a, m0, nb, out); break;
+  }
+}
+
+void check_input(const torch::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.device().is_cpu(), "kquant: input must be on the CPU");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "kquant: input must be float32, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "kquant: input must be [M, ", K, "], got ", x.sizes());
+}
+
+void check_weight(const torch::Tensor& t, int64_t N, int64_t nb, int64_t width, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kUInt8 && t.is_contiguous(),
+              "kquant: ", name, " must be a contiguous uint8 CPU tensor");
+  TORCH_CHECK(t.numel() == N * nb * width, "kquant: ", name, " has ", t.numel(), " bytes, expected ",
+              N * nb * width);
+}
+
+template <typename MakeRow>
+torch::Tensor matmul(const torch::Tensor& x_in, int64_t N, int64_t K, MakeRow make_row) {
+  check_input(x_in, K);
+  const torch::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), nb = (K + QB - 1) / QB;
+  torch::Tensor y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  QuantizedRows a;
+  quantize_rows(x.data_ptr<float>(), M, K, nb, a);
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    float out[MAX_TILE];
+    for (int64_t n = n0; n < n1; ++n) {
+      const auto row = make_row(n);
+      for (int64_t m0 = 0; m0 < M; m0 += MAX_TILE) {
+        const int tile = (int)std::min<int64_t>(MAX_TILE, M - m0);
+        run_tile(row, a, m0, tile, nb, out);
+        for (int r = 0; r < tile; ++r) yp[(m0 + r) * N + n] = out[r];
+      }
+    }
+  });
+  return y;
+}
+
+torch::Tensor k4_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& meta, int64_t K) {
+  const int64_t nb = (K + QB - 1) / QB, N = codes.size(0);
+  check_weight(codes, N, nb, 64, "codes");
+  check_weight(meta, N, nb, 12, "meta");
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const uint8_t* mt = meta.data_ptr<uint8_t>();
+  return matmul(x, N, K, [&](int64_t n) { return K4Row{c + n * nb * 64, mt + n * nb * 12}; });
+}
+
+torch::Tensor k6_matmul(const torch::Tensor& x, const torch::Tensor& lo, const torch::Tensor& hi,
+                        const torch::Tensor& meta, int64_t K) {
+  const int64_t nb = (K + QB - 1) / QB, N = lo.size(0);
+  check_weight(lo, N, nb, 64, "lo");
+  check_weight(hi, N, nb, 32, "hi");
+  check_weight(meta, N, nb, 10, "meta");
+  const uint8_t* l = lo.data_ptr<uint8_t>();
+  const uint8_t* h = hi.data_ptr<uint8_t>();
+  const uint8_t* mt = meta.data_ptr<uint8_t>();
+  return matmul(x, N, K, [&](int64_t n) { return K6Row{l + n * nb * 64, h + n * nb * 32, mt + n * nb * 10}; });
+}
+
+std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32, "kquant: [M, K] float32 input expected");
+  const torch::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), nb = (K + QB - 1) / QB;
+  QuantizedRows a;
+  quantize_rows(x.data_ptr<float>(), M, K, nb, a);
+  auto q = torch::from_blob(a.q.data(), {M, nb * QB}, torch::kInt8).clone();
+  auto d = torch::from_blob(a.d.data(), {M, nb}, torch::kFloat32).clone();
+  return {q, d};
+}
+
+bool simd() { return KQ_AVX512; }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("k4_matmul", &k4_matmul, "y = x @ W.T with W in the k4 (Q4_K) layout");
+  m.def("k6_matmul", &k6_matmul, "y = x @ W.T with W in the k6 (Q6_K) layout");
+  m.def("quantize_activations", &quantize_activations, "the int8 codes and block scales the products use");
+  m.def("simd", &simd, "whether the AVX-512 VNNI path was compiled (else the portable one)");
+}

@@ -1,0 +1,97 @@
+"""The project's compiled CPU kernels (``engine/csrc/kquant.cpp``): built on first use with the machine's
+C++ compiler for the machine's own instruction set (``-march=native``) and cached, keyed by the source,
+the compiler flags, the torch version and the CPU's instruction-set flags, so a cache made on one CPU is
+never loaded on another.
+
+``kernels()`` returns the loaded extension or raises ``NativeUnavailable`` with the reason (no compiler,
+no ninja, a compile error); ``available()`` says whether it loads. The AVX-512 VNNI path is compiled where
+the CPU has it; elsewhere a portable path (same arithmetic, slower) is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import threading
+from pathlib import Path
+from types import ModuleType
+
+from engine.errors import DraftpilotError
+
+SOURCE = Path(__file__).with_name("csrc") / "kquant.cpp"
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_error: str | None = None
+
+
+class NativeUnavailable(DraftpilotError, RuntimeError):
+    """The compiled kernels cannot be built or loaded on this machine."""
+
+
+def cpu_signature() -> str:
+    """The CPU's model name and instruction-set flags (a compiled kernel is only valid for these)."""
+    model, flags = platform.processor(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not model:
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = " ".join(sorted(line.split(":", 1)[1].split()))
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()}|{model}|{flags}"
+
+
+def build_dir() -> Path:
+    import torch
+
+    from engine.weights import cache_dir
+
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
+                 cpu_signature().encode()):
+        key.update(part)
+        key.update(b"\0")
+    return cache_dir() / "native" / key.hexdigest()[:16]
+
+
+def kernels() -> ModuleType:
+    """The compiled extension (built on first use, a minute or so; then loaded from the cache)."""
+    global _module, _error
+    with _lock:
+        if _module is not None:
+            return _module
+        if _error is not None:
+            raise NativeUnavailable(_error)
+        try:
+            from torch.utils.cpp_extension import load
+
+            directory = build_dir()
+            directory.mkdir(parents=True, exist_ok=True)
+            _module = load(
+                name="draftpilot_kquant",
+                sources=[str(SOURCE)],
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=list(LDFLAGS),
+                build_directory=str(directory),
+                verbose=bool(os.environ.get("DRAFTPILOT_VERBOSE_BUILD")),
+            )
+        except Exception as err:  # a compiler missing or failing: the kquant formats are then unavailable
+            _error = (f"the compiled kquant kernels are unavailable on this machine ({type(err).__name__}: "
+                      f"{str(err).strip().splitlines()[-1] if str(err).strip() else err}); they need a C++ "
+                      f"compiler and ninja (set DRAFTPILOT_VERBOSE_BUILD=1 to see the build)")
+            raise NativeUnavailable(_error) from err
+        return _module
+
+
+def available() -> bool:
+    try:
+        kernels()
+    except NativeUnavailable:
+        return False
+    return True
