@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.attention import MAX_VERIFY_NODES
+from engine import lean
+from engine.attention import MAX_ROWWISE_ROWS, MAX_VERIFY_NODES
 from engine.control import Controller, ControllerError, DraftState, decision, verify_size
 from engine.errors import InputError, is_int, short_repr
 from engine.kvcache import cache_len, keep_entries, new_cache
@@ -440,9 +441,12 @@ def forward_logits(model, ids, positions, cache, device, keep: int = 0, mask=Non
     """Logits [Q, V] of one forward of ``ids`` at ``positions`` on top of ``cache`` (``keep``: only the
     last rows, 0 = all; ``mask``: additive 4D tree mask or None for causal). The one place the engine and
     the trace recorder call a model."""
-    out = model(input_ids=torch.as_tensor([list(ids)], device=device),
-                position_ids=torch.as_tensor([list(positions)], device=device),
-                attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=keep)
+    input_ids = torch.as_tensor([list(ids)], device=device)
+    position_ids = torch.as_tensor([list(positions)], device=device)
+    if input_ids.shape[1] <= MAX_ROWWISE_ROWS and lean.supports(model):
+        return lean.forward(model, input_ids, position_ids, cache, mask, keep)  # bitwise the call below
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=cache, use_cache=True,
+                logits_to_keep=keep)
     return out.logits[0]
 
 

@@ -43,7 +43,6 @@ struct QuantizedRows {
   std::vector<int8_t> q;     // [M, nb, 128]
   std::vector<float> d;      // [M, nb]
   std::vector<int32_t> sum;  // [M, nb, 8] sums of 16 codes
-  std::vector<float> dv;     // [M, nb, 16] d broadcast (one vector load per block)
   std::vector<float> dsum;   // [M, nb, 8] d * sum
 };
 
@@ -85,7 +84,6 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t nb, QuantizedRo
   out.q.assign((size_t)(M * nb * QB), 0);
   out.d.assign((size_t)(M * nb), 0.f);
   out.sum.assign((size_t)(M * nb * G16), 0);
-  out.dv.assign((size_t)(M * nb * 16), 0.f);
   out.dsum.assign((size_t)(M * nb * G16), 0.f);
   at::parallel_for(0, M, 8, [&](int64_t mb, int64_t me) {
   for (int64_t m = mb; m < me; ++m) {
@@ -103,7 +101,6 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t nb, QuantizedRo
       float* d = &out.d[(size_t)(m * nb + b)];
       if (!finite) {
         *d = NAN;  // codes stay 0: every product with this block is NaN * 0 = NaN
-        for (int64_t i = 0; i < 16; ++i) out.dv[(size_t)((m * nb + b) * 16 + i)] = NAN;
         for (int64_t g = 0; g < G16; ++g) out.dsum[(size_t)((m * nb + b) * G16 + g)] = NAN;
         continue;
       }
@@ -123,7 +120,6 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t nb, QuantizedRo
         s[g] = t;
         out.dsum[(size_t)((m * nb + b) * G16 + g)] = *d * (float)t;
       }
-      for (int64_t i = 0; i < 16; ++i) out.dv[(size_t)((m * nb + b) * 16 + i)] = *d;
     }
   }
   });
@@ -208,7 +204,7 @@ inline void block_product(const QuantizedRows& a, int64_t row, __m512i wl, __m51
   const __m512i il = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wl, _mm512_loadu_si512(q));
   const __m512i ih = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wh, _mm512_loadu_si512(q + 64));
   const __m512 blk = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih), s_hi, _mm512_mul_ps(_mm512_cvtepi32_ps(il), s_lo));
-  acc = _mm512_fmadd_ps(blk, _mm512_loadu_ps(&a.dv[(size_t)(row * 16)]), acc);
+  acc = _mm512_fmadd_ps(blk, _mm512_set1_ps(a.d[(size_t)row]), acc);
   acc_off = _mm256_fmadd_ps(offs, _mm256_loadu_ps(&a.dsum[(size_t)(row * G16)]), acc_off);
 }
 
@@ -331,7 +327,15 @@ void run_tile(const Row& row, const QuantizedRows& a, int64_t m0, int tile, int6
 void check_input(const torch::Tensor& x, int64_t K) {
   TORCH_CHECK(x.device().is_cpu(), "kquant: input must be on the CPU");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "kquant: input must be float32, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "kquant: input must be [M, ", K, "], got ", x.sizes());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "kquant: input must be [..., ", K, "], got ", x.sizes());
+}
+
+void check_bias(const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias.has_value()) return;
+  const torch::Tensor& b = *bias;
+  TORCH_CHECK(b.device().is_cpu() && b.scalar_type() == torch::kFloat32 && b.is_contiguous() && b.dim() == 1 &&
+                  b.size(0) == N,
+              "kquant: bias must be a contiguous float32 CPU tensor of ", N, " values");
 }
 
 void check_weight(const torch::Tensor& t, int64_t N, int64_t nb, int64_t width, const char* name) {
@@ -341,41 +345,49 @@ void check_weight(const torch::Tensor& t, int64_t N, int64_t nb, int64_t width, 
               N * nb * width);
 }
 
+// y[..., N] = x[..., K] @ W^T (+ bias): one output per (row, n), each computed by one thread.
 template <typename MakeRow>
-torch::Tensor matmul(const torch::Tensor& x_in, int64_t N, int64_t K, MakeRow make_row) {
+torch::Tensor matmul(const torch::Tensor& x_in, const c10::optional<torch::Tensor>& bias, int64_t N, int64_t K,
+                     MakeRow make_row) {
   check_input(x_in, K);
-  const torch::Tensor x = x_in.contiguous();
+  check_bias(bias, N);
+  const torch::Tensor x = x_in.reshape({-1, K}).contiguous();
   const int64_t M = x.size(0), nb = (K + QB - 1) / QB;
-  torch::Tensor y = torch::empty({M, N}, x.options());
+  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
+  out_shape.back() = N;
+  torch::Tensor y = torch::empty(out_shape, x.options());
   if (M == 0 || N == 0) return y;
   QuantizedRows a;
   quantize_rows(x.data_ptr<float>(), M, K, nb, a);
   float* yp = y.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     float out[MAX_TILE];
     for (int64_t n = n0; n < n1; ++n) {
       const auto row = make_row(n);
+      const float b = bp ? bp[n] : 0.f;
       for (int64_t m0 = 0; m0 < M; m0 += MAX_TILE) {
         const int tile = (int)std::min<int64_t>(MAX_TILE, M - m0);
         run_tile(row, a, m0, tile, nb, out);
-        for (int r = 0; r < tile; ++r) yp[(m0 + r) * N + n] = out[r];
+        for (int r = 0; r < tile; ++r) yp[(m0 + r) * N + n] = bp ? out[r] + b : out[r];
       }
     }
   });
   return y;
 }
 
-torch::Tensor k4_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& meta, int64_t K) {
+torch::Tensor k4_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& meta,
+                        const c10::optional<torch::Tensor>& bias, int64_t K) {
   const int64_t nb = (K + QB - 1) / QB, N = codes.size(0);
   check_weight(codes, N, nb, 64, "codes");
   check_weight(meta, N, nb, 12, "meta");
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const uint8_t* mt = meta.data_ptr<uint8_t>();
-  return matmul(x, N, K, [&](int64_t n) { return K4Row{c + n * nb * 64, mt + n * nb * 12}; });
+  return matmul(x, bias, N, K, [&](int64_t n) { return K4Row{c + n * nb * 64, mt + n * nb * 12}; });
 }
 
 torch::Tensor k6_matmul(const torch::Tensor& x, const torch::Tensor& lo, const torch::Tensor& hi,
-                        const torch::Tensor& meta, int64_t K) {
+                        const torch::Tensor& meta, const c10::optional<torch::Tensor>& bias, int64_t K) {
   const int64_t nb = (K + QB - 1) / QB, N = lo.size(0);
   check_weight(lo, N, nb, 64, "lo");
   check_weight(hi, N, nb, 32, "hi");
@@ -383,7 +395,8 @@ torch::Tensor k6_matmul(const torch::Tensor& x, const torch::Tensor& lo, const t
   const uint8_t* l = lo.data_ptr<uint8_t>();
   const uint8_t* h = hi.data_ptr<uint8_t>();
   const uint8_t* mt = meta.data_ptr<uint8_t>();
-  return matmul(x, N, K, [&](int64_t n) { return K6Row{l + n * nb * 64, h + n * nb * 32, mt + n * nb * 10}; });
+  return matmul(x, bias, N, K,
+                [&](int64_t n) { return K6Row{l + n * nb * 64, h + n * nb * 32, mt + n * nb * 10}; });
 }
 
 std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x_in) {
@@ -402,8 +415,8 @@ bool simd() { return KQ_AVX512; }
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("k4_matmul", &k4_matmul, "y = x @ W.T with W in the k4 (Q4_K) layout");
-  m.def("k6_matmul", &k6_matmul, "y = x @ W.T with W in the k6 (Q6_K) layout");
+  m.def("k4_matmul", &k4_matmul, "y = x @ W.T (+ bias) with W in the k4 (Q4_K) layout");
+  m.def("k6_matmul", &k6_matmul, "y = x @ W.T (+ bias) with W in the k6 (Q6_K) layout");
   m.def("quantize_activations", &quantize_activations, "the int8 codes and block scales the products use");
   m.def("simd", &simd, "whether the AVX-512 VNNI path was compiled (else the portable one)");
 }

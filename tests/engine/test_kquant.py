@@ -158,10 +158,12 @@ def test_non_finite_input_gives_nan_in_its_row_only():
 
 def test_kernel_refuses_bad_inputs():
     module = _module("k6", quantize_k6(torch.randn(16, 256)), 256)
-    with pytest.raises(RuntimeError, match=r"input must be \[M, 256\]"):
-        module._ops.k6_matmul(torch.randn(2, 128), module.lo, module.hi, module.meta, 256)
+    with pytest.raises(RuntimeError, match=r"input must be \[\.\.\., 256\]"):
+        module._ops.k6_matmul(torch.randn(2, 128), module.lo, module.hi, module.meta, None, 256)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        module._ops.k6_matmul(torch.randn(2, 256), module.lo, module.hi, module.meta, torch.zeros(3), 256)
     with pytest.raises(RuntimeError, match="bytes, expected"):
-        module._ops.k6_matmul(torch.randn(2, 256), module.lo[:8], module.hi, module.meta, 256)
+        module._ops.k6_matmul(torch.randn(2, 256), module.lo[:8], module.hi, module.meta, None, 256)
 
 
 def test_unavailable_kernels_are_a_clear_error(monkeypatch):
