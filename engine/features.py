@@ -1,9 +1,10 @@
-"""Observation features for the depth and size decisions (DESIGN.md section 4).
+"""Observation features for the depth and size decisions (docs/design.md section 5).
 
 One function per decision, used by the gymnasium environments (live and replay) and by exported
 learned controllers on the inference path, so training and deployment see identical numbers. Every
 feature is a function of the ``DraftState`` (itself a function of the committed prefix) and of a few
-constants describing the device's cost profile. Float32, with finite bounds (``*_BOUNDS``).
+constants describing the device's cost profile. Float32, clipped to finite bounds: [0, ``DEPTH_OBS_HIGH``]
+and [0, ``SIZE_OBS_HIGH``] (the environments' Box bounds).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """KV caches: transformers' ``DynamicCache`` with layers that grow in place, and the surgery that keeps the
 committed tokens and drops the rest.
 
-After a cycle the caches must hold exactly the committed tokens (DESIGN.md section 2). Verified nodes
+After a cycle the caches must hold exactly the committed tokens (docs/design.md section 2). Verified nodes
 off the accepted path are removed by moving the accepted entries down to the end of the committed
 prefix and cropping; a pure prefix only needs the crop.
 

@@ -1,4 +1,4 @@
-"""The device cost profile: what one cycle costs, measured by the engine itself (DESIGN.md section 3).
+"""The device cost profile: what one cycle costs, measured by the engine itself (docs/design.md section 6).
 
 Replay environments take their time from a ``CostProfile`` instead of a clock: draft step time by
 frontier width and context, the first draft step by the number of pending tokens, verification time by

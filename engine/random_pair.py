@@ -1,7 +1,7 @@
 """A named pair's architecture with random weights: timing without the weights.
 
-A device that cannot receive the real checkpoints can still measure the cost profile (DESIGN.md
-section 3): forward time depends on shapes, dtype and kernels, not on weight values. Acceptance measured
+A device that cannot receive the real checkpoints can still measure the cost profile (docs/design.md
+section 6): forward time depends on shapes, dtype and kernels, not on weight values. Acceptance measured
 with such a pair is meaningless; only its timings are valid.
 
 The configs mirror the converted checkpoints in ``~/.cache/draftpilot/hf/*/config.json`` exactly (note

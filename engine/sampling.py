@@ -5,7 +5,7 @@ Terms follow vLLM's rejection sampler: a drafted token is *accepted* or rejected
 *bonus* token is drawn from the target at the next position. In the paper's letters (Leviathan et al.,
 2023) ``target_probs`` is p and ``draft_probs`` is q.
 
-Two rules, both exact (DESIGN.md section 2):
+Two rules, both exact (docs/design.md section 1):
 
 * ``verify_chain``: drafts sampled from q; accept x with probability min(1, p(x)/q(x)); recover from
   norm(max(p - q, 0)); bonus from p.

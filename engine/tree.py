@@ -3,7 +3,7 @@
 Nodes are stored in creation order, so a parent always precedes its children. A node's *score* is the
 cumulative draft log-probability of its path; scores never increase along a path, so "the top-V nodes
 by score, ties broken by creation order" is always a connected sub-tree containing the root's children
-it needs (DESIGN.md section 3 relies on this for exact replay).
+it needs (docs/design.md section 3 relies on this for exact replay).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The project's prompt suites (DESIGN.md section 7) and a small loader.
+"""The project's prompt suites (docs/design.md section 7) and a small loader.
 
 ``prompts/suite.jsonl`` holds 40 base items written in four parallel languages (Italian, English, Chinese,
 Spanish): the same content, task and split in each, so request and answer lengths are comparable across

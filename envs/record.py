@@ -14,7 +14,7 @@ committed prefix ``prompt + tokens[:t+1]`` and its own ancestors, so the frontie
 through ONE draft forward per depth over a shared prefix cache, with an additive mask that gives each
 node its own prefix and ancestors, and nodes that several positions share are forwarded once. Children
 are chosen by the engine's own ``score_logprobs`` and ``expand_topk``, called per position with the same
-row shapes, so the nodes, their order and scores are the engine's (DESIGN.md section 3; up to float
+row shapes, so the nodes, their order and scores are the engine's (docs/design.md section 3; up to float
 rounding: batched forwards round differently, which can swap near-ties in float32).
 """
 

@@ -1,4 +1,5 @@
-"""Exact trace replay of the engine's cycle loop, the hindsight oracle and the static grid.
+"""Exact trace replay of the engine's cycle loop (the hindsight oracle and the static grid built on it
+live in ``envs.oracle``).
 
 ``ReplayTrace`` turns a recorded ``Trace`` into what the live engine would see and do at each position:
 the ``DraftState`` a controller is shown after each draft step, and the number of tokens accepted for

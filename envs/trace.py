@@ -1,6 +1,6 @@
 """Recorded traces: one target-law trajectory of one prompt plus, at every position, the full draft tree.
 
-Why replay is exact (DESIGN.md section 3): with deterministic drafting the tree drafted at a position
+Why replay is exact (docs/design.md section 3): with deterministic drafting the tree drafted at a position
 depends only on the committed prefix, and the accepted path is the longest tree path that the
 trajectory walks down. So a trace holds the trajectory and, at every position, the tree the live engine
 would draft there up to (max_depth, tree_width); any controller's cycle outcomes follow from it.

@@ -100,8 +100,8 @@ def test_eos_inside_accepted_block_stops_there(eos_case, prompts):
 
 
 def test_eos_inside_block_leaves_caches_holding_committed_tokens(eos_case, prompts):
-    """DESIGN.md section 2: after each cycle the caches hold exactly the committed tokens -- including the
-    cycle whose block is cut at an accepted EOS (validate_caches must not crash a valid request)."""
+    """docs/design.md section 2: after each cycle the caches hold exactly the committed tokens -- including
+    the cycle whose block is cut at an accepted EOS (validate_caches must not crash a valid request)."""
     pair, expected = eos_case
     engine = SpeculativeEngine(pair, config=EngineConfig(validate_caches=True))
     res = engine.generate(prompts[0], 40, StaticController(4))
@@ -185,7 +185,7 @@ def test_autoregressive_stats(tiny_pair, prompts):
 
 
 def test_generate_leaves_global_rng_alone(tiny_pair, prompts):
-    """Randomness is explicit (DESIGN.md section 6): sampling must not consume the global torch RNG."""
+    """Randomness is explicit (docs/design.md section 1.7): sampling must not consume the global torch RNG."""
     state = torch.get_rng_state()
     SpeculativeEngine(tiny_pair, SAMPLED, EngineConfig(draft_mode="sampled")).generate(
         prompts[0], 10, StaticController(3), seed=5)

@@ -113,7 +113,7 @@ def test_wrong_recovery_rule_is_caught(tiny_pair, prompt_ids, exact_laws, law_ch
 def test_deterministic_drafts_reproduce_the_autoregressive_sample(tiny_pair, prompt_ids, sampling_name):
     """With deterministic drafts the target draws one token per position from the same generator in the
     same order, so a seed gives the autoregressive sample itself (the coupling trace replay relies on,
-    DESIGN.md section 3) -- a much sharper check than a law, for the deterministic modes."""
+    docs/design.md section 3) -- a much sharper check than a law, for the deterministic modes."""
     engine = SpeculativeEngine(tiny_pair, SAMPLINGS[sampling_name])
     for seed in range(15):
         reference = engine.generate(prompt_ids, 20, seed=seed).tokens

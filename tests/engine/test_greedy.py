@@ -1,4 +1,4 @@
-"""Greedy speculative decoding equals greedy target-only decoding, token for token (DESIGN.md section 2),
+"""Greedy speculative decoding equals greedy target-only decoding, token for token (docs/design.md section 1),
 whatever the controller: chains, trees, verify=0, verify beyond the drafted nodes, depth 1 and deep ones,
 a draft that is always right and one that is always wrong."""
 

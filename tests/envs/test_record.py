@@ -1,5 +1,5 @@
 """Trace recording (envs.record): the recorded tree at a position is the tree the engine drafts live there
-(DESIGN.md section 3), recording resumes, bad trace files fail loudly, and the command line runs."""
+(docs/design.md section 3), recording resumes, bad trace files fail loudly, and the command line runs."""
 
 from __future__ import annotations
 
