@@ -94,6 +94,8 @@ def learned_actions_plot(actions: dict, path: Path) -> Path:
         ax = axes[1, 1]
         ax.scatter(size[:, 3], size[:, 4] + rng.uniform(-0.2, 0.2, len(size)), s=6, alpha=0.5, color="tab:orange")
         ax.set(xlabel="best node path prob (draft)", ylabel="nodes verified", title="size vs draft confidence")
+    zero = depth[depth[:, 1] == 0]  # depth-0 questions (draft at all?): no draft probabilities yet
+    depth = depth[depth[:, 1] > 0]
     if len(depth):
         ax = axes[1, 0]
         bins = np.linspace(0, 1, 11)
@@ -105,8 +107,9 @@ def learned_actions_plot(actions: dict, path: Path) -> Path:
         for c, r, n in zip(centers, rate, counts):
             if n:
                 ax.text(c, (r if np.isfinite(r) else 0) + 0.02, str(n), ha="center", fontsize=6)
+        skipped = f"; drafted in {zero[:, 4].mean():.0%} of {len(zero)} cycles asked" if len(zero) else ""
         ax.set(xlabel="top draft step prob (last step)", ylabel="P(continue drafting)", ylim=(0, 1.1),
-               title="depth decision vs draft confidence (n per bin)")
+               title=f"depth decision vs draft confidence (n per bin){skipped}")
     for ax in axes.ravel():
         if not ax.has_data():
             ax.text(0.5, 0.5, "no decisions recorded", ha="center", va="center", transform=ax.transAxes)

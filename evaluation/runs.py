@@ -41,6 +41,7 @@ class RecordingController(Controller):
     def __init__(self, inner: Controller):
         self.inner = inner
         self.tree_width = inner.tree_width
+        self.decides_depth_zero = inner.decides_depth_zero  # the wrapped policy is asked what it is asked live
         self.depth_log: list[tuple] = []
         self.size_log: list[tuple] = []
 
@@ -49,8 +50,10 @@ class RecordingController(Controller):
 
     def should_continue(self, state: DraftState) -> bool:
         go = bool(self.inner.should_continue(state))
-        self.depth_log.append((state.context_len, state.depth, float(np.max(state.step_probs)),
-                               float(np.exp(state.frontier_scores[0])), int(go)))
+        drafted = state.depth > 0  # before drafting (depth 0) there are no step or frontier probabilities
+        self.depth_log.append((state.context_len, state.depth,
+                               float(np.max(state.step_probs)) if drafted else float("nan"),
+                               float(np.exp(state.frontier_scores[0])) if drafted else float("nan"), int(go)))
         return go
 
     def num_to_verify(self, state: DraftState) -> int:
