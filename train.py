@@ -1,8 +1,8 @@
 """Train the depth and size policies with PPO (co-adaptive, as LTD) and export them to one policy file.
 
-    python train.py                                  # main job: default pair, built-in suite, ~30 min on CPU
+    python train.py                                  # main job: default pair, built-in suite, ~13 min on CPU
     python train.py --pair tiny --quick              # plumbing check in seconds
-    python train.py --rounds 3 --size-steps 60000    # a bigger budget
+    python train.py --rounds 3 --size-steps 200000   # a bigger budget (default: 2 rounds, 100000 steps)
     python train.py --backend live --pair tiny       # train on the real engine with wall-clock reward
     python train.py --resume runs/<run>              # continue an interrupted run (phase granularity)
     python train.py --run-name main --retrain        # train again in a run directory that holds a policy
@@ -321,7 +321,8 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None) -> dict:
     depth_d, depth_v = base["best_static_train"]
     print(f"baselines on validation (replay, tokens/s): best static {tuple(base['best_static_val'])} "
           f"{base['static_best_on_val']:.3f}, static tuned on train {(depth_d, depth_v)} {base['static_train_on_val']:.3f}, "
-          f"analytic {base['analytic_on_val']:.3f}, oracle {base['oracle_on_val']:.3f}", flush=True)
+          f"analytic {base['analytic_on_val']:.3f}, autoregressive {base['autoregressive_on_val']:.3f}, "
+          f"oracle {base['oracle_on_val']:.3f}", flush=True)
 
     def baseline():
         return StaticController(depth_d, depth_v, tree_width=config.tree_width)

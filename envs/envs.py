@@ -13,6 +13,7 @@ import gymnasium as gym
 import numpy as np
 
 from engine.control import Controller
+from engine.errors import DraftpilotError
 from engine.features import (
     DEPTH_OBS_DIM,
     DEPTH_OBS_HIGH,
@@ -23,6 +24,11 @@ from engine.features import (
     size_observation,
 )
 from envs.replay import SIZE_LADDER
+
+
+class NoDecisionError(DraftpilotError, ValueError):
+    """Every episode runs to its end without the decision this environment trains (e.g. a size environment
+    whose depth controller never drafts)."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +94,7 @@ class _DecisionEnv(gym.Env):
             obs, _, terminated, info = self._advance(None)
             if not terminated:
                 return obs, info
-        raise ValueError(f"no episode of this backend has a {self.decision} decision to make")
+        raise NoDecisionError(f"no episode of this backend has a {self.decision} decision to make")
 
     def step(self, action):
         if self._loop is None:

@@ -38,7 +38,7 @@ from engine.control import Controller
 from engine.errors import DraftpilotError
 from engine.features import DEPTH_OBS_DIM, SIZE_OBS_DIM
 from engine.files import atomic_path, atomic_write_json, sha256_file
-from envs.envs import DepthEnv, EnvConfig, SizeEnv, reference_rho
+from envs.envs import DepthEnv, EnvConfig, NoDecisionError, SizeEnv, reference_rho
 from policies.learned import Actor, LearnedController
 
 ACTIVATION_NAMES = {torch.nn.Tanh: "tanh", torch.nn.ReLU: "relu"}
@@ -208,6 +208,16 @@ class CoTrainer:
             return self.controller(other, None) if other_name == "depth" else self.controller(None, other)
 
         venv = self._make_venv(name, other_factory)
+        try:
+            venv.reset()
+        except NoDecisionError:
+            # the other policy leaves nothing to decide (a depth policy that never drafts asks no size
+            # question): this phase trains nothing, the current actor is kept
+            print(f"round {round_index + 1} {name}: skipped, the {other_name} policy leaves no {name} decision "
+                  "in any episode", flush=True)
+            log = PhaseLog(name, round_index, 0, 0.0)
+            self.history.append(log)
+            return log
         if name in self.models:
             model = self.models[name]
             model.set_env(venv)

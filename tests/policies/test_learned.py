@@ -246,3 +246,18 @@ def test_live_backend_training_runs_on_the_real_engine(tmp_path):
     ctrl = load_policy(metrics["policy"])
     assert ctrl.meta["train_config"]["backend"] == "live" and metrics["train_s"] > 0
     assert all(h["steps"] == 128 for h in metrics["phases"])
+
+
+def test_a_size_phase_with_no_size_decision_is_skipped(tiny_data):
+    """A depth policy that never drafts leaves the size policy nothing to decide: the phase is logged with
+    0 steps and the size actor is kept, instead of the run failing."""
+    from policies.ppo import CoTrainer
+
+    config = tiny_data["config"]
+    backend = ReplayBackend(tiny_data["train"], tiny_data["profile"])
+    trainer = CoTrainer(backend, config.ppo, EnvConfig(depth_zero=True),
+                        lambda: StaticController(0, tree_width=config.tree_width),
+                        train.replay_eval(tiny_data["val"], tiny_data["profile"]), max_depth=config.max_depth,
+                        device_feats=np.zeros(3, np.float32), seed=0, eval_every=128)
+    log = trainer.run_phase("size", 256, 0)
+    assert log.steps == 0 and trainer.history == [log] and "size" not in trainer.models
