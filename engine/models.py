@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,13 +22,35 @@ class IncompatiblePairError(DraftpilotError, ValueError):
 DEFAULT_CPU_DTYPE = torch.float32
 DEFAULT_CUDA_DTYPE = torch.bfloat16
 # What ``weights="auto"`` means (engine.quant; chosen by measurement: benchmarks/quant_cpu.py, README
-# "Quantized execution"): on the CPU an int4 target (the GGUF's Q4_K codes as they are: exact greedy
-# decoding, 5x float32's speed) and a 4-bit draft (c = 0.40 of a target step against 0.59 with the
-# draft's 5-8 bit tensors in int8; the draft is only a proposal, so its rounding costs acceptance, never
-# exactness).
-DEFAULT_CPU_WEIGHTS = "int4"
-DEFAULT_CPU_DRAFT_WEIGHTS = "int4-strict"
+# "Quantized execution"): on the CPU the GGUF's own K-quant blocks through the compiled kernels (kquant
+# target: Q4_K/Q6_K bit for bit, exact greedy decoding, 1.5x torch's int4 kernels) and a 4-bit draft
+# (kquant-strict: c = 0.42 of a target step; the draft is only a proposal, so its rounding costs
+# acceptance, never exactness). Where the kernels cannot be built (no C++ compiler), torch's int4
+# kernels: an int4 target (Q4_K codes kept) and an int4-strict draft.
+DEFAULT_CPU_WEIGHTS = "kquant"
+DEFAULT_CPU_DRAFT_WEIGHTS = "kquant-strict"
+FALLBACK_CPU_WEIGHTS = ("int4", "int4-strict")
 DEFAULT_CUDA_WEIGHTS = "bfloat16"
+
+
+def default_cpu_weights() -> tuple[str, str]:
+    """(target, draft) formats of ``weights="auto"`` on the CPU: kquant / kquant-strict when the compiled
+    kernels load here, else int4 / int4-strict (with a one-line warning saying why)."""
+    from engine import native
+
+    if native.available():
+        return DEFAULT_CPU_WEIGHTS, DEFAULT_CPU_DRAFT_WEIGHTS
+    global _fallback_warned
+    if not _fallback_warned:
+        _fallback_warned = True
+        try:
+            native.kernels()
+        except native.NativeUnavailable as err:
+            print(f"warning: {err}; using {'/'.join(FALLBACK_CPU_WEIGHTS)} weights", file=sys.stderr)
+    return FALLBACK_CPU_WEIGHTS
+
+
+_fallback_warned = False
 
 
 @dataclass
@@ -105,11 +128,11 @@ def resolve_weights(weights: str | None, dtype: str | torch.dtype, device: torch
     if weights in (None, "auto"):
         if not (isinstance(dtype, str) and dtype == "auto"):
             return str(resolve_dtype(dtype, device)).removeprefix("torch.")
-        weights = DEFAULT_CUDA_WEIGHTS if device.type == "cuda" else DEFAULT_CPU_WEIGHTS
+        weights = DEFAULT_CUDA_WEIGHTS if device.type == "cuda" else default_cpu_weights()[0]
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {weights!r}; use one of auto, {', '.join(WEIGHT_FORMATS)}")
     if weights in INTEGER_FORMATS and device.type != "cpu":
-        raise ValueError(f"weight format {weights!r} runs on the CPU only (torch's CPU int4/int8 kernels); "
+        raise ValueError(f"weight format {weights!r} runs on the CPU only (CPU integer kernels); "
                          f"use bfloat16 or float32 on {device.type}")
     return weights
 
@@ -136,8 +159,9 @@ def load_pair(
     timing only; see ``engine.random_pair``); the tiny pair is random already and ignores it.
 
     ``weights``: the target's weight format (``engine.quant``): "float32", "bfloat16", "int8", "int4",
-    "int4-strict", or "auto" (the dense ``dtype`` if one is named, else int4 on CPU, bfloat16 on CUDA);
-    ``draft_weights`` the draft's (default: the target's format; with both on "auto" on the CPU,
+    "int4-strict", "kquant", "kquant-strict", or "auto" (the dense ``dtype`` if one is named, else kquant
+    on CPU -- int4 where the compiled kernels cannot be built -- and bfloat16 on CUDA); ``draft_weights``
+    the draft's (default: the target's format; with both on "auto" on the CPU, kquant-strict, else
     int4-strict). Integer formats of the default pair are converted
     from the GGUF blocks once and cached; other pairs are quantized from their float weights at load.
     ``draft_vocab``: the draft's LM head keeps only this many tokens (``engine.quant.draft_vocab_ids``;
@@ -148,7 +172,7 @@ def load_pair(
     if draft_weights not in (None, "auto"):
         draft_fmt = resolve_weights(draft_weights, "auto", dev)
     elif weights in (None, "auto") and isinstance(dtype, str) and dtype == "auto" and dev.type == "cpu":
-        draft_fmt = DEFAULT_CPU_DRAFT_WEIGHTS  # the device default, as for the target
+        draft_fmt = default_cpu_weights()[1]  # the device default, as for the target
     else:
         draft_fmt = fmt
     if (name is None) == (target is None and draft is None) or (target is None) != (draft is None):
@@ -255,7 +279,7 @@ def _make_pair(target, draft, target_tok, draft_tok, name: str, weights: str = "
 
 
 def check_compatible(target, draft, target_tok, draft_tok) -> None:
-    """Refuse pairs whose token ids do not mean the same thing (DESIGN.md section 2)."""
+    """Refuse pairs whose token ids do not mean the same thing (docs/design.md section 1)."""
     t_vocab = target.get_output_embeddings().out_features
     d_vocab = draft.get_output_embeddings().out_features
     if t_vocab != d_vocab:

@@ -12,9 +12,11 @@ ENGINE_CONTROLLERS = ("autoregressive", "static_chain", "static_tree", "heuristi
 """Controllers measured live on our engine (autoregressive: ``controller=None``)."""
 PEERS = ("hf_assisted_default", "hf_assisted_heuristic")
 """transformers' assisted generation (``assistant_model=``) with its default and its heuristic schedule."""
+LLAMA_PEERS = ("llama_cpp", "llama_cpp_spec")
+"""llama.cpp on the same GGUF files (evaluation.llama_peer): its autoregressive and speculative decoding."""
 REPLAY_ONLY = ("oracle",)
 """The hindsight oracle: replay numbers on the test traces (it needs the future)."""
-CONTROLLERS = ENGINE_CONTROLLERS + PEERS + REPLAY_ONLY
+CONTROLLERS = ENGINE_CONTROLLERS + PEERS + LLAMA_PEERS + REPLAY_ONLY
 BASELINE = "autoregressive"
 
 
@@ -27,10 +29,11 @@ class EvalConfig:
     dtype: str = "auto"
     """Dense model dtype when no integer weight format is asked for (float32, bfloat16, ...)."""
     weights: str = "auto"
-    """Weight format of the target's linears (auto: int4 on CPU, bfloat16 on CUDA, or the --dtype named;
-    float32, bfloat16, int8, int4, int4-strict)."""
+    """Weight format of the target's linears (auto: kquant on CPU -- int4 where the compiled kernels cannot be
+    built -- bfloat16 on CUDA, or the --dtype named; float32, bfloat16, int8, int4, int4-strict, kquant,
+    kquant-strict)."""
     draft_weights: str = "auto"
-    """Weight format of the draft's linears (auto: int4-strict when --weights is auto on CPU, else as --weights)."""
+    """Weight format of the draft's linears (auto: kquant-strict when --weights is auto on CPU, else as --weights)."""
     draft_vocab: int = 0
     """Tokens the draft's LM head keeps (0: the whole vocabulary); a cheaper draft step, exact either way."""
     device: str = "auto"
@@ -41,8 +44,15 @@ class EvalConfig:
     """Exported learned policy (policy.pt); none: the newest runs/*/policy.pt."""
     controllers: str = "all"
     """Comma list of controllers to run (all: every one). Names: autoregressive, static_chain, static_tree,
-    heuristic, confidence, analytic, learned, hf_assisted_default, hf_assisted_heuristic, oracle.
-    autoregressive always runs: every speedup is measured against it."""
+    heuristic, confidence, analytic, learned, hf_assisted_default, hf_assisted_heuristic, llama_cpp,
+    llama_cpp_spec, oracle. autoregressive always runs: every speedup is measured against it."""
+    llama_bin: str = ""
+    """Directory with llama.cpp's llama-completion and llama-speculative-simple for the llama_cpp rows (empty:
+    where benchmarks/llama_cpp.py builds and caches them). evaluate.py never builds llama.cpp: without the
+    programs, or for a pair not published as GGUF, the rows are left out with a warning."""
+    llama_spec: str = "16,0.75"
+    """llama_cpp_spec's --spec-draft-n-max,--spec-draft-p-min (its fastest setting on the default pair in
+    benchmarks/llama_cpp.py's grid)."""
     prompts: str | None = None
     """Prompt suite JSONL ({"id", "language", "task", "prompt"} per line, optional "split"); none: the built-in
     suite. A file without split keys is all test set, and the static grid is then tuned on the same prompts
@@ -115,6 +125,9 @@ class EvalConfig:
     result and measured prompts kept); a partial run with another config or a finished one is an error."""
 
     def __post_init__(self) -> None:
+        from evaluation.llama_peer import parse_spec_setting
+
+        parse_spec_setting(self.llama_spec)  # a bad setting fails before any model loads
         for name in ("tune_prompts_per_language", "max_new_tokens", "confirm_top", "reps",
                      "concurrency", "exactness_prompts", "samples", "exactness_tokens", "law_trials", "bootstrap"):
             if getattr(self, name) < 1:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from evaluation.config import PEERS, EvalConfig, find_policy, select_prompts
+from evaluation.config import LLAMA_PEERS, PEERS, EvalConfig, find_policy, select_prompts
 from evaluation.peers import SCHEDULES, run_peer
 from evaluation.runs import RecordingController, run_engine
 
@@ -49,6 +49,16 @@ class Setup:
             self.warnings.append("tree_width is 1: the static tree is the static chain, measured once")
         self.pair = workspace.load_models(config.pair, config.dtype, config.device, config.threads,
                                           config.weights, config.draft_weights, config.draft_vocab)
+        self.llama = None
+        if any(n in LLAMA_PEERS for n in self.names):
+            import torch
+
+            from evaluation.llama_peer import LlamaPeer
+
+            self.llama, why = LlamaPeer.find(config, self.pair, threads=torch.get_num_threads())
+            if self.llama is None:
+                self.names = [n for n in self.names if n not in LLAMA_PEERS]
+                self.warnings.append(why)
         if policy and self.policy_meta.get("pair") not in (None, self.pair.name):
             self.warnings.append(f"the policy was trained on pair {self.policy_meta.get('pair')!r}, evaluated on "
                                  f"{self.pair.name!r}")
@@ -124,6 +134,8 @@ def live_runs(setup: Setup, engine, controllers: dict[str, object], prompts: lis
                     bar.set_postfix_str(f"{item['id']} {name}")
                     if name in PEERS:
                         run = run_peer(setup.pair, ids, max_new_tokens, name, temperature, seed)
+                    elif name in LLAMA_PEERS:
+                        run = setup.llama.run(name, item["prompt"], max_new_tokens, seed)
                     else:
                         run = run_engine(engine, ids, controllers[name], max_new_tokens, seed)
                     run.update(controller=name, prompt_id=item["id"], language=language_of(item), rep=rep, seed=seed)
@@ -238,12 +250,14 @@ def evaluate(config: EvalConfig, checkpoint=None) -> dict:
     controllers = {n: factories[n]() if factories[n] else None for n in engine_names}
     if "learned" in controllers:
         controllers["learned"] = RecordingController(controllers["learned"])
-    measured = engine_names + [n for n in setup.names if n in PEERS]
+    measured = engine_names + [n for n in setup.names if n in PEERS + LLAMA_PEERS]
 
     warm = setup.pair.encode(setup.tune_prompts[0]["prompt"])  # warm-up (allocator, kernels): not measured
     for name in measured:
         if name in PEERS:
             run_peer(setup.pair, warm, 8, name, config.temperature, config.seed)
+        elif name in LLAMA_PEERS:
+            setup.llama.run(name, setup.tune_prompts[0]["prompt"], 8, config.seed)
         else:
             run_engine(engine, warm, controllers[name], 8, config.seed)
     recorder = controllers.get("learned")
@@ -275,8 +289,9 @@ def evaluate(config: EvalConfig, checkpoint=None) -> dict:
     exactness = exactness_section(setup, runs, factories, engine_names)
 
     results = {"config": stored_config(config), "conditions": conditions(setup), "warnings": setup.warnings,
-               "controllers": {n: repr(controllers[n]) if n in controllers else f"transformers assisted generation "
-                               f"{SCHEDULES[n]}" for n in measured},
+               "controllers": {n: repr(controllers[n]) if n in controllers else setup.llama.describe(n)
+                               if n in LLAMA_PEERS else f"transformers assisted generation {SCHEDULES[n]}"
+                               for n in measured},
                "tuning": tuning, "best_static": _best_static(tuning), "runs": runs, "replay": replay,
                "sittings": state.sittings if state is not None else None,
                "concurrency": load, "exactness": exactness,

@@ -14,19 +14,21 @@ from evaluation.runs import aggregate, group_by_language, per_prompt
 from evaluation.stats import paired_ratio_from_rows
 
 LEARNED_VS = ("best_static", "static_chain", "static_tree", "analytic", "heuristic", "confidence",
-              "hf_assisted_default", "hf_assisted_heuristic", "autoregressive")
+              "hf_assisted_default", "hf_assisted_heuristic", "llama_cpp", "llama_cpp_spec", "autoregressive")
 """Controllers the learned policy is compared with (paired bootstrap over prompts)."""
 TARGETS = (
     ("learned >= 1.05x best grid-searched static", "best_static", 1.05),
     ("learned >= 1.2x transformers assisted generation (default schedule)", "hf_assisted_default", 1.2),
     ("learned >= analytic", "analytic", 1.0),
+    ("learned >= 1.25x llama.cpp autoregressive (same GGUF files)", "llama_cpp", 1.25),
+    ("learned >= 1.5x llama.cpp speculative (same GGUF files)", "llama_cpp_spec", 1.5),
 )
 FIDELITY_TOLERANCE = 0.10
 """Replay-predicted vs live decode tokens/s of the learned policy must agree within this fraction."""
 
 
 def conditions(setup) -> dict:
-    """Everything a number needs next to it (DESIGN.md section 7)."""
+    """Everything a number needs next to it (docs/design.md section 7)."""
     import torch
     import transformers
 

@@ -50,15 +50,15 @@ def test_real_pair_greedy_speculative_equals_autoregressive(real_pair):
 
 @pytest.fixture(scope="module")
 def real_pair_default():
-    """The CPU default formats (int4 target from the GGUF's Q4_K codes, 4-bit draft): converted once."""
+    """The CPU default formats (kquant target: the GGUF blocks as stored; 4-bit kquant-strict draft)."""
     return load_pair("qwen2.5-coder", device="cpu", progress=False)
 
 
 def test_default_formats_are_quantized_and_exact(real_pair_default):
     pair = real_pair_default
-    assert pair.weights == "int4" and pair.draft_weights == "int4-strict", pair.precision
+    assert pair.weights == "kquant" and pair.draft_weights == "kquant-strict", pair.precision
     kinds = {m["kind"] for m in pair.quant_info["target"].values()}
-    assert kinds == {"int4", "int8"}  # Q4_K codes kept as int4, Q6_K tensors in int8
+    assert kinds == {"k4", "k6"}  # Q4_K and Q6_K blocks moved bit for bit
     engine = SpeculativeEngine(pair, SamplingConfig(temperature=0.0))
     prompt = pair.encode("Scrivi una funzione Python che restituisce il massimo di una lista.")
     ar = engine.generate(prompt, max_new_tokens=32, controller=None)

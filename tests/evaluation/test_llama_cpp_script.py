@@ -208,3 +208,46 @@ def test_grid_lists_parse(script):
     assert script._int_list("4, 8,16,8") == [4, 8, 16]
     assert script._prob_list("0,0.75") == [0.0, 0.75]
     assert script.LlamaSetting(16, 0.0).name == "spec n=16 p=0" and script.AUTOREGRESSIVE.name == "autoregressive"
+
+
+# ------------------------------------------------------------------------- the evaluation's llama.cpp rows
+def test_evaluation_llama_peer_runs_through_fake_binaries(fake_bin, tmp_path):
+    """evaluation.llama_peer: one record per request with run_engine's keys, tokens re-encoded with our
+    tokenizer, the speculative row given its --spec-draft-n-max / p-min."""
+    from engine import load_pair
+    from evaluation.llama_peer import LlamaPeer
+
+    pair = load_pair("tiny", device="cpu")
+    binaries = _benchmark_find(fake_bin)
+    peer = LlamaPeer(binaries, tmp_path / "t.gguf", tmp_path / "d.gguf", (16, 0.75), 2, pair)
+    ar = peer.run("llama_cpp", "hello", 32, 0)
+    assert ar["tokens"] == pair.encode("Hello there.", chat=False)
+    assert ar["num_tokens"] > 1 and ar["decode_s"] > 0 and ar["cycles"] == []
+    assert abs(ar["total_s"] - ar["ttft_s"] - ar["decode_s"]) < 1e-9
+    spec = peer.run("llama_cpp_spec", "hello", 32, 0)
+    assert spec["llama"]["accept"] is not None
+    args = json.loads((fake_bin / "llama-speculative-simple.data" / "args").read_text())
+    assert "16" in args and "0.75" in args
+    assert "speculative" in peer.describe("llama_cpp_spec") and "autoregressive" in peer.describe("llama_cpp")
+
+
+def _benchmark_find(bin_dir):
+    from evaluation.llama_peer import _benchmark_module
+
+    return _benchmark_module().find_binaries(bin_dir)
+
+
+@pytest.mark.parametrize("text", ["16", "0,0.5", "8,1.5", "a,b"])
+def test_evaluation_refuses_a_bad_llama_setting(text):
+    from evaluation.config import EvalConfig
+
+    with pytest.raises(ValueError, match="llama_spec"):
+        EvalConfig(llama_spec=text)
+
+
+def test_evaluation_leaves_llama_rows_out_for_a_pair_without_gguf():
+    from evaluation.config import EvalConfig
+    from evaluation.runner import Setup
+
+    setup = Setup(EvalConfig(pair="tiny", device="cpu", controllers="autoregressive,llama_cpp"))
+    assert "llama_cpp" not in setup.names and any("GGUF" in w for w in setup.warnings)

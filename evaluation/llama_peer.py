@@ -1,0 +1,98 @@
+"""llama.cpp as a peer in the evaluation: the same GGUF files, threads, prompts (chat template applied with
+our tokenizer) and token budget, run prompt by prompt interleaved with our controllers.
+
+Two rows: ``llama_cpp`` (its autoregressive decoding, ``llama-completion``) and ``llama_cpp_spec`` (its
+speculative decoding with the draft GGUF, ``llama-speculative-simple``, at ``EvalConfig.llama_spec``). The
+programs are the ones ``benchmarks/llama_cpp.py`` builds and caches (the evaluation never builds them: it
+says why and leaves the rows out when they, or the pair's GGUF files, are missing). Each run is one
+subprocess; its timings are llama.cpp's own (prompt evaluation, then decoding), model loading excluded, as
+our runs exclude loading. A run record has the keys of ``evaluation.runs.run_engine``; ``tokens`` are its
+output text re-encoded with our tokenizer (llama.cpp prints text, not ids), so token agreement with our
+engine is approximate where a text has two tokenisations.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+LLAMA_PEERS = ("llama_cpp", "llama_cpp_spec")
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "llama_cpp.py"
+
+
+def _benchmark_module():
+    """``benchmarks/llama_cpp.py`` (a script, not a package module), loaded by path once."""
+    name = "draftpilot_llama_cpp_benchmark"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, BENCHMARK)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def parse_spec_setting(text: str) -> tuple[int, float]:
+    """``"N,P"`` -> (draft max N >= 1, p-min P in [0, 1])."""
+    try:
+        n, p = text.split(",")
+        n_max, p_min = int(n), float(p)
+    except ValueError:
+        raise ValueError(f"llama_spec must be 'N_MAX,P_MIN' (e.g. 16,0.75), got {text!r}") from None
+    if n_max < 1 or not 0.0 <= p_min <= 1.0:
+        raise ValueError(f"llama_spec: N_MAX must be >= 1 and P_MIN in [0, 1], got {text!r}")
+    return n_max, p_min
+
+
+class LlamaPeer:
+    """Runs the two llama.cpp rows for one pair."""
+
+    def __init__(self, binaries, target_gguf: Path, draft_gguf: Path, spec: tuple[int, float], threads: int,
+                 pair):
+        self.lc = _benchmark_module()
+        self.binaries, self.target, self.draft = binaries, target_gguf, draft_gguf
+        self.settings = {"llama_cpp": self.lc.AUTOREGRESSIVE, "llama_cpp_spec": self.lc.LlamaSetting(*spec)}
+        self.threads, self.pair = threads, pair
+
+    @classmethod
+    def find(cls, config, pair, threads: int) -> tuple[LlamaPeer | None, str | None]:
+        """The peer for ``pair`` (None and the reason when the programs or GGUF files are missing)."""
+        from engine.weights import DEFAULT_PAIRS, cache_dir, fetch_gguf
+
+        if config.pair not in DEFAULT_PAIRS:
+            return None, f"llama.cpp rows need a pair published as GGUF ({', '.join(DEFAULT_PAIRS)}), not {config.pair}"
+        lc = _benchmark_module()
+        bin_dir = Path(config.llama_bin).expanduser() if config.llama_bin else lc.default_bin_dir()
+        binaries = lc.find_binaries(bin_dir)
+        if binaries is None:
+            return None, (f"llama.cpp rows left out: no llama.cpp programs in {bin_dir} (build them once with "
+                          f"`python benchmarks/llama_cpp.py`, or pass --llama-bin)")
+        target, draft = DEFAULT_PAIRS[config.pair]
+        root = Path(config.cache_dir) if getattr(config, "cache_dir", None) else cache_dir()
+        paths = fetch_gguf(target, root, progress=False), fetch_gguf(draft, root, progress=False)
+        return cls(binaries, paths[0], paths[1], parse_spec_setting(config.llama_spec), threads, pair), None
+
+    def describe(self, name: str) -> str:
+        setting = self.settings[name]
+        what = ("autoregressive" if setting.n_max is None
+                else f"speculative, --spec-draft-n-max {setting.n_max} --spec-draft-p-min {setting.p_min:g}")
+        version = (self.binaries.version or {}).get("version", "?")
+        return f"llama.cpp {version} ({what}), {self.threads} threads, same GGUF files"
+
+    def run(self, name: str, prompt: str, max_new_tokens: int, seed: int) -> dict:
+        """One greedy request; a run record like ``evaluation.runs.run_engine``'s."""
+        text = self.pair.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                       add_generation_prompt=True)
+        setting = self.settings[name]
+        out = self.lc.run_llama_cpp(self.binaries, setting, text, self.target,
+                                    None if setting.n_max is None else self.draft, max_new_tokens=max_new_tokens,
+                                    threads=self.threads, seed=seed)
+        tokens = self.pair.encode(out.get("output", ""), chat=False)
+        n = int(out["tokens"])
+        prompt_s = float(out.get("prompt_s") or 0.0)
+        decode_s = float(out["decode_s"])
+        return {"tokens": tokens, "num_tokens": n, "total_s": prompt_s + decode_s, "ttft_s": prompt_s,
+                "decode_s": decode_s, "finish_reason": "length" if n >= max_new_tokens else "eos",
+                "peak_memory_mb": float("nan"), "cycles": [], "first_chunk": 1,
+                "llama": {k: out.get(k) for k in ("tok_s", "accept", "n_drafted", "n_accept", "wall_s")}}
