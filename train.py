@@ -53,10 +53,11 @@ class TrainConfig:
     dtype: str = "auto"
     """Dense model dtype when no integer weight format is asked for (float32, bfloat16, ...)."""
     weights: str = "auto"
-    """Weight format of the target's linears (auto: int4 on CPU, bfloat16 on CUDA, or the --dtype named;
-    float32, bfloat16, int8, int4, int4-strict)."""
+    """Weight format of the target's linears (auto: kquant on CPU -- int4 where the compiled kernels cannot be
+    built -- bfloat16 on CUDA, or the --dtype named; float32, bfloat16, int8, int4, int4-strict, kquant,
+    kquant-strict)."""
     draft_weights: str = "auto"
-    """Weight format of the draft's linears (auto: int4-strict when --weights is auto on CPU, else as --weights)."""
+    """Weight format of the draft's linears (auto: kquant-strict when --weights is auto on CPU, else as --weights)."""
     draft_vocab: int = 0
     """Tokens the draft's LM head keeps (0: the whole vocabulary); a cheaper draft step, exact either way."""
     device: str = "auto"

@@ -303,10 +303,11 @@ def add_format_args(parser) -> None:
     """The model-format flags of every command line that loads a pair: --dtype, --weights,
     --draft-weights, --draft-vocab (``format_kwargs`` turns them into ``load_pair`` arguments)."""
     parser.add_argument("--dtype", default="auto", help="dense model dtype: auto, float32, bfloat16, float16, float64")
-    parser.add_argument("--weights", default="auto", help="weight format of the target's linears: auto (int4 on "
-                        "CPU, bfloat16 on CUDA; the dense --dtype if one is named), " + ", ".join(WEIGHT_FORMATS))
+    parser.add_argument("--weights", default="auto", help="weight format of the target's linears: auto (kquant on "
+                        "CPU, int4 without a C++ compiler; bfloat16 on CUDA; the dense --dtype if one is named), "
+                        + ", ".join(WEIGHT_FORMATS))
     parser.add_argument("--draft-weights", default="auto",
-                        help="weight format of the draft (auto: int4-strict when --weights is auto on CPU, else as --weights)")
+                        help="weight format of the draft (auto: kquant-strict when --weights is auto on CPU, else as --weights)")
     parser.add_argument("--draft-vocab", type=int, default=0, help="tokens the draft's LM head keeps (0: all; e.g. 32768: "
                         "the most frequent by the tokenizer's merge order; exact either way)")
 
