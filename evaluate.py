@@ -40,10 +40,15 @@ from policies.cli import add_dataclass_args, apply_preset, from_args
 
 
 def build_parser(prog: str = "python evaluate.py") -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_dataclass_args(ap, EvalConfig)
-    ap.add_argument("--quick", action="store_true",
-                    help="first look: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()) + " (explicit flags win)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="first look: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()) + " (explicit flags win)",
+    )
     return ap
 
 
@@ -61,11 +66,17 @@ def main(argv: list[str] | None = None) -> int:
     if audit_only:
         argv = argv[1:]
     try:
-        config = config_from_argv(argv, "python evaluate.py exactness" if audit_only else "python evaluate.py")
-        config = config.resolved()  # absolute paths, the policy file pinned: what config.json and a resume compare
+        config = config_from_argv(
+            argv, "python evaluate.py exactness" if audit_only else "python evaluate.py"
+        )
+        config = (
+            config.resolved()
+        )  # absolute paths, the policy file pinned: what config.json and a resume compare
         out = Path(config.out)
         with DirectoryLock(out, "output directory"):
-            state = prepare_output(out, config, audit_only=audit_only)  # all checks before anything is written
+            state = prepare_output(
+                out, config, audit_only=audit_only
+            )  # all checks before anything is written
             atomic_write_json(out / "config.json", stored_config(config), default=str)
             if audit_only:
                 from evaluation.report import write_exactness_report
@@ -86,10 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nreport: {path}")
     if audit_only:
         for name, a in results["exactness"]["token_audit"].items():
-            print(f"  greedy {name:16s} identical to autoregressive on {a['identical']}/{a['prompts']} prompts")
+            print(
+                f"  greedy {name:16s} identical to autoregressive on {a['identical']}/{a['prompts']} prompts"
+            )
         sampled = results["exactness"].get("sampled")
         if sampled:
-            print(f"  sampled two-sample test ({sampled['controller_name']}): Fisher p = {sampled['fisher_pvalue']:.3g}")
+            print(
+                f"  sampled two-sample test ({sampled['controller_name']}): Fisher p = {sampled['fisher_pvalue']:.3g}"
+            )
         return 0
     for line in summary_lines(results):
         print("  " + line)

@@ -125,8 +125,16 @@ class TrainConfig:
             raise ValueError(f"backend must be replay or live, got {self.backend!r}")
         if self.reward not in ("average", "throughput"):
             raise ValueError(f"reward must be average or throughput, got {self.reward!r}")
-        for name in ("rounds", "size_steps", "depth_steps", "train_prompts", "val_prompts", "max_new_tokens",
-                     "tree_width", "max_depth"):
+        for name in (
+            "rounds",
+            "size_steps",
+            "depth_steps",
+            "train_prompts",
+            "val_prompts",
+            "max_new_tokens",
+            "tree_width",
+            "max_depth",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -145,7 +153,9 @@ PATH_FIELDS = ("prompts", "profile", "cache_dir", "run_dir")
 def effective_config(config: TrainConfig) -> TrainConfig:
     """The config a run trains with and stores (``config.json`` and inside ``policy.pt``): paths absolute, and
     one environment for the live backend (one engine: one request at a time)."""
-    paths = {name: str(Path(getattr(config, name)).resolve()) for name in PATH_FIELDS if getattr(config, name)}
+    paths = {
+        name: str(Path(getattr(config, name)).resolve()) for name in PATH_FIELDS if getattr(config, name)
+    }
     config = replace(config, **paths)
     if config.backend == "live":
         config = replace(config, ppo=replace(config.ppo, n_envs=1))
@@ -178,36 +188,63 @@ def config_differences(stored: dict, current: dict, keys: set[str] | None = None
     return out
 
 
-QUICK = {"train_prompts": 1, "val_prompts": 1, "max_new_tokens": 24, "max_depth": 4, "rounds": 1,
-         "size_steps": 512, "depth_steps": 1024, "eval_every": 512}
+QUICK = {
+    "train_prompts": 1,
+    "val_prompts": 1,
+    "max_new_tokens": 24,
+    "max_depth": 4,
+    "rounds": 1,
+    "size_steps": 512,
+    "depth_steps": 1024,
+    "eval_every": 512,
+}
 QUICK_PPO = {"n_envs": 2, "n_steps": 128, "batch_size": 64, "n_epochs": 2}
 
 
 # ----------------------------------------------------------------------------------------- data
 def load_models(config: TrainConfig):
-    return workspace.load_models(config.pair, config.dtype, config.device, config.threads, config.weights,
-                                 config.draft_weights, config.draft_vocab)
+    return workspace.load_models(
+        config.pair,
+        config.dtype,
+        config.device,
+        config.threads,
+        config.weights,
+        config.draft_weights,
+        config.draft_vocab,
+    )
 
 
 def ensure_profile(config: TrainConfig, pair):
-    return workspace.ensure_profile(pair, config.cache_dir, config.profile, widths=(1, 2, config.tree_width),
-                                    progress=config.progress)
+    return workspace.ensure_profile(
+        pair, config.cache_dir, config.profile, widths=(1, 2, config.tree_width), progress=config.progress
+    )
 
 
 def ensure_traces(config: TrainConfig, pair, prompts: list[dict], tag: str):
-    return workspace.ensure_traces(pair, prompts, config.cache_dir, temperature=config.temperature,
-                                   tree_width=config.tree_width, max_depth=config.max_depth,
-                                   max_new_tokens=config.max_new_tokens, seed=config.seed,
-                                   progress=config.progress, tag=tag)
+    return workspace.ensure_traces(
+        pair,
+        prompts,
+        config.cache_dir,
+        temperature=config.temperature,
+        tree_width=config.tree_width,
+        max_depth=config.max_depth,
+        max_new_tokens=config.max_new_tokens,
+        seed=config.seed,
+        progress=config.progress,
+        tag=tag,
+    )
 
 
 def select_prompts(config: TrainConfig):
     from envs.prompts import interleave_languages, load_suite
 
     langs = [x.strip() for x in config.languages.split(",") if x.strip()]
-    train = load_suite(config.prompts, split=config.train_split, languages=langs,
-                       limit_per_language=config.train_prompts)
-    val = load_suite(config.prompts, split=config.val_split, languages=langs, limit_per_language=config.val_prompts)
+    train = load_suite(
+        config.prompts, split=config.train_split, languages=langs, limit_per_language=config.train_prompts
+    )
+    val = load_suite(
+        config.prompts, split=config.val_split, languages=langs, limit_per_language=config.val_prompts
+    )
     overlap = {p["id"] for p in train} & {p["id"] for p in val}
     if overlap:
         raise ValueError(f"train and validation prompts overlap: {sorted(overlap)}")
@@ -236,7 +273,8 @@ def baselines(train_traces, val_traces, profile, config: TrainConfig) -> dict:
     return {
         "best_static_train": list(best_train),
         "static_train_on_val": val(StaticController(best_train[0], best_train[1], tree_width=width)),
-        "best_static_val": list(best_val), "static_best_on_val": grid_val[best_val],
+        "best_static_val": list(best_val),
+        "static_best_on_val": grid_val[best_val],
         "analytic_on_val": val(AnalyticController(profile, width, depth)),
         "autoregressive_on_val": val(None),
         "oracle_on_val": oracle_throughput(val_traces, profile),
@@ -245,8 +283,11 @@ def baselines(train_traces, val_traces, profile, config: TrainConfig) -> dict:
 
 def run_directory(config: TrainConfig) -> Path:
     """``run_dir/run_name``, or ``run_dir/<pair>-<reward>-s<seed>-<timestamp>`` without a name."""
-    return Path(config.run_dir) / (config.run_name or f"{config.pair.replace('/', '_').replace('::', '+')}-"
-                                   f"{config.reward}-s{config.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return Path(config.run_dir) / (
+        config.run_name
+        or f"{config.pair.replace('/', '_').replace('::', '+')}-"
+        f"{config.reward}-s{config.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
 
 
 def train(config: TrainConfig, resume: Path | None = None, retrain: bool = False) -> dict:
@@ -280,19 +321,25 @@ def _reuse_or_clear(run: Path, config: TrainConfig, retrain: bool) -> dict | Non
         try:
             meta = load_policy(policy).meta
         except DraftpilotError as err:
-            raise RunDirectoryError(f"{policy} is not a usable policy ({err}); --retrain to train again") from err
+            raise RunDirectoryError(
+                f"{policy} is not a usable policy ({err}); --retrain to train again"
+            ) from err
         changed = config_differences(meta.get("train_config") or {}, asdict(config))
         if changed:
-            raise RunDirectoryError(f"{run} holds a policy trained with another config ({'; '.join(changed)}): pick "
-                                    "another --run-name or --retrain")
+            raise RunDirectoryError(
+                f"{run} holds a policy trained with another config ({'; '.join(changed)}): pick "
+                "another --run-name or --retrain"
+            )
         metrics = meta.get("metrics") or {}
         if not (run / "metrics.json").is_file():  # a run killed between the policy and its metrics
             atomic_write_json(run / "metrics.json", metrics)
         print(f"reusing {run}: it was trained with this exact config (--retrain to train again)", flush=True)
         return {**metrics, "policy": str(policy)}
     if not retrain and has_checkpoint(run / "checkpoint"):
-        raise RunDirectoryError(f"{run} holds an interrupted run (a checkpoint, no policy): continue it with --resume "
-                                f"{run}, or start it over with --retrain")
+        raise RunDirectoryError(
+            f"{run} holds an interrupted run (a checkpoint, no policy): continue it with --resume "
+            f"{run}, or start it over with --retrain"
+        )
     for name in ("policy.pt", "metrics.json"):
         (run / name).unlink(missing_ok=True)
     for name in ("checkpoint", "tb"):
@@ -320,10 +367,13 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None) -> dict:
 
     base = baselines(train_traces, val_traces, profile, config)
     depth_d, depth_v = base["best_static_train"]
-    print(f"baselines on validation (replay, tokens/s): best static {tuple(base['best_static_val'])} "
-          f"{base['static_best_on_val']:.3f}, static tuned on train {(depth_d, depth_v)} {base['static_train_on_val']:.3f}, "
-          f"analytic {base['analytic_on_val']:.3f}, autoregressive {base['autoregressive_on_val']:.3f}, "
-          f"oracle {base['oracle_on_val']:.3f}", flush=True)
+    print(
+        f"baselines on validation (replay, tokens/s): best static {tuple(base['best_static_val'])} "
+        f"{base['static_best_on_val']:.3f}, static tuned on train {(depth_d, depth_v)} {base['static_train_on_val']:.3f}, "
+        f"analytic {base['analytic_on_val']:.3f}, autoregressive {base['autoregressive_on_val']:.3f}, "
+        f"oracle {base['oracle_on_val']:.3f}",
+        flush=True,
+    )
 
     def baseline():
         return StaticController(depth_d, depth_v, tree_width=config.tree_width)
@@ -341,21 +391,36 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None) -> dict:
     policy_device = "cuda" if config.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
     writer = SummaryWriter(str(run / "tb" / "validation"))
     writer.add_text("config", "```\n" + json.dumps(asdict(config), indent=1) + "\n```")
-    env_config = EnvConfig(reward=config.reward, rho=base["static_train_on_val"], depth_zero=config.depth_zero)
-    trainer = CoTrainer(backend, config.ppo, env_config,
-                        baseline, replay_eval(val_traces, profile), max_depth=config.max_depth,
-                        device_feats=feats, seed=config.seed, device=policy_device,
-                        tensorboard_dir=str(run / "tb"), eval_every=config.eval_every, writer=writer,
-                        progress=config.progress)
+    env_config = EnvConfig(
+        reward=config.reward, rho=base["static_train_on_val"], depth_zero=config.depth_zero
+    )
+    trainer = CoTrainer(
+        backend,
+        config.ppo,
+        env_config,
+        baseline,
+        replay_eval(val_traces, profile),
+        max_depth=config.max_depth,
+        device_feats=feats,
+        seed=config.seed,
+        device=policy_device,
+        tensorboard_dir=str(run / "tb"),
+        eval_every=config.eval_every,
+        writer=writer,
+        progress=config.progress,
+    )
     if checkpoint is not None:
         trainer.load(checkpoint)
         print(f"resumed {run} after {len(trainer.history)} phases", flush=True)
     phases = [(name, r) for r in range(config.rounds) for name in ("size", "depth")]
-    for name, r in phases[len(trainer.history):]:
+    for name, r in phases[len(trainer.history) :]:
         log = trainer.run_phase(name, config.size_steps if name == "size" else config.depth_steps, r)
         last = log.validation[-1][1] if log.validation else float("nan")
-        print(f"round {r + 1}/{config.rounds} {name}: {log.steps} steps in {log.seconds:.0f} s, "
-              f"validation {last:.3f} tokens/s (best so far {trainer.best[0]:.3f})", flush=True)
+        print(
+            f"round {r + 1}/{config.rounds} {name}: {log.steps} steps in {log.seconds:.0f} s, "
+            f"validation {last:.3f} tokens/s (best so far {trainer.best[0]:.3f})",
+            flush=True,
+        )
         trainer.save(run / "checkpoint")
     writer.close()
 
@@ -363,16 +428,33 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None) -> dict:
     if depth_actor is None:  # validation never ran on a complete controller
         depth_actor, size_actor = trainer.actor("depth"), trainer.actor("size")
         best_tps = replay_eval(val_traces, profile)(trainer.joint())
-    metrics = {**base, "learned_on_val": best_tps, "learned_over_static": best_tps / base["static_best_on_val"],
-               "learned_over_analytic": best_tps / base["analytic_on_val"],
-               "learned_over_oracle": best_tps / base["oracle_on_val"], "data_s": data_s,
-               "train_s": sum(h.seconds for h in trainer.history), "total_s": time.perf_counter() - started,
-               "val_prompts": [p["id"] for p in val_prompts], "train_prompts": [p["id"] for p in train_prompts],
-               "phases": [asdict(h) for h in trainer.history]}
-    path = save_policy(run / "policy.pt", depth_actor, size_actor, size_ladder=trainer.env_config.size_ladder,
-                       tree_width=config.tree_width, max_depth=config.max_depth, device_feats=feats,
-                       pair=pair.name, profile=profile.to_dict(), train_config=asdict(config), metrics=metrics,
-                       depth_zero=config.depth_zero)
+    metrics = {
+        **base,
+        "learned_on_val": best_tps,
+        "learned_over_static": best_tps / base["static_best_on_val"],
+        "learned_over_analytic": best_tps / base["analytic_on_val"],
+        "learned_over_oracle": best_tps / base["oracle_on_val"],
+        "data_s": data_s,
+        "train_s": sum(h.seconds for h in trainer.history),
+        "total_s": time.perf_counter() - started,
+        "val_prompts": [p["id"] for p in val_prompts],
+        "train_prompts": [p["id"] for p in train_prompts],
+        "phases": [asdict(h) for h in trainer.history],
+    }
+    path = save_policy(
+        run / "policy.pt",
+        depth_actor,
+        size_actor,
+        size_ladder=trainer.env_config.size_ladder,
+        tree_width=config.tree_width,
+        max_depth=config.max_depth,
+        device_feats=feats,
+        pair=pair.name,
+        profile=profile.to_dict(),
+        train_config=asdict(config),
+        metrics=metrics,
+        depth_zero=config.depth_zero,
+    )
     atomic_write_json(run / "metrics.json", metrics)
     metrics["policy"] = str(path)
     return metrics
@@ -384,10 +466,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(ap, TrainConfig)
     add_dataclass_args(ap, PPOConfig, group="PPO")
     ap.add_argument("--quick", action="store_true", help="tiny budget (plumbing check; explicit flags win)")
-    ap.add_argument("--resume", help="run directory to continue (its config.json is used: flags given with it must "
-                                     "agree with it, --progress excepted)")
-    ap.add_argument("--retrain", action="store_true",
-                    help="train again even if --run-name already holds a policy trained with this config")
+    ap.add_argument(
+        "--resume",
+        help="run directory to continue (its config.json is used: flags given with it must "
+        "agree with it, --progress excepted)",
+    )
+    ap.add_argument(
+        "--retrain",
+        action="store_true",
+        help="train again even if --run-name already holds a policy trained with this config",
+    )
     return ap
 
 
@@ -403,7 +491,9 @@ def config_from_argv(argv: list[str] | None) -> tuple[TrainConfig, Path | None, 
         apply_preset(ap, args, argv, preset)
     if args.resume:
         if args.retrain:
-            raise RunDirectoryError("--resume continues a run and --retrain starts one over: give one of them")
+            raise RunDirectoryError(
+                "--resume continues a run and --retrain starts one over: give one of them"
+            )
         run = Path(args.resume)
         if not (run / "config.json").is_file():
             raise RunDirectoryError(f"--resume {run}: not a train.py run directory (no config.json)")
@@ -413,13 +503,20 @@ def config_from_argv(argv: list[str] | None) -> tuple[TrainConfig, Path | None, 
             requested = from_args(TrainConfig, args, ppo=from_args(PPOConfig, args))
             ppo_names = {f.name for f in dataclasses.fields(PPOConfig)}
             keys = {f"ppo.{k}" if k in ppo_names else k for k in given}
-            changed = config_differences(asdict(effective_config(stored)), asdict(effective_config(requested)), keys)
-            changed += [f"{_flag(k)} (the run is the --resume directory)" for k in sorted(given)
-                        if k in ("run_dir", "run_name")]
+            changed = config_differences(
+                asdict(effective_config(stored)), asdict(effective_config(requested)), keys
+            )
+            changed += [
+                f"{_flag(k)} (the run is the --resume directory)"
+                for k in sorted(given)
+                if k in ("run_dir", "run_name")
+            ]
             if changed:
-                raise RunDirectoryError(f"--resume {run} continues the run with the settings of its config.json; "
-                                        f"these flags differ from it: {'; '.join(changed)}. Drop them, or start a new "
-                                        "run (another --run-name) to change them")
+                raise RunDirectoryError(
+                    f"--resume {run} continues the run with the settings of its config.json; "
+                    f"these flags differ from it: {'; '.join(changed)}. Drop them, or start a new "
+                    "run (another --run-name) to change them"
+                )
         if "progress" in given_flags(ap, argv):
             stored = replace(stored, progress=args.progress)
         return stored, run, False
@@ -437,11 +534,19 @@ def main(argv: list[str] | None = None) -> int:
     static = metrics["static_best_on_val"]
     print(f"\nexported policy: {metrics['policy']}")
     print(f"validation throughput (replay, {len(metrics['val_prompts'])} held-out prompts, tokens/s):")
-    print(f"  learned      {metrics['learned_on_val']:.3f}   ({metrics['learned_over_static']:.3f}x best static)")
-    print(f"  best static  {static:.3f}   (D, V) = {tuple(metrics['best_static_val'])}, grid on these prompts")
+    print(
+        f"  learned      {metrics['learned_on_val']:.3f}   ({metrics['learned_over_static']:.3f}x best static)"
+    )
+    print(
+        f"  best static  {static:.3f}   (D, V) = {tuple(metrics['best_static_val'])}, grid on these prompts"
+    )
     print(f"  analytic     {metrics['analytic_on_val']:.3f}")
-    print(f"  oracle       {metrics['oracle_on_val']:.3f}   (learned / oracle = {metrics['learned_over_oracle']:.3f})")
-    print(f"time: data {metrics['data_s']:.0f} s, training {metrics['train_s']:.0f} s, total {metrics['total_s']:.0f} s")
+    print(
+        f"  oracle       {metrics['oracle_on_val']:.3f}   (learned / oracle = {metrics['learned_over_oracle']:.3f})"
+    )
+    print(
+        f"time: data {metrics['data_s']:.0f} s, training {metrics['train_s']:.0f} s, total {metrics['total_s']:.0f} s"
+    )
     return 0
 
 

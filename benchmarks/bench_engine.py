@@ -45,16 +45,28 @@ TUNE_PROMPTS = {
 def run_ours(engine, ids, controller, max_new_tokens):
     res = engine.generate(ids, max_new_tokens=max_new_tokens, controller=controller, seed=0)
     st = res.stats
-    return {"tokens": res.tokens, "n": len(res.tokens), "s": st["total_s"], "tps": st["tokens_per_s"],
-            "accepted": st["mean_accepted"], "acc_rate": st["acceptance_rate"],
-            "overhead": st["overhead_fraction"], "ctrl": st["controller_fraction"]}
+    return {
+        "tokens": res.tokens,
+        "n": len(res.tokens),
+        "s": st["total_s"],
+        "tps": st["tokens_per_s"],
+        "accepted": st["mean_accepted"],
+        "acc_rate": st["acceptance_rate"],
+        "overhead": st["overhead_fraction"],
+        "ctrl": st["controller_fraction"],
+    }
 
 
 def run_hf(pair, ids, max_new_tokens, assisted: dict | None):
     """transformers' generate, optionally with ``assistant_model=draft`` and the given schedule settings."""
     input_ids = torch.as_tensor([ids], device=pair.device)
-    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(pair.eos_token_ids),
-                  pad_token_id=sorted(pair.eos_token_ids)[0], attention_mask=torch.ones_like(input_ids))
+    kwargs = dict(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=sorted(pair.eos_token_ids),
+        pad_token_id=sorted(pair.eos_token_ids)[0],
+        attention_mask=torch.ones_like(input_ids),
+    )
     if assisted is not None:
         for key, value in assisted.items():  # heuristic schedules mutate these across calls: reset each time
             setattr(pair.draft.generation_config, key, value)
@@ -63,7 +75,7 @@ def run_hf(pair, ids, max_new_tokens, assisted: dict | None):
     with torch.inference_mode():
         out = pair.target.generate(input_ids, **kwargs)
     elapsed = time.perf_counter() - t0
-    tokens = out[0, len(ids):].tolist()
+    tokens = out[0, len(ids) :].tolist()
     return {"tokens": tokens, "n": len(tokens), "s": elapsed, "tps": len(tokens) / elapsed}
 
 
@@ -100,13 +112,20 @@ def main() -> int:
 
     # transformers 5.x defaults (GenerationConfig._get_default_generation_params); the confidence threshold
     # adapts during generation when scikit-learn is installed (it is a dev dependency here)
-    hf_defaults = {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
-                   "assistant_confidence_threshold": 0.4}
+    hf_defaults = {
+        "num_assistant_tokens": 20,
+        "num_assistant_tokens_schedule": "constant",
+        "assistant_confidence_threshold": 0.4,
+    }
     run_ours(engine, tune_ids[0], StaticController(2), 8)  # warm-up (allocator, kernels), not measured
     run_hf(pair, tune_ids[0], 8, dict(hf_defaults))
 
     chain_grid = [(int(d), int(d), 1) for d in args.chain_depths.split(",")]
-    tree_grid = [] if args.tree_grid == "none" else [tuple(int(x) for x in c.split(":")) for c in args.tree_grid.split(",")]
+    tree_grid = (
+        []
+        if args.tree_grid == "none"
+        else [tuple(int(x) for x in c.split(":")) for c in args.tree_grid.split(",")]
+    )
     if args.quick:
         chain_grid, tree_grid = chain_grid[:2], tree_grid[:2]
     best_chain, chain_scores = tune(engine, tune_ids, chain_grid, args.tune_tokens)
@@ -120,9 +139,16 @@ def main() -> int:
         "static_tree": lambda ids: run_ours(engine, ids, StaticController(*best_tree), args.max_new_tokens),
         "hf_autoregressive": lambda ids: run_hf(pair, ids, args.max_new_tokens, None),
         "hf_assisted_default": lambda ids: run_hf(pair, ids, args.max_new_tokens, dict(hf_defaults)),
-        "hf_assisted_heuristic": lambda ids: run_hf(pair, ids, args.max_new_tokens, {
-            "num_assistant_tokens": 5, "num_assistant_tokens_schedule": "heuristic_transient",
-            "assistant_confidence_threshold": 0.0}),
+        "hf_assisted_heuristic": lambda ids: run_hf(
+            pair,
+            ids,
+            args.max_new_tokens,
+            {
+                "num_assistant_tokens": 5,
+                "num_assistant_tokens_schedule": "heuristic_transient",
+                "assistant_confidence_threshold": 0.0,
+            },
+        ),
     }
     if best_tree is None:
         decoders.pop("static_tree")
@@ -139,48 +165,81 @@ def main() -> int:
 
 
 def report(raw, pair, args, best_chain, best_tree, chain_scores, tree_scores, hf_defaults) -> None:
-    med = {name: {lang: statistics.median(r["tps"] for r in runs) for lang, runs in by_lang.items()}
-           for name, by_lang in raw.items()}
+    med = {
+        name: {lang: statistics.median(r["tps"] for r in runs) for lang, runs in by_lang.items()}
+        for name, by_lang in raw.items()
+    }
     langs = list(next(iter(raw.values())))
-    print(f"\npair={pair.name} dtype={str(pair.dtype).removeprefix('torch.')} device={pair.device} "
-          f"torch={torch.__version__} transformers={transformers.__version__} cpu={platform.processor() or platform.machine()} "
-          f"threads={torch.get_num_threads()} greedy max_new_tokens={args.max_new_tokens} reps={args.reps}")
-    print(f"best static chain (depth, verify, width)={best_chain}  best static tree={best_tree}  "
-          f"hf assisted defaults={hf_defaults}")
+    print(
+        f"\npair={pair.name} dtype={str(pair.dtype).removeprefix('torch.')} device={pair.device} "
+        f"torch={torch.__version__} transformers={transformers.__version__} cpu={platform.processor() or platform.machine()} "
+        f"threads={torch.get_num_threads()} greedy max_new_tokens={args.max_new_tokens} reps={args.reps}"
+    )
+    print(
+        f"best static chain (depth, verify, width)={best_chain}  best static tree={best_tree}  "
+        f"hf assisted defaults={hf_defaults}"
+    )
     print(f"\n{'decoder':24s}" + "".join(f"{lang:>10s}" for lang in langs) + f"{'all':>10s}{'vs AR':>8s}")
     ar_all = statistics.median(med["autoregressive"].values())
-    totals = {name: sum(r["n"] for runs in by.values() for r in runs) / sum(r["s"] for runs in by.values() for r in runs)
-              for name, by in raw.items()}
+    totals = {
+        name: sum(r["n"] for runs in by.values() for r in runs)
+        / sum(r["s"] for runs in by.values() for r in runs)
+        for name, by in raw.items()
+    }
     for name in raw:
         all_med = statistics.median(med[name].values())
-        print(f"{name:24s}" + "".join(f"{med[name][lang]:10.2f}" for lang in langs)
-              + f"{all_med:10.2f}{all_med / ar_all:8.2f}x")
+        print(
+            f"{name:24s}"
+            + "".join(f"{med[name][lang]:10.2f}" for lang in langs)
+            + f"{all_med:10.2f}{all_med / ar_all:8.2f}x"
+        )
     print("\n(tokens/s, median over reps per language; 'all' = median over languages)")
-    print("aggregate tokens/s (all tokens / all time): "
-          + ", ".join(f"{n} {v:.3f} ({v / totals['autoregressive']:.2f}x)" for n, v in totals.items()))
+    print(
+        "aggregate tokens/s (all tokens / all time): "
+        + ", ".join(f"{n} {v:.3f} ({v / totals['autoregressive']:.2f}x)" for n, v in totals.items())
+    )
     ours = [n for n in ("static_chain", "static_tree") if n in raw]
     best_ours = max(ours, key=lambda n: statistics.median(med[n].values()))
     for peer in (p for p in ("hf_assisted_default", "hf_assisted_heuristic") if p in raw):
         ratios = [med[best_ours][lang] / med[peer][lang] for lang in langs]
-        print(f"{best_ours} / {peer}: per language {[round(r, 3) for r in ratios]}  median {statistics.median(ratios):.3f}")
+        print(
+            f"{best_ours} / {peer}: per language {[round(r, 3) for r in ratios]}  median {statistics.median(ratios):.3f}"
+        )
     for name in ours:
         acc = {lang: round(statistics.mean(r["acc_rate"] for r in raw[name][lang]), 3) for lang in langs}
         mean_acc = {lang: round(statistics.mean(r["accepted"] for r in raw[name][lang]), 2) for lang in langs}
         over = statistics.median(r["overhead"] for lang in langs for r in raw[name][lang])
-        print(f"{name}: acceptance rate {acc}; mean accepted/cycle {mean_acc}; engine overhead "
-              f"(time outside model forwards) median {over:.1%}")
+        print(
+            f"{name}: acceptance rate {acc}; mean accepted/cycle {mean_acc}; engine overhead "
+            f"(time outside model forwards) median {over:.1%}"
+        )
     ar_tokens = {lang: raw["autoregressive"][lang][0]["tokens"] for lang in langs}
     for name in raw:
         same = sum(runs[0]["tokens"] == ar_tokens[lang] for lang, runs in raw[name].items())
         print(f"greedy tokens identical to our autoregressive: {name}: {same}/{len(langs)} prompts")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    strip = {name: {lang: [{k: v for k, v in r.items() if k != "tokens"} for r in runs]
-                    for lang, runs in by_lang.items()} for name, by_lang in raw.items()}
-    out.write_text(json.dumps({"args": vars(args), "best_chain": best_chain, "best_tree": best_tree,
-                               "chain_grid": {str(k): v for k, v in chain_scores.items()},
-                               "tree_grid": {str(k): v for k, v in tree_scores.items()},
-                               "median_tps": med, "raw": strip}, indent=1))
+    strip = {
+        name: {
+            lang: [{k: v for k, v in r.items() if k != "tokens"} for r in runs]
+            for lang, runs in by_lang.items()
+        }
+        for name, by_lang in raw.items()
+    }
+    out.write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "best_chain": best_chain,
+                "best_tree": best_tree,
+                "chain_grid": {str(k): v for k, v in chain_scores.items()},
+                "tree_grid": {str(k): v for k, v in tree_scores.items()},
+                "median_tps": med,
+                "raw": strip,
+            },
+            indent=1,
+        )
+    )
     print(f"raw results: {out}")
 
 

@@ -43,8 +43,14 @@ def parse_static(text: str) -> tuple[int, int, int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policy", nargs="+", required=True, help="policy.pt files")
-    ap.add_argument("--static", nargs="*", type=parse_static, default=[(2, 2, 1), (1, 2, 4)], metavar="D,V,W",
-                    help="static settings to compare with (default: chain 2,2,1 and tree 1,2,4)")
+    ap.add_argument(
+        "--static",
+        nargs="*",
+        type=parse_static,
+        default=[(2, 2, 1), (1, 2, 4)],
+        metavar="D,V,W",
+        help="static settings to compare with (default: chain 2,2,1 and tree 1,2,4)",
+    )
     ap.add_argument("--pair", default="qwen2.5-coder")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--split", default="test")
@@ -69,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     profile = workspace.ensure_profile(pair, args.cache_dir, widths=widths)
     controllers: dict[str, object] = {"autoregressive": None}
     for depth, verify, width in args.static:
-        controllers[f"static {'chain' if width == 1 else 'tree'} ({depth},{verify},W{width})"] = \
+        controllers[f"static {'chain' if width == 1 else 'tree'} ({depth},{verify},W{width})"] = (
             StaticController(depth, verify, tree_width=width)
+        )
     for path, width in policy_widths.items():  # reloaded with this device's profile as its device features
         controllers[f"learned {path} (W{width})"] = load_policy(path, profile=profile)
     prompts = interleave_languages(load_suite(split=args.split, limit_per_language=args.prompts_per_language))
@@ -90,8 +97,11 @@ def main(argv: list[str] | None = None) -> int:
             run.update(language=language_of(item))
             runs[name][item["id"]] = run
         tps = {n: runs[n][item["id"]]["num_tokens"] / runs[n][item["id"]]["total_s"] for n in names}
-        print(f"[{index + 1}/{len(prompts)} {time.perf_counter() - started:6.0f} s] {item['id']}: "
-              + ", ".join(f"{n.split(' (')[0].removeprefix('learned ')} {v:.2f}" for n, v in tps.items()), flush=True)
+        print(
+            f"[{index + 1}/{len(prompts)} {time.perf_counter() - started:6.0f} s] {item['id']}: "
+            + ", ".join(f"{n.split(' (')[0].removeprefix('learned ')} {v:.2f}" for n, v in tps.items()),
+            flush=True,
+        )
 
     ids = [p["id"] for p in prompts]
 
@@ -99,12 +109,18 @@ def main(argv: list[str] | None = None) -> int:
         return [runs[name][i]["num_tokens"] for i in ids], [runs[name][i]["total_s"] for i in ids]
 
     totals = {n: sum(columns(n)[0]) / sum(columns(n)[1]) for n in names}
-    identical = {n: sum(runs[n][i]["tokens"] == runs["autoregressive"][i]["tokens"] for i in ids) for n in names}
-    print(f"\n{pair.name} {pair.precision}, {len(ids)} {args.split} prompts x "
-          f"{args.max_new_tokens} tokens, greedy, one sitting ({time.perf_counter() - started:.0f} s)")
+    identical = {
+        n: sum(runs[n][i]["tokens"] == runs["autoregressive"][i]["tokens"] for i in ids) for n in names
+    }
+    print(
+        f"\n{pair.name} {pair.precision}, {len(ids)} {args.split} prompts x "
+        f"{args.max_new_tokens} tokens, greedy, one sitting ({time.perf_counter() - started:.0f} s)"
+    )
     for name in names:
-        print(f"  {name:60s} {totals[name]:7.3f} tok/s  {totals[name] / totals['autoregressive']:.3f}x AR  "
-              f"tokens identical to AR {identical[name]}/{len(ids)}")
+        print(
+            f"  {name:60s} {totals[name]:7.3f} tok/s  {totals[name] / totals['autoregressive']:.3f}x AR  "
+            f"tokens identical to AR {identical[name]}/{len(ids)}"
+        )
     learned = [n for n in names if n.startswith("learned")]
     ratios = {}
     print("\npaired ratios over prompts (95% bootstrap interval):")
@@ -116,11 +132,23 @@ def main(argv: list[str] | None = None) -> int:
             ratios[f"{a} / {b}"] = r
             print(f"  {a} / {b}: {r['ratio']:.3f} [{r['low']:.3f}, {r['high']:.3f}]")
     if args.out:
-        slim = {n: {i: {k: v for k, v in run.items() if k != "tokens"} for i, run in by.items()}
-                for n, by in runs.items()}
-        Path(args.out).write_text(json.dumps({"args": vars(args), "tokens_per_s": totals,
-                                              "identical_to_ar": identical, "ratios": ratios, "runs": slim},
-                                             indent=1) + "\n")
+        slim = {
+            n: {i: {k: v for k, v in run.items() if k != "tokens"} for i, run in by.items()}
+            for n, by in runs.items()
+        }
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "args": vars(args),
+                    "tokens_per_s": totals,
+                    "identical_to_ar": identical,
+                    "ratios": ratios,
+                    "runs": slim,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return 0
 
 

@@ -54,8 +54,13 @@ def main() -> int:
     ap.add_argument("--tree-width", type=int, default=1)
     ap.add_argument("--reps", type=int, default=2, help="live repetitions per controller and prompt")
     ap.add_argument("--quick", action="store_true", help="2 prompts, 24 tokens, 1 rep")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default); use the "
-                    "profile's thread count, or live and replay time different machines")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads (0: torch's default); use the "
+        "profile's thread count, or live and replay time different machines",
+    )
     ap.add_argument("--out", default="runs/fidelity.json")
     args = ap.parse_args()
     if args.threads:
@@ -71,11 +76,19 @@ def main() -> int:
     ids = {lang: pair.encode(p) for lang, p in prompts.items()}
 
     t0 = time.perf_counter()
-    traces = {lang: ReplayTrace(record_trace(pair, ids[lang], lang, sampling, args.max_depth, args.tree_width,
-                                             args.max_new_tokens, seed=0), engine_max_depth=args.max_depth)
-              for lang in tqdm(prompts, desc="record")}
+    traces = {
+        lang: ReplayTrace(
+            record_trace(
+                pair, ids[lang], lang, sampling, args.max_depth, args.tree_width, args.max_new_tokens, seed=0
+            ),
+            engine_max_depth=args.max_depth,
+        )
+        for lang in tqdm(prompts, desc="record")
+    }
     record_s = time.perf_counter() - t0
-    engine.generate(ids[next(iter(ids))], 8, controller=StaticController(2, 2, tree_width=args.tree_width))  # warm-up
+    engine.generate(
+        ids[next(iter(ids))], 8, controller=StaticController(2, 2, tree_width=args.tree_width)
+    )  # warm-up
 
     rows = {}
     for name, ctrl in tqdm(controllers(profile, args.tree_width, args.max_depth).items(), desc="controllers"):
@@ -96,22 +109,34 @@ def main() -> int:
             spec = [c for c in replay if c.depth > 0]
             replay_acc.append(sum(c.accepted for c in spec) / max(len(spec), 1))
             replay_tps.append(sum(c.emitted for c in replay) / sum(c.total_s for c in replay))
-        rows[name] = {"live_mean_accepted": statistics.mean(live_acc), "replay_mean_accepted": statistics.mean(replay_acc),
-                      "cycle_sequences_identical": f"{exact}/{cycles}",
-                      "live_tokens_per_s": statistics.median(live_tps), "replay_tokens_per_s": statistics.median(replay_tps)}
+        rows[name] = {
+            "live_mean_accepted": statistics.mean(live_acc),
+            "replay_mean_accepted": statistics.mean(replay_acc),
+            "cycle_sequences_identical": f"{exact}/{cycles}",
+            "live_tokens_per_s": statistics.median(live_tps),
+            "replay_tokens_per_s": statistics.median(replay_tps),
+        }
         rows[name]["replay_over_live"] = rows[name]["replay_tokens_per_s"] / rows[name]["live_tokens_per_s"]
 
-    print(f"\npair={pair.name} dtype={str(pair.dtype).removeprefix('torch.')} device={pair.device} greedy "
-          f"max_new_tokens={args.max_new_tokens} max_depth={args.max_depth} tree_width={args.tree_width} "
-          f"prompts={list(prompts)} reps={args.reps} threads={torch.get_num_threads()} profile={args.profile}")
+    print(
+        f"\npair={pair.name} dtype={str(pair.dtype).removeprefix('torch.')} device={pair.device} greedy "
+        f"max_new_tokens={args.max_new_tokens} max_depth={args.max_depth} tree_width={args.tree_width} "
+        f"prompts={list(prompts)} reps={args.reps} threads={torch.get_num_threads()} profile={args.profile}"
+    )
     positions = sum(rt.trace.num_positions for rt in traces.values())
-    print(f"recorded {positions} positions in {record_s:.1f} s ({positions / record_s * 60:.0f} positions/min)")
-    print(f"{'controller':18s}{'acc live':>10s}{'acc replay':>11s}{'identical':>11s}{'tok/s live':>12s}"
-          f"{'tok/s replay':>13s}{'ratio':>7s}")
+    print(
+        f"recorded {positions} positions in {record_s:.1f} s ({positions / record_s * 60:.0f} positions/min)"
+    )
+    print(
+        f"{'controller':18s}{'acc live':>10s}{'acc replay':>11s}{'identical':>11s}{'tok/s live':>12s}"
+        f"{'tok/s replay':>13s}{'ratio':>7s}"
+    )
     for name, r in rows.items():
-        print(f"{name:18s}{r['live_mean_accepted']:10.3f}{r['replay_mean_accepted']:11.3f}"
-              f"{r['cycle_sequences_identical']:>11s}{r['live_tokens_per_s']:12.2f}{r['replay_tokens_per_s']:13.2f}"
-              f"{r['replay_over_live']:7.2f}")
+        print(
+            f"{name:18s}{r['live_mean_accepted']:10.3f}{r['replay_mean_accepted']:11.3f}"
+            f"{r['cycle_sequences_identical']:>11s}{r['live_tokens_per_s']:12.2f}{r['replay_tokens_per_s']:13.2f}"
+            f"{r['replay_over_live']:7.2f}"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows, "record_s": record_s}, indent=1))
     return 0

@@ -51,8 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(args.out_features, args.in_features, generator=gen)
     packed = {p: torch.ops.mkl._mkl_reorder_linear_weight(weight, p) for p in packs}
-    print(f"linear {args.in_features} -> {args.out_features}, float32, {args.threads} threads; ms per call "
-          f"(median of {args.reps}); packed P: rows zero-padded to P (n/a when M > P)")
+    print(
+        f"linear {args.in_features} -> {args.out_features}, float32, {args.threads} threads; ms per call "
+        f"(median of {args.reps}); packed P: rows zero-padded to P (n/a when M > P)"
+    )
     print(f"{'M':>3} {'default':>8} " + " ".join(f"{'packed' + str(p):>9}" for p in packs) + "   default/M=1")
     base = None
     for m in rows:
@@ -66,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
                     cells.append(f"{'n/a':>9}")
                     continue
                 xp = torch.cat([x, x.new_zeros(p - m, x.shape[1])]) if m < p else x
-                ms = median_ms(lambda xp=xp, p=p: torch.ops.mkl._mkl_linear(xp, packed[p], weight, None, p), args.reps)
+                ms = median_ms(
+                    lambda xp=xp, p=p: torch.ops.mkl._mkl_linear(xp, packed[p], weight, None, p), args.reps
+                )
                 cells.append(f"{ms:9.2f}")
         print(f"{m:>3} {plain:8.2f} " + " ".join(cells) + f"   {plain / base:6.2f}x")
     return 0

@@ -36,8 +36,17 @@ from engine.random_pair import build_random_pair  # noqa: E402
 from evaluation.exactness import greedy_audit, law_checks, sampled_test  # noqa: E402
 from policies import HeuristicController, StaticController  # noqa: E402
 
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=1024, pad_token_id=0, bos_token_id=0, eos_token_id=1023)
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    pad_token_id=0,
+    bos_token_id=0,
+    eos_token_id=1023,
+)
 """Overrides that shrink the random pair for ``--small`` (a CPU plumbing check of this script)."""
 GREEDY_CONTROLLERS = {
     "static chain (4, 4)": lambda: StaticController(4, 4, tree_width=1),
@@ -46,8 +55,10 @@ GREEDY_CONTROLLERS = {
     "static tree (5, 24, W 8)": lambda: StaticController(5, 24, tree_width=8),
     "heuristic (+2/-1)": lambda: HeuristicController(),
 }
-TIMED = {"chain": [(d, d, 1) for d in (1, 2, 3, 4, 6, 8)], "tree": [(1, 2, 4), (2, 4, 4), (3, 8, 4), (4, 16, 4),
-                                                                   (5, 32, 8), (6, 48, 8)]}
+TIMED = {
+    "chain": [(d, d, 1) for d in (1, 2, 3, 4, 6, 8)],
+    "tree": [(1, 2, 4), (2, 4, 4), (3, 8, 4), (4, 16, 4), (5, 32, 8), (6, 48, 8)],
+}
 """Static (D, V, W) settings whose cycle time is measured live and compared with the profile's prediction."""
 
 
@@ -68,14 +79,29 @@ def correctness(device: torch.device, args) -> dict:
         for name, make in GREEDY_CONTROLLERS.items():
             tokens[name][str(index)] = engine.generate(prompt, max_new_tokens=48, controller=make()).tokens
     audit = greedy_audit(tokens)
-    sampled = sampled_test(pair, lambda: StaticController(3, 6, tree_width=2),
-                           [{"id": "s0", "prompt": "Write any one sentence about the sea."},
-                            {"id": "s1", "prompt": "def add(a, b):"}], temperature=0.8,
-                           samples=args.samples, k=2, budget=6, seed=args.seed)
+    sampled = sampled_test(
+        pair,
+        lambda: StaticController(3, 6, tree_width=2),
+        [
+            {"id": "s0", "prompt": "Write any one sentence about the sea."},
+            {"id": "s1", "prompt": "def add(a, b):"},
+        ],
+        temperature=0.8,
+        samples=args.samples,
+        k=2,
+        budget=6,
+        seed=args.seed,
+    )
     laws = law_checks(args.law_trials, args.seed)
     identical = all(row["identical"] == row["prompts"] for row in audit.values())
-    return {"device": str(device), "greedy_audit": audit, "greedy_identical": identical, "sampled": sampled,
-            "law_checks": laws, "ok": bool(identical and not sampled["rejects"] and all(c["ok"] for c in laws))}
+    return {
+        "device": str(device),
+        "greedy_audit": audit,
+        "greedy_identical": identical,
+        "sampled": sampled,
+        "law_checks": laws,
+        "ok": bool(identical and not sampled["rejects"] and all(c["ok"] for c in laws)),
+    }
 
 
 def timing(pair, profile, args) -> dict:
@@ -87,23 +113,35 @@ def timing(pair, profile, args) -> dict:
     out: dict = {"prompt_len": args.prompt_len, "max_new_tokens": args.tokens, "settings": []}
     ar = [engine.generate(p, max_new_tokens=args.tokens) for p in ids]
     steps = [c.total_s for r in ar for c in r.cycles]
-    out["autoregressive"] = {"per_token_s": statistics.median(steps),
-                             "tokens_per_s": sum(len(r.tokens) for r in ar) / sum(r.stats["total_s"] for r in ar),
-                             "peak_memory_mb": max(r.peak_memory_bytes for r in ar) / 2**20}
+    out["autoregressive"] = {
+        "per_token_s": statistics.median(steps),
+        "tokens_per_s": sum(len(r.tokens) for r in ar) / sum(r.stats["total_s"] for r in ar),
+        "peak_memory_mb": max(r.peak_memory_bytes for r in ar) / 2**20,
+    }
     for kind, settings in TIMED.items():
         for depth, verify, width in settings:
             ctrl = StaticController(depth, verify, tree_width=width)
             runs = [engine.generate(p, max_new_tokens=args.tokens, controller=ctrl) for p in ids]
             cycles = [c for r in runs for c in r.cycles if c.depth > 0]
             live = statistics.median(c.total_s for c in cycles)
-            predicted = statistics.median(profile.cycle_s(c.depth, c.num_verified, c.context_len, tree_width=width)
-                                          for c in cycles)
-            out["settings"].append({"kind": kind, "depth": depth, "verify": verify, "tree_width": width,
-                                    "cycles": len(cycles), "live_cycle_s": live, "predicted_cycle_s": predicted,
-                                    "draft_s": statistics.median(c.draft_s for c in cycles),
-                                    "verify_s": statistics.median(c.verify_s for c in cycles),
-                                    "cycle_over_ar_step": live / out["autoregressive"]["per_token_s"],
-                                    "peak_memory_mb": max(r.peak_memory_bytes for r in runs) / 2**20})
+            predicted = statistics.median(
+                profile.cycle_s(c.depth, c.num_verified, c.context_len, tree_width=width) for c in cycles
+            )
+            out["settings"].append(
+                {
+                    "kind": kind,
+                    "depth": depth,
+                    "verify": verify,
+                    "tree_width": width,
+                    "cycles": len(cycles),
+                    "live_cycle_s": live,
+                    "predicted_cycle_s": predicted,
+                    "draft_s": statistics.median(c.draft_s for c in cycles),
+                    "verify_s": statistics.median(c.verify_s for c in cycles),
+                    "cycle_over_ar_step": live / out["autoregressive"]["per_token_s"],
+                    "peak_memory_mb": max(r.peak_memory_bytes for r in runs) / 2**20,
+                }
+            )
     return out
 
 
@@ -114,10 +152,14 @@ def cost_summary(profile, contexts: tuple[int, ...]) -> dict:
         one = profile.verify_s(1, ctx)
         out[str(ctx)] = {
             "c_ratio": profile.c_ratio(ctx),
-            "verify_over_1_node": {str(v): profile.verify_s(v, ctx) / one for v in (2, 3, 4, 8, 16, 32, 64)
-                                   if v <= max(profile.sizes)},
-            "draft_step_over_width_1": {str(w): profile.draft_step_s(w, ctx) / profile.draft_step_s(1, ctx)
-                                        for w in profile.widths},
+            "verify_over_1_node": {
+                str(v): profile.verify_s(v, ctx) / one
+                for v in (2, 3, 4, 8, 16, 32, 64)
+                if v <= max(profile.sizes)
+            },
+            "draft_step_over_width_1": {
+                str(w): profile.draft_step_s(w, ctx) / profile.draft_step_s(1, ctx) for w in profile.widths
+            },
         }
     return out
 
@@ -155,26 +197,33 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"device": device_name(device), "torch": torch.__version__, "args": vars(args)}
     say(f"device {report['device']}, torch {torch.__version__}")
     report["correctness"] = check = correctness(device, args)
-    say(f"[correctness, tiny pair float32 on {device}] greedy identical to autoregressive: "
+    say(
+        f"[correctness, tiny pair float32 on {device}] greedy identical to autoregressive: "
         f"{'all' if check['greedy_identical'] else 'NOT all'} ({len(GREEDY_CONTROLLERS)} controllers x {args.prompts} "
         f"prompts); sampled test {args.samples}/arm Fisher p {check['sampled']['fisher_pvalue']:.3f} "
         f"({'REJECTS' if check['sampled']['rejects'] else 'no rejection'}); law checks "
-        f"{sum(c['ok'] for c in check['law_checks'])}/{len(check['law_checks'])} as expected")
+        f"{sum(c['ok'] for c in check['law_checks'])}/{len(check['law_checks'])} as expected"
+    )
     for name, row in check["greedy_audit"].items():
         if row["identical"] != row["prompts"]:
-            say(f"  DIVERGES: {name}: {row['identical']}/{row['prompts']} identical, {row['divergences'][:2]}")
+            say(
+                f"  DIVERGES: {name}: {row['identical']}/{row['prompts']} identical, {row['divergences'][:2]}"
+            )
     say(f"  ({time.perf_counter() - started:.0f} s)")
 
     dtype = getattr(torch, args.dtype)
-    pair = build_random_pair(args.pair, dtype=dtype, device=device, seed=args.seed,
-                             overrides=SMALL if args.small else None)
+    pair = build_random_pair(
+        args.pair, dtype=dtype, device=device, seed=args.seed, overrides=SMALL if args.small else None
+    )
     contexts = tuple(int(c) for c in args.contexts.split(","))
     config = ProfileConfig(contexts=contexts, reps=args.reps) if not args.small else ProfileConfig.quick()
     profile = measure_profile(pair, config, random_weights=True, progress=False)
     profile.save(out_dir / "profile.json")
     report["cost"] = cost_summary(profile, profile.contexts)
-    say(f"[cost profile, {pair.name} {args.dtype}, random weights] saved to {out_dir / 'profile.json'} "
-        f"({time.perf_counter() - started:.0f} s)")
+    say(
+        f"[cost profile, {pair.name} {args.dtype}, random weights] saved to {out_dir / 'profile.json'} "
+        f"({time.perf_counter() - started:.0f} s)"
+    )
     for ctx, row in report["cost"].items():
         verify = ", ".join(f"{v}:{r:.2f}" for v, r in row["verify_over_1_node"].items())
         draft = ", ".join(f"W{w}:{r:.2f}" for w, r in row["draft_step_over_width_1"].items())
@@ -182,12 +231,16 @@ def main(argv: list[str] | None = None) -> int:
 
     report["timing"] = timed = timing(pair, profile, args)
     ar = timed["autoregressive"]
-    say(f"[timing, {args.timing_prompts} prompts of {args.prompt_len} tokens x {args.tokens}] autoregressive "
-        f"{1e3 * ar['per_token_s']:.2f} ms/token ({ar['tokens_per_s']:.1f} tok/s), peak {ar['peak_memory_mb']:.0f} MB")
+    say(
+        f"[timing, {args.timing_prompts} prompts of {args.prompt_len} tokens x {args.tokens}] autoregressive "
+        f"{1e3 * ar['per_token_s']:.2f} ms/token ({ar['tokens_per_s']:.1f} tok/s), peak {ar['peak_memory_mb']:.0f} MB"
+    )
     for row in timed["settings"]:
-        say(f"  {row['kind']:5s} D {row['depth']} V {row['verify']:2d} W {row['tree_width']}: cycle "
+        say(
+            f"  {row['kind']:5s} D {row['depth']} V {row['verify']:2d} W {row['tree_width']}: cycle "
             f"{1e3 * row['live_cycle_s']:.2f} ms live, {1e3 * row['predicted_cycle_s']:.2f} ms profile "
-            f"({row['live_cycle_s'] / row['predicted_cycle_s']:.2f}); {row['cycle_over_ar_step']:.2f} AR steps")
+            f"({row['live_cycle_s'] / row['predicted_cycle_s']:.2f}); {row['cycle_over_ar_step']:.2f} AR steps"
+        )
     report["wall_s"] = time.perf_counter() - started
     say(f"done in {report['wall_s']:.0f} s; correctness {'OK' if check['ok'] else 'FAILED'}")
     (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")

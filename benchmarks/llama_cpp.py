@@ -77,19 +77,25 @@ class LlamaCppRunError(RuntimeError):
 _NUM = r"(?:[0-9]+(?:\.[0-9]*)?|inf|nan|-nan)"
 EVAL_RE = re.compile(
     rf"(?<!prompt )(?<!\w)eval time\s*=\s*(?P<ms>{_NUM})\s*ms\s*/\s*(?P<runs>\d+)\s*runs"
-    rf"\s*\(\s*(?P<ms_per>{_NUM})\s*ms per token,\s*(?P<tps>{_NUM})\s*tokens per second\)")
+    rf"\s*\(\s*(?P<ms_per>{_NUM})\s*ms per token,\s*(?P<tps>{_NUM})\s*tokens per second\)"
+)
 PROMPT_EVAL_RE = re.compile(
     rf"prompt eval time\s*=\s*(?P<ms>{_NUM})\s*ms\s*/\s*(?P<tokens>\d+)\s*tokens"
-    rf"\s*\(\s*(?P<ms_per>{_NUM})\s*ms per token,\s*(?P<tps>{_NUM})\s*tokens per second\)")
+    rf"\s*\(\s*(?P<ms_per>{_NUM})\s*ms per token,\s*(?P<tps>{_NUM})\s*tokens per second\)"
+)
 TOTAL_RE = re.compile(rf"total time\s*=\s*(?P<ms>{_NUM})\s*ms\s*/\s*(?P<tokens>\d+)\s*tokens")
 ENCODED_RE = re.compile(
-    rf"encoded\s+(?P<tokens>\d+)\s+tokens in\s+(?P<s>{_NUM})\s+seconds,\s*speed:\s*(?P<tps>{_NUM})\s*t/s")
+    rf"encoded\s+(?P<tokens>\d+)\s+tokens in\s+(?P<s>{_NUM})\s+seconds,\s*speed:\s*(?P<tps>{_NUM})\s*t/s"
+)
 DECODED_RE = re.compile(
-    rf"decoded\s+(?P<tokens>\d+)\s+tokens in\s+(?P<s>{_NUM})\s+seconds,\s*speed:\s*(?P<tps>{_NUM})\s*t/s")
+    rf"decoded\s+(?P<tokens>\d+)\s+tokens in\s+(?P<s>{_NUM})\s+seconds,\s*speed:\s*(?P<tps>{_NUM})\s*t/s"
+)
 SPEC_STAT_RE = re.compile(
-    rf"(?<!\w)(?P<key>n_draft|n_predict|n_drafted|n_accept|accept)\s*=\s*(?P<value>{_NUM})\s*%?")
+    rf"(?<!\w)(?P<key>n_draft|n_predict|n_drafted|n_accept|accept)\s*=\s*(?P<value>{_NUM})\s*%?"
+)
 VERSION_RE = re.compile(
-    r"version:\s*(?P<version>\S+)\s*\(build\s*(?P<build>-?\d+),\s*commit\s*(?P<commit>[^)]*)\)")
+    r"version:\s*(?P<version>\S+)\s*\(build\s*(?P<build>-?\d+),\s*commit\s*(?P<commit>[^)]*)\)"
+)
 
 
 def _num(text: str) -> float:
@@ -113,8 +119,12 @@ def parse_completion_output(log: str) -> dict:
     if m is None:
         raise LlamaCppRunError("no 'eval time = ... ms / N runs' line in llama.cpp's output")
     runs, ms = int(m["runs"]), _num(m["ms"])
-    out = {"decode_runs": runs, "decode_s": ms / 1e3, "tokens": runs + 1,
-           "tok_s": runs / (ms / 1e3) if ms > 0 else float("nan")}
+    out = {
+        "decode_runs": runs,
+        "decode_s": ms / 1e3,
+        "tokens": runs + 1,
+        "tok_s": runs / (ms / 1e3) if ms > 0 else float("nan"),
+    }
     if p := _last(PROMPT_EVAL_RE, log):
         out.update(prompt_tokens=int(p["tokens"]), prompt_s=_num(p["ms"]) / 1e3)
     if t := _last(TOTAL_RE, log):
@@ -134,11 +144,14 @@ def parse_speculative_output(log: str) -> dict:
     if m is None:
         raise LlamaCppRunError("no 'decoded N tokens in S seconds' line in llama.cpp's output")
     tokens, seconds = int(m["tokens"]), _num(m["s"])
-    out: dict = {"tokens": tokens, "decode_s": seconds,
-                 "tok_s": tokens / seconds if seconds > 0 else float("nan")}
+    out: dict = {
+        "tokens": tokens,
+        "decode_s": seconds,
+        "tok_s": tokens / seconds if seconds > 0 else float("nan"),
+    }
     if e := _last(ENCODED_RE, log):
         out.update(prompt_tokens=int(e["tokens"]), prompt_s=_num(e["s"]))
-    for s in SPEC_STAT_RE.finditer(log[m.start():]):  # the summary after the decoded line, not the draft's
+    for s in SPEC_STAT_RE.finditer(log[m.start() :]):  # the summary after the decoded line, not the draft's
         key, value = s["key"], _num(s["value"])
         if key == "accept":
             out.setdefault("accept", value / 100.0)
@@ -185,8 +198,14 @@ def _executable(path: Path) -> bool:
 
 def _help_text(binary: Path) -> str:
     try:
-        done = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=60,
-                              stdin=subprocess.DEVNULL, errors="replace")
+        done = subprocess.run(
+            [str(binary), "--help"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+            errors="replace",
+        )
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return done.stdout + done.stderr
@@ -212,16 +231,30 @@ def find_binaries(bin_dir: Path | str) -> LlamaBinaries | None:
         return None  # present but not runnable here (wrong architecture, missing library, ...)
     draft_max = _pick(spec_help, "--spec-draft-n-max", "--draft-max", "--draft") or "--draft-max"
     p_min = _pick(spec_help, "--spec-draft-p-min", "--draft-p-min") or "--draft-p-min"
-    threads = (_pick(spec_help, "-td", "--spec-draft-threads", "--threads-draft"),
-               _pick(spec_help, "-tbd", "--spec-draft-threads-batch", "--threads-batch-draft"))
+    threads = (
+        _pick(spec_help, "-td", "--spec-draft-threads", "--threads-draft"),
+        _pick(spec_help, "-tbd", "--spec-draft-threads-batch", "--threads-batch-draft"),
+    )
     threads = tuple(f for f in threads if f)
-    extra = tuple(f for f in (_pick(comp_help, "-no-cnv", "--no-conversation"),
-                              _pick(comp_help, "--no-display-prompt")) if f)
-    spec_type = ("--spec-type", "draft-simple") if _pick(spec_help, "--spec-type") and re.search(
-        r"(?<![\w-])draft-simple(?![\w-])", spec_help) else ()
+    extra = tuple(
+        f
+        for f in (_pick(comp_help, "-no-cnv", "--no-conversation"), _pick(comp_help, "--no-display-prompt"))
+        if f
+    )
+    spec_type = (
+        ("--spec-type", "draft-simple")
+        if _pick(spec_help, "--spec-type") and re.search(r"(?<![\w-])draft-simple(?![\w-])", spec_help)
+        else ()
+    )
     try:
-        done = subprocess.run([str(completion), "--version"], capture_output=True, text=True, timeout=60,
-                              stdin=subprocess.DEVNULL, errors="replace")
+        done = subprocess.run(
+            [str(completion), "--version"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+            errors="replace",
+        )
         version = parse_version(done.stdout + done.stderr)
     except (OSError, subprocess.TimeoutExpired):
         version = {}
@@ -255,8 +288,18 @@ def build_binaries(bin_dir: Path | str, jobs: int = 1, niceness: int = 19, echo=
     with tempfile.TemporaryDirectory(prefix=".build-", dir=root) as tmp, open(log_path, "w") as log:
         tmp = Path(tmp)
         echo(f"llama.cpp: downloading {SOURCE_PACKAGE}=={SOURCE_VERSION} (sdist) from PyPI ...", flush=True)
-        download = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                    f"{SOURCE_PACKAGE}=={SOURCE_VERSION}", "-d", str(tmp / "sdist")]
+        download = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            f"{SOURCE_PACKAGE}=={SOURCE_VERSION}",
+            "-d",
+            str(tmp / "sdist"),
+        ]
         _run_logged("pip download", download, log)
         sdists = list((tmp / "sdist").glob("*.tar.gz"))
         if len(sdists) != 1:
@@ -268,18 +311,41 @@ def build_binaries(bin_dir: Path | str, jobs: int = 1, niceness: int = 19, echo=
             kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
             tar.extractall(tmp / "src", members=members, **kwargs)
         source = next((tmp / "src").glob("*/vendor/llama.cpp"))
-        completion = next((n for n, d in (("llama-completion", "completion"), ("llama-cli", "cli"))
-                           if (source / "tools" / d).is_dir() or (source / "examples" / d).is_dir()), None)
+        completion = next(
+            (
+                n
+                for n, d in (("llama-completion", "completion"), ("llama-cli", "cli"))
+                if (source / "tools" / d).is_dir() or (source / "examples" / d).is_dir()
+            ),
+            None,
+        )
         if completion is None:
             raise LlamaCppUnavailable("neither tools/completion nor tools/cli in this llama.cpp")
         build = tmp / "build"
-        echo(f"llama.cpp: building {completion} and {SPECULATIVE_NAME} with -j{jobs} (about 10 min at -j1 "
-             f"on 2 cores), log: {log_path}", flush=True)
+        echo(
+            f"llama.cpp: building {completion} and {SPECULATIVE_NAME} with -j{jobs} (about 10 min at -j1 "
+            f"on 2 cores), log: {log_path}",
+            flush=True,
+        )
         started = time.perf_counter()
         configure = [cmake, "-S", str(source), "-B", str(build), *CMAKE_FLAGS]
         _run_logged("cmake configure", prefix + configure, log)
-        _run_logged("cmake build", prefix + [cmake, "--build", str(build), "--config", "Release", f"-j{jobs}",
-                                             "--target", completion, SPECULATIVE_NAME], log)
+        _run_logged(
+            "cmake build",
+            prefix
+            + [
+                cmake,
+                "--build",
+                str(build),
+                "--config",
+                "Release",
+                f"-j{jobs}",
+                "--target",
+                completion,
+                SPECULATIVE_NAME,
+            ],
+            log,
+        )
         bin_dir.mkdir(parents=True, exist_ok=True)
         for name in (completion, SPECULATIVE_NAME):
             built = build / "bin" / name
@@ -288,11 +354,18 @@ def build_binaries(bin_dir: Path | str, jobs: int = 1, niceness: int = 19, echo=
             staged = bin_dir / f".{name}.partial"
             shutil.copy2(built, staged)
             os.replace(staged, bin_dir / name)
-        (bin_dir / "BUILD_INFO.json").write_text(json.dumps({
-            "source": f"{SOURCE_PACKAGE}=={SOURCE_VERSION} vendor/llama.cpp",
-            "cmake_flags": list(CMAKE_FLAGS),
-            "built": datetime.datetime.now().isoformat(timespec="seconds"),
-            "build_s": round(time.perf_counter() - started, 1)}, indent=1) + "\n")
+        (bin_dir / "BUILD_INFO.json").write_text(
+            json.dumps(
+                {
+                    "source": f"{SOURCE_PACKAGE}=={SOURCE_VERSION} vendor/llama.cpp",
+                    "cmake_flags": list(CMAKE_FLAGS),
+                    "built": datetime.datetime.now().isoformat(timespec="seconds"),
+                    "build_s": round(time.perf_counter() - started, 1),
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     echo(f"llama.cpp: built in {time.perf_counter() - started:.0f} s into {bin_dir}", flush=True)
     found = find_binaries(bin_dir)
     if found is None:
@@ -316,27 +389,71 @@ class LlamaSetting:
 AUTOREGRESSIVE = LlamaSetting()
 
 
-def llama_command(binaries: LlamaBinaries, setting: LlamaSetting, prompt_text: str, target: Path | str,
-                  draft: Path | str | None, max_new_tokens: int = 128, threads: int = 2,
-                  ctx_size: int = 2048, seed: int = 0) -> list[str]:
+def llama_command(
+    binaries: LlamaBinaries,
+    setting: LlamaSetting,
+    prompt_text: str,
+    target: Path | str,
+    draft: Path | str | None,
+    max_new_tokens: int = 128,
+    threads: int = 2,
+    ctx_size: int = 2048,
+    seed: int = 0,
+) -> list[str]:
     """The command line of one greedy run (no EOS suppression, llama.cpp's chat template off)."""
-    common = ["-p", prompt_text, "-n", str(max_new_tokens), "--temp", "0", "--top-k", "1",
-              "--seed", str(seed), "-t", str(threads), "-tb", str(threads), "-c", str(ctx_size)]
+    common = [
+        "-p",
+        prompt_text,
+        "-n",
+        str(max_new_tokens),
+        "--temp",
+        "0",
+        "--top-k",
+        "1",
+        "--seed",
+        str(seed),
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "-c",
+        str(ctx_size),
+    ]
     if setting.n_max is None:
         return [str(binaries.completion), "-m", str(target), *common, *binaries.completion_extra]
     if draft is None:
         raise ValueError(f"{setting.name} needs a draft model")
-    cmd = [str(binaries.speculative), "-m", str(target), "-md", str(draft), *common,
-           *binaries.speculative_extra, binaries.draft_max_flag, str(setting.n_max),
-           binaries.p_min_flag, f"{setting.p_min:g}"]
+    cmd = [
+        str(binaries.speculative),
+        "-m",
+        str(target),
+        "-md",
+        str(draft),
+        *common,
+        *binaries.speculative_extra,
+        binaries.draft_max_flag,
+        str(setting.n_max),
+        binaries.p_min_flag,
+        f"{setting.p_min:g}",
+    ]
     for flag in binaries.draft_threads_flags:
         cmd += [flag, str(threads)]
     return cmd
 
 
-def run_llama_cpp(binaries: LlamaBinaries, setting: LlamaSetting, prompt_text: str, target: Path | str,
-                  draft: Path | str | None = None, *, max_new_tokens: int = 128, threads: int = 2,
-                  ctx_size: int = 2048, seed: int = 0, timeout: float = 900.0) -> dict:
+def run_llama_cpp(
+    binaries: LlamaBinaries,
+    setting: LlamaSetting,
+    prompt_text: str,
+    target: Path | str,
+    draft: Path | str | None = None,
+    *,
+    max_new_tokens: int = 128,
+    threads: int = 2,
+    ctx_size: int = 2048,
+    seed: int = 0,
+    timeout: float = 900.0,
+) -> dict:
     """One greedy llama.cpp run of ``prompt_text`` (already chat-formatted) under ``setting``.
 
     Returns the parsed timings (see ``parse_completion_output`` / ``parse_speculative_output``) plus
@@ -344,12 +461,22 @@ def run_llama_cpp(binaries: LlamaBinaries, setting: LlamaSetting, prompt_text: s
     ``output`` (the generated text, prompt echo removed). Raises ``LlamaCppRunError`` when the process
     fails, times out or prints no timing line. Starts one subprocess, nothing else.
     """
-    cmd = llama_command(binaries, setting, prompt_text, target, draft, max_new_tokens=max_new_tokens,
-                        threads=threads, ctx_size=ctx_size, seed=seed)
+    cmd = llama_command(
+        binaries,
+        setting,
+        prompt_text,
+        target,
+        draft,
+        max_new_tokens=max_new_tokens,
+        threads=threads,
+        ctx_size=ctx_size,
+        seed=seed,
+    )
     started = time.perf_counter()
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout,
-                              stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, errors="replace", timeout=timeout, stdin=subprocess.DEVNULL
+        )
     except subprocess.TimeoutExpired as err:
         raise LlamaCppRunError(f"{setting.name}: no exit within {timeout:g} s") from err
     except OSError as err:
@@ -365,11 +492,16 @@ def run_llama_cpp(binaries: LlamaBinaries, setting: LlamaSetting, prompt_text: s
         raise LlamaCppRunError(f"{setting.name}: {err}") from None
     output = done.stdout.strip("\n")
     if output.startswith(prompt_text):  # speculative-simple echoes the prompt
-        output = output[len(prompt_text):]
+        output = output[len(prompt_text) :]
     output = output.removesuffix(" [end of text]").rstrip("\n")
-    return {"setting": setting.name, "n_max": setting.n_max,
-            "p_min": None if setting.n_max is None else setting.p_min,
-            **result, "wall_s": wall, "output": output}
+    return {
+        "setting": setting.name,
+        "n_max": setting.n_max,
+        "p_min": None if setting.n_max is None else setting.p_min,
+        **result,
+        "wall_s": wall,
+        "output": output,
+    }
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -387,9 +519,13 @@ def summarize(runs: list[dict], names: list[str]) -> dict[str, dict]:
         mine = [r for r in runs if r["setting"] == name]
         tokens = sum(r["decode_runs"] if "decode_runs" in r else r["tokens"] for r in mine)
         seconds = sum(r["decode_s"] for r in mine)
-        row = {"prompts": len(mine), "median_tok_s": statistics.median(r["tok_s"] for r in mine),
-               "aggregate_tok_s": tokens / seconds if seconds > 0 else float("nan"),
-               "mean_tokens": statistics.mean(r["tokens"] for r in mine), "languages": {}}
+        row = {
+            "prompts": len(mine),
+            "median_tok_s": statistics.median(r["tok_s"] for r in mine),
+            "aggregate_tok_s": tokens / seconds if seconds > 0 else float("nan"),
+            "mean_tokens": statistics.mean(r["tokens"] for r in mine),
+            "languages": {},
+        }
         for lang in dict.fromkeys(r["language"] for r in mine):
             part = [r for r in mine if r["language"] == lang]
             t = sum(r["decode_runs"] if "decode_runs" in r else r["tokens"] for r in part)
@@ -406,19 +542,25 @@ def summarize(runs: list[dict], names: list[str]) -> dict[str, dict]:
 
 def print_table(summary: dict[str, dict], languages: list[str]) -> None:
     base = summary.get(AUTOREGRESSIVE.name, {}).get("aggregate_tok_s")
-    head = (f"{'setting':22s} {'median':>8s} {'aggr.':>8s} {'vs AR':>6s} {'accept':>7s} {'tokens':>7s} "
-            f"{'=AR':>5s}  ")
+    head = (
+        f"{'setting':22s} {'median':>8s} {'aggr.':>8s} {'vs AR':>6s} {'accept':>7s} {'tokens':>7s} "
+        f"{'=AR':>5s}  "
+    )
     print(head + "  ".join(f"{lang:>6s}" for lang in languages))
     for name, row in summary.items():
         ratio = f"{row['aggregate_tok_s'] / base:5.2f}x" if base else "     -"
         accept = f"{100 * row['accept']:6.1f}%" if "accept" in row else "      -"
         agree = f"{row['agrees_with_ar']}/{row['prompts']}" if "agrees_with_ar" in row else "-"
-        print(f"{name:22s} {row['median_tok_s']:8.2f} {row['aggregate_tok_s']:8.2f} {ratio:>6s} {accept:>7s} "
-              f"{row['mean_tokens']:7.1f} {agree:>5s}  "
-              + "  ".join(f"{row['languages'].get(lang, float('nan')):6.2f}" for lang in languages))
-    print("(decoding tok/s, prompt excluded; median over prompts; aggregate = sum tokens / sum decode time;\n"
-          " per-language columns are aggregates; tokens = mean generated per prompt, EOS included;\n"
-          " =AR: prompts whose text agrees with autoregressive up to the shorter one)")
+        print(
+            f"{name:22s} {row['median_tok_s']:8.2f} {row['aggregate_tok_s']:8.2f} {ratio:>6s} {accept:>7s} "
+            f"{row['mean_tokens']:7.1f} {agree:>5s}  "
+            + "  ".join(f"{row['languages'].get(lang, float('nan')):6.2f}" for lang in languages)
+        )
+    print(
+        "(decoding tok/s, prompt excluded; median over prompts; aggregate = sum tokens / sum decode time;\n"
+        " per-language columns are aggregates; tokens = mean generated per prompt, EOS included;\n"
+        " =AR: prompts whose text agrees with autoregressive up to the shorter one)"
+    )
 
 
 # ------------------------------------------------------------------------------------------------- main
@@ -450,8 +592,11 @@ def skip(reason: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", default="qwen2.5-coder", help="a pair of engine.weights.DEFAULT_PAIRS")
-    ap.add_argument("--llama-bin", help="directory with llama-completion (or llama-cli) and "
-                                        "llama-speculative-simple; default: the cache, built there if absent")
+    ap.add_argument(
+        "--llama-bin",
+        help="directory with llama-completion (or llama-cli) and "
+        "llama-speculative-simple; default: the cache, built there if absent",
+    )
     ap.add_argument("--no-build", action="store_true", help="never build llama.cpp; skip without binaries")
     ap.add_argument("--jobs", type=int, default=1, help="parallel compile jobs of a build (default 1)")
     ap.add_argument("--split", default="test")
@@ -460,10 +605,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2, help="-t and -tb (and the draft's) threads (default 2)")
     ap.add_argument("--ctx-size", type=int, default=2048)
-    ap.add_argument("--draft-max", type=_int_list, default=[4, 8, 16], metavar="K,K,...",
-                    help="maximum drafted tokens per cycle, the grid's first axis (default 4,8,16)")
-    ap.add_argument("--draft-p-min", type=_prob_list, default=[0.0, 0.75], metavar="P,P,...",
-                    help="draft probability threshold, the grid's second axis (default 0,0.75)")
+    ap.add_argument(
+        "--draft-max",
+        type=_int_list,
+        default=[4, 8, 16],
+        metavar="K,K,...",
+        help="maximum drafted tokens per cycle, the grid's first axis (default 4,8,16)",
+    )
+    ap.add_argument(
+        "--draft-p-min",
+        type=_prob_list,
+        default=[0.0, 0.75],
+        metavar="P,P,...",
+        help="draft probability threshold, the grid's second axis (default 0,0.75)",
+    )
     ap.add_argument("--no-autoregressive", action="store_true", help="speculative settings only")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per llama.cpp run")
     ap.add_argument("--json", metavar="OUT", help="save conditions, summary and every run here")
@@ -475,8 +630,9 @@ def main(argv: list[str] | None = None) -> int:
     from envs.prompts import LANGUAGES  # the suite's language codes
 
     if not languages or set(languages) - set(LANGUAGES):
-        ap.error(f"--languages takes a comma-separated subset of {','.join(LANGUAGES)}, "
-                 f"got {args.languages!r}")
+        ap.error(
+            f"--languages takes a comma-separated subset of {','.join(LANGUAGES)}, got {args.languages!r}"
+        )
     from engine.weights import DEFAULT_PAIRS
 
     if args.pair not in DEFAULT_PAIRS:
@@ -505,29 +661,39 @@ def main(argv: list[str] | None = None) -> int:
 
     from envs.prompts import interleave_languages, language_of, load_suite
 
-    prompts = interleave_languages(load_suite(split=args.split, languages=languages,
-                                              limit_per_language=args.prompts_per_language))
+    prompts = interleave_languages(
+        load_suite(split=args.split, languages=languages, limit_per_language=args.prompts_per_language)
+    )
     if not prompts:
         ap.error(f"no {args.split} prompts for languages {languages}")
     settings = ([] if args.no_autoregressive else [AUTOREGRESSIVE]) + [
-        LlamaSetting(n, p) for n in args.draft_max for p in args.draft_p_min]
+        LlamaSetting(n, p) for n in args.draft_max for p in args.draft_p_min
+    ]
     names = [s.name for s in settings]
-    opts = dict(max_new_tokens=args.max_new_tokens, threads=args.threads, ctx_size=args.ctx_size,
-                timeout=args.timeout)
+    opts = dict(
+        max_new_tokens=args.max_new_tokens, threads=args.threads, ctx_size=args.ctx_size, timeout=args.timeout
+    )
 
     def formatted(text: str) -> str:
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
 
     version = binaries.version or {}
-    print(f"llama.cpp {version.get('version', '?')} (build {version.get('build', '?')}, commit "
-          f"{version.get('commit', '?')}) from {binaries.completion.parent}; {target.name} + {draft.name}; "
-          f"{len(prompts)} {args.split} prompts x {len(settings)} settings, {args.max_new_tokens} tokens, "
-          f"{args.threads} threads", flush=True)
+    print(
+        f"llama.cpp {version.get('version', '?')} (build {version.get('build', '?')}, commit "
+        f"{version.get('commit', '?')}) from {binaries.completion.parent}; {target.name} + {draft.name}; "
+        f"{len(prompts)} {args.split} prompts x {len(settings)} settings, {args.max_new_tokens} tokens, "
+        f"{args.threads} threads",
+        flush=True,
+    )
     load_before = _loadavg()
     if load_before and load_before[0] > 0.5:
-        print(f"warning: load average {load_before[0]:.2f} > 0.5 at start: other work will skew the timings",
-              file=sys.stderr, flush=True)
+        print(
+            f"warning: load average {load_before[0]:.2f} > 0.5 at start: other work will skew the timings",
+            file=sys.stderr,
+            flush=True,
+        )
 
     runs: list[dict] = []
     started = time.perf_counter()
@@ -549,8 +715,11 @@ def main(argv: list[str] | None = None) -> int:
                 ar = mine[AUTOREGRESSIVE.name]["output"]
                 for r in mine.values():
                     r["agrees_with_ar"] = ar.startswith(r["output"]) or r["output"].startswith(ar)
-            print(f"[{index + 1}/{len(prompts)} {time.perf_counter() - started:5.0f} s] {item['id']}: "
-                  + ", ".join(f"{n} {mine[n]['tok_s']:.2f}" for n in names), flush=True)
+            print(
+                f"[{index + 1}/{len(prompts)} {time.perf_counter() - started:5.0f} s] {item['id']}: "
+                + ", ".join(f"{n} {mine[n]['tok_s']:.2f}" for n in names),
+                flush=True,
+            )
     except LlamaCppRunError as err:
         print(f"error: llama.cpp run failed: {err}", file=sys.stderr)
         return 1
@@ -562,32 +731,64 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = summarize(runs, names)
     conditions = {
-        "cpu": device_name(torch.device("cpu")), "logical_cpus": os.cpu_count(), "threads": args.threads,
-        "load_before": load_before, "load_after": load_after,
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "llama_cpp": version,
-        "source": f"{SOURCE_PACKAGE}=={SOURCE_VERSION}", "bin_dir": str(binaries.completion.parent),
-        "target": target.name, "draft": draft.name, "max_new_tokens": args.max_new_tokens,
-        "ctx_size": args.ctx_size, "split": args.split, "prompts": len(prompts),
+        "cpu": device_name(torch.device("cpu")),
+        "logical_cpus": os.cpu_count(),
+        "threads": args.threads,
+        "load_before": load_before,
+        "load_after": load_after,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "llama_cpp": version,
+        "source": f"{SOURCE_PACKAGE}=={SOURCE_VERSION}",
+        "bin_dir": str(binaries.completion.parent),
+        "target": target.name,
+        "draft": draft.name,
+        "max_new_tokens": args.max_new_tokens,
+        "ctx_size": args.ctx_size,
+        "split": args.split,
+        "prompts": len(prompts),
         "wall_s": round(time.perf_counter() - started, 1),
     }
     load = " / ".join(f"{a[0]:.2f}" if a else "?" for a in (load_before, load_after))
-    print(f"\nllama.cpp {version.get('version', '?')} (build {version.get('build', '?')}, commit "
-          f"{version.get('commit', '?')}), {conditions['cpu']}, {args.threads} threads, load {load} "
-          f"(before / after), {conditions['date']}")
-    print(f"{args.pair}: {len(prompts)} {args.split} prompts, greedy, <= {args.max_new_tokens} tokens "
-          f"(stop at EOS), {conditions['wall_s']:.0f} s\n")
+    print(
+        f"\nllama.cpp {version.get('version', '?')} (build {version.get('build', '?')}, commit "
+        f"{version.get('commit', '?')}), {conditions['cpu']}, {args.threads} threads, load {load} "
+        f"(before / after), {conditions['date']}"
+    )
+    print(
+        f"{args.pair}: {len(prompts)} {args.split} prompts, greedy, <= {args.max_new_tokens} tokens "
+        f"(stop at EOS), {conditions['wall_s']:.0f} s\n"
+    )
     print_table(summary, languages)
-    mismatched = sorted({r["prompt_id"] for r in runs if r.get("prompt_tokens") is not None  # -1: spec
-                         and r["prompt_tokens_ours"] - r["prompt_tokens"] not in (0, 1)})
+    mismatched = sorted(
+        {
+            r["prompt_id"]
+            for r in runs
+            if r.get("prompt_tokens") is not None  # -1: spec
+            and r["prompt_tokens_ours"] - r["prompt_tokens"] not in (0, 1)
+        }
+    )
     if mismatched:
-        print(f"warning: llama.cpp's prompt token count differs from our tokenizer's on {mismatched}",
-              file=sys.stderr)
+        print(
+            f"warning: llama.cpp's prompt token count differs from our tokenizer's on {mismatched}",
+            file=sys.stderr,
+        )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "conditions": conditions,
-                                               "binaries": asdict(binaries),
-                                               "summary": summary, "runs": runs}, indent=1,
-                                              ensure_ascii=False, default=str) + "\n")
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "args": vars(args),
+                    "conditions": conditions,
+                    "binaries": asdict(binaries),
+                    "summary": summary,
+                    "runs": runs,
+                },
+                indent=1,
+                ensure_ascii=False,
+                default=str,
+            )
+            + "\n"
+        )
         print(f"saved {args.json}")
     return 0
 

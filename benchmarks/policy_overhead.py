@@ -60,7 +60,10 @@ def main() -> int:
     learned = load_policy(args.policy)
     # the bare actors first: one call = features -> normalise -> MLP -> argmax
     rng = np.random.default_rng(0)
-    for name, actor, dim in (("depth", learned.depth_actor, DEPTH_OBS_DIM), ("size", learned.size_actor, SIZE_OBS_DIM)):
+    for name, actor, dim in (
+        ("depth", learned.depth_actor, DEPTH_OBS_DIM),
+        ("size", learned.size_actor, SIZE_OBS_DIM),
+    ):
         obs = rng.uniform(0, 1, (2000, dim)).astype(np.float32)
         t0 = time.perf_counter()
         for o in obs:
@@ -82,14 +85,18 @@ def main() -> int:
             ctrl_s = sum(c.controller_s for c in cycles)
             total_s = sum(c.total_s for c in cycles)
             rows[name].append((ctrl_s / max(calls, 1), ctrl_s / total_s, total_s / max(len(cycles), 1)))
-    print(f"\npair={pair.name} dtype={str(pair.dtype).removeprefix('torch.')} threads={torch.get_num_threads()} "
-          f"prompts={len(prompts)} ({args.split}) max_new_tokens={args.max_new_tokens}")
+    print(
+        f"\npair={pair.name} dtype={str(pair.dtype).removeprefix('torch.')} threads={torch.get_num_threads()} "
+        f"prompts={len(prompts)} ({args.split}) max_new_tokens={args.max_new_tokens}"
+    )
     for name, values in rows.items():
         per_call = statistics.median(v[0] for v in values)
         share = statistics.median(v[1] for v in values)
         cycle = statistics.median(v[2] for v in values)
-        print(f"{name:8s} controller time per call {1e6 * per_call:8.1f} us   share of cycle time {share:.4%}   "
-              f"median cycle {1e3 * cycle:.1f} ms")
+        print(
+            f"{name:8s} controller time per call {1e6 * per_call:8.1f} us   share of cycle time {share:.4%}   "
+            f"median cycle {1e3 * cycle:.1f} ms"
+        )
     return 0
 
 

@@ -83,8 +83,10 @@ def cost_curves(pairs: dict, ctx: int, reps: int, max_rows: int) -> dict:
             for k in range(1, max_rows + 1):
                 samples[fmt]["T"][k].append(forward_ms(pair.target, tcache, ids, ctx, k))
             samples[fmt]["D1"].append(forward_ms(pair.draft, dcache, ids, ctx, 1))
-    return {f: {"T": {k: statistics.median(v) for k, v in s["T"].items()}, "D1": statistics.median(s["D1"])}
-            for f, s in samples.items()}
+    return {
+        f: {"T": {k: statistics.median(v) for k, v in s["T"].items()}, "D1": statistics.median(s["D1"])}
+        for f, s in samples.items()
+    }
 
 
 def error_summary(pair) -> dict:
@@ -120,9 +122,12 @@ def agreement(tokens: list[int], reference: list[int]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--formats", default="float32,int8,int4,int4/int4-strict",
-                    help="comma list of TARGET[/DRAFT][:DRAFT_VOCAB] weight formats (the first float32 one is the "
-                         "reference)")
+    ap.add_argument(
+        "--formats",
+        default="float32,int8,int4,int4/int4-strict",
+        help="comma list of TARGET[/DRAFT][:DRAFT_VOCAB] weight formats (the first float32 one is the "
+        "reference)",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=256, help="cache length for the cost curve")
     ap.add_argument("--max-rows", type=int, default=8, help="cost curve: target forwards of 1..N rows")
@@ -153,44 +158,63 @@ def main(argv: list[str] | None = None) -> int:
     pairs = {}
     for f, (target, draft, vocab) in specs.items():
         t0 = time.perf_counter()
-        pairs[f] = load_pair("qwen2.5-coder", weights=target, draft_weights=draft, draft_vocab=vocab, progress=False)
+        pairs[f] = load_pair(
+            "qwen2.5-coder", weights=target, draft_weights=draft, draft_vocab=vocab, progress=False
+        )
         print(f"loaded {f} in {time.perf_counter() - t0:.1f} s", flush=True)
     bandwidth = read_bandwidth_gbs()
-    conditions = {"cpu": device_name(torch.device("cpu")), "threads": args.threads, "torch": torch.__version__,
-                  "date": time.strftime("%Y-%m-%d %H:%M"), "load_before": load_before,
-                  "read_bandwidth_gbs": round(bandwidth, 1)}
+    conditions = {
+        "cpu": device_name(torch.device("cpu")),
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "load_before": load_before,
+        "read_bandwidth_gbs": round(bandwidth, 1),
+    }
     print(f"conditions: {conditions}", flush=True)
 
     results: dict = {"conditions": conditions, "formats": {}}
     print("\nconversion error against the GGUF-dequantized float32 weights (linear layers):")
     for f, pair in pairs.items():
         errs = error_summary(pair)
-        results["formats"][f] = {"errors": errs, "target_weight_bytes": weight_bytes(pair.target),
-                                 "draft_weight_bytes": weight_bytes(pair.draft)}
+        results["formats"][f] = {
+            "errors": errs,
+            "target_weight_bytes": weight_bytes(pair.target),
+            "draft_weight_bytes": weight_bytes(pair.draft),
+        }
         for role, e in errs.items():
             if e:
-                print(f"  {f:20s} {role:6s} max |err| {e['max_abs_error']:.3g}  mean rel err "
-                      f"{e['mean_rel_error']:.4f}  {e['tensors']}")
+                print(
+                    f"  {f:20s} {role:6s} max |err| {e['max_abs_error']:.3g}  mean rel err "
+                    f"{e['mean_rel_error']:.4f}  {e['tensors']}"
+                )
             else:
                 print(f"  {f:20s} {role:6s} dense (no conversion beyond the float32 dequantisation)")
 
     curves = cost_curves(pairs, args.context, args.reps, args.max_rows)
-    print(f"\ncost curve at context {args.context} (median of {args.reps}, ms): target T(k), ratio T(k)/T(1); "
-          "draft D(1), c = D(1)/T(1); bandwidth floor of a target step = weight bytes / read bandwidth")
+    print(
+        f"\ncost curve at context {args.context} (median of {args.reps}, ms): target T(k), ratio T(k)/T(1); "
+        "draft D(1), c = D(1)/T(1); bandwidth floor of a target step = weight bytes / read bandwidth"
+    )
     for f, cv in curves.items():
         t1 = cv["T"][1]
         floor_ms = results["formats"][f]["target_weight_bytes"] / (bandwidth * 1e9) * 1000
         results["formats"][f].update(cost=cv, c=cv["D1"] / t1, floor_ms=floor_ms)
-        print(f"  {f:20s} T(1) {t1:6.1f}  " + " ".join(f"{cv['T'][k] / t1:.2f}" for k in range(2, args.max_rows + 1))
-              + f"  | D(1) {cv['D1']:5.1f} c={cv['D1'] / t1:.3f} | floor {floor_ms:5.1f} ms "
-              f"({results['formats'][f]['target_weight_bytes'] / 1e9:.2f} GB), T(1)/floor {t1 / floor_ms:.2f}")
+        print(
+            f"  {f:20s} T(1) {t1:6.1f}  "
+            + " ".join(f"{cv['T'][k] / t1:.2f}" for k in range(2, args.max_rows + 1))
+            + f"  | D(1) {cv['D1']:5.1f} c={cv['D1'] / t1:.3f} | floor {floor_ms:5.1f} ms "
+            f"({results['formats'][f]['target_weight_bytes'] / 1e9:.2f} GB), T(1)/floor {t1 / floor_ms:.2f}"
+        )
 
     prompts = interleave_languages(load_suite(split=args.split, limit_per_language=args.prompts_per_language))
     reference = next((f for f in formats if f.split("/")[0] == "float32"), None)
     engines = {f: SpeculativeEngine(p, SamplingConfig(temperature=0.0)) for f, p in pairs.items()}
     names = list(pairs)
     for f in names:  # warm-up
-        engines[f].generate(pairs[f].encode("hi"), max_new_tokens=4, controller=StaticController(depth, verify))
+        engines[f].generate(
+            pairs[f].encode("hi"), max_new_tokens=4, controller=StaticController(depth, verify)
+        )
     runs: dict = {f: [] for f in names}
     started = time.perf_counter()
     for index, item in enumerate(prompts):
@@ -198,43 +222,70 @@ def main(argv: list[str] | None = None) -> int:
         for f in names[shift:] + names[:shift]:
             ids = pairs[f].encode(item["prompt"])
             ar = engines[f].generate(ids, max_new_tokens=args.max_new_tokens)
-            sp = engines[f].generate(ids, max_new_tokens=args.max_new_tokens,
-                                     controller=StaticController(depth, verify))
-            runs[f].append({"id": item["id"], "language": item.get("language"), "ar_tokens": ar.tokens,
-                            "chain_accepted": sp.stats["mean_accepted"],
-                            "ar_decode_tps": ar.stats["decode_tokens_per_s"],
-                            "ar_s": ar.stats["total_s"], "ar_n": len(ar.tokens),
-                            "chain_s": sp.stats["total_s"], "chain_n": len(sp.tokens),
-                            "chain_decode_tps": sp.stats["decode_tokens_per_s"],
-                            "chain_identical": sp.tokens == ar.tokens})
-        print(f"[{index + 1}/{len(prompts)} {time.perf_counter() - started:5.0f} s] {item['id']}: " + ", ".join(
-            f"{f} AR {runs[f][-1]['ar_decode_tps']:.2f} chain {runs[f][-1]['chain_decode_tps']:.2f}"
-            for f in names), flush=True)
+            sp = engines[f].generate(
+                ids, max_new_tokens=args.max_new_tokens, controller=StaticController(depth, verify)
+            )
+            runs[f].append(
+                {
+                    "id": item["id"],
+                    "language": item.get("language"),
+                    "ar_tokens": ar.tokens,
+                    "chain_accepted": sp.stats["mean_accepted"],
+                    "ar_decode_tps": ar.stats["decode_tokens_per_s"],
+                    "ar_s": ar.stats["total_s"],
+                    "ar_n": len(ar.tokens),
+                    "chain_s": sp.stats["total_s"],
+                    "chain_n": len(sp.tokens),
+                    "chain_decode_tps": sp.stats["decode_tokens_per_s"],
+                    "chain_identical": sp.tokens == ar.tokens,
+                }
+            )
+        print(
+            f"[{index + 1}/{len(prompts)} {time.perf_counter() - started:5.0f} s] {item['id']}: "
+            + ", ".join(
+                f"{f} AR {runs[f][-1]['ar_decode_tps']:.2f} chain {runs[f][-1]['chain_decode_tps']:.2f}"
+                for f in names
+            ),
+            flush=True,
+        )
 
-    print(f"\nlive, {len(prompts)} {args.split} prompts x {args.max_new_tokens} tokens, greedy, formats interleaved "
-          f"(decode tok/s: median over prompts; chain ({depth},{verify}))")
+    print(
+        f"\nlive, {len(prompts)} {args.split} prompts x {args.max_new_tokens} tokens, greedy, formats interleaved "
+        f"(decode tok/s: median over prompts; chain ({depth},{verify}))"
+    )
     for f in names:
         rs = runs[f]
         ar_tps = statistics.median(r["ar_decode_tps"] for r in rs)
         ch_tps = statistics.median(r["chain_decode_tps"] for r in rs)
         ident = sum(r["chain_identical"] for r in rs)
         accepted = statistics.mean(r["chain_accepted"] for r in rs)
-        line = (f"  {f:20s} AR {ar_tps:6.2f} tok/s ({1000 / ar_tps:5.1f} ms/token)  chain {ch_tps:6.2f} "
-                f"({ch_tps / ar_tps:.2f}x AR, mean accepted {accepted:.2f})  chain tokens == AR tokens "
-                f"{ident}/{len(rs)}")
-        summary = {"ar_decode_tps": ar_tps, "chain_decode_tps": ch_tps, "chain_identical": ident, "prompts": len(rs)}
+        line = (
+            f"  {f:20s} AR {ar_tps:6.2f} tok/s ({1000 / ar_tps:5.1f} ms/token)  chain {ch_tps:6.2f} "
+            f"({ch_tps / ar_tps:.2f}x AR, mean accepted {accepted:.2f})  chain tokens == AR tokens "
+            f"{ident}/{len(rs)}"
+        )
+        summary = {
+            "ar_decode_tps": ar_tps,
+            "chain_decode_tps": ch_tps,
+            "chain_identical": ident,
+            "prompts": len(rs),
+        }
         if reference and f != reference:
             agree = [agreement(r["ar_tokens"], ref["ar_tokens"]) for r, ref in zip(rs, runs[reference])]
             same = sum(a == 1.0 for a in agree)
             summary.update(identical_to_float32=same, agreement_to_float32=statistics.mean(agree))
-            line += f"  | vs float32: identical {same}/{len(rs)}, mean shared prefix {statistics.mean(agree):.2f}"
+            line += (
+                f"  | vs float32: identical {same}/{len(rs)}, mean shared prefix {statistics.mean(agree):.2f}"
+            )
         results["formats"][f]["live"] = summary
         print(line)
     results["conditions"]["load_after"] = os.getloadavg()
     print(f"load average before {load_before[0]:.2f}, after {results['conditions']['load_after'][0]:.2f}")
     if args.json:
         for f in names:
-            results["formats"][f]["runs"] = [{k: v for k, v in r.items() if k != "ar_tokens"} for r in runs[f]]
+            results["formats"][f]["runs"] = [
+                {k: v for k, v in r.items() if k != "ar_tokens"} for r in runs[f]
+            ]
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     return 0
 

@@ -33,8 +33,10 @@ def main() -> int:
     profile = CostProfile.load(args.profile)
     traces = [ReplayTrace(t) for t in load_traces(args.traces)]
     width, depth = traces[0].width, traces[0].max_depth
-    print(f"{len(traces)} traces, {sum(rt.trace.num_positions for rt in traces)} positions, width {width}, "
-          f"max depth {depth}, profile {profile.meta.get('device')} {profile.meta.get('dtype')}")
+    print(
+        f"{len(traces)} traces, {sum(rt.trace.num_positions for rt in traces)} positions, width {width}, "
+        f"max depth {depth}, profile {profile.meta.get('device')} {profile.meta.get('dtype')}"
+    )
 
     t0 = time.perf_counter()
     grid = static_grid(traces, profile)
@@ -46,9 +48,12 @@ def main() -> int:
     rows = {
         "autoregressive": throughput([replay_generate(rt, None, profile) for rt in traces]),
         f"best static {best}": grid[best],
-        "analytic": throughput([replay_generate(rt, AnalyticController(profile, width, depth), profile) for rt in traces]),
-        "confidence(0.4)": throughput([replay_generate(rt, ConfidenceController(0.4, depth, width), profile)
-                                       for rt in traces]),
+        "analytic": throughput(
+            [replay_generate(rt, AnalyticController(profile, width, depth), profile) for rt in traces]
+        ),
+        "confidence(0.4)": throughput(
+            [replay_generate(rt, ConfidenceController(0.4, depth, width), profile) for rt in traces]
+        ),
         "oracle": oracle,
     }
     for name, tps in rows.items():
@@ -57,8 +62,10 @@ def main() -> int:
 
     backend = ReplayBackend(traces, profile)
     other = StaticController(best[0], best[1], tree_width=width)
-    for env_id, kw, n_actions in (("draftpilot/ReplayDepth-v0", "size_controller", 2),
-                                  ("draftpilot/ReplaySize-v0", "depth_controller", 12)):
+    for env_id, kw, n_actions in (
+        ("draftpilot/ReplayDepth-v0", "size_controller", 2),
+        ("draftpilot/ReplaySize-v0", "depth_controller", 12),
+    ):
         env = gym.make(env_id, backend=backend, **{kw: other}).unwrapped
         env.reset(seed=0)
         rng, t0 = np.random.default_rng(0), time.perf_counter()

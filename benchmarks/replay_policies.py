@@ -26,7 +26,9 @@ from policies import AnalyticController, StaticController, load_policy  # noqa: 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--policy", nargs="+", required=True, help="one or more policy.pt files (same width/depth)")
+    ap.add_argument(
+        "--policy", nargs="+", required=True, help="one or more policy.pt files (same width/depth)"
+    )
     ap.add_argument("--split", default="test")
     ap.add_argument("--tune-split", default="tune")
     ap.add_argument("--prompts-per-language", type=int, default=2)
@@ -40,12 +42,29 @@ def main() -> int:
     config = first.meta["train_config"]
     pair = workspace.load_models(config["pair"], config["dtype"], config["device"], config["threads"])
     profile = workspace.ensure_profile(pair, args.cache_dir, config.get("profile"))
-    kw = {"temperature": config["temperature"], "tree_width": first.tree_width, "max_depth": first.max_depth,
-          "max_new_tokens": config["max_new_tokens"], "seed": config["seed"]}
-    measured = workspace.ensure_traces(pair, interleave_languages(load_suite(
-        split=args.split, limit_per_language=args.prompts_per_language)), args.cache_dir, tag=args.split, **kw)
-    tune = workspace.ensure_traces(pair, interleave_languages(load_suite(
-        split=args.tune_split, limit_per_language=args.tune_prompts_per_language)), args.cache_dir, tag="tune", **kw)
+    kw = {
+        "temperature": config["temperature"],
+        "tree_width": first.tree_width,
+        "max_depth": first.max_depth,
+        "max_new_tokens": config["max_new_tokens"],
+        "seed": config["seed"],
+    }
+    measured = workspace.ensure_traces(
+        pair,
+        interleave_languages(load_suite(split=args.split, limit_per_language=args.prompts_per_language)),
+        args.cache_dir,
+        tag=args.split,
+        **kw,
+    )
+    tune = workspace.ensure_traces(
+        pair,
+        interleave_languages(
+            load_suite(split=args.tune_split, limit_per_language=args.tune_prompts_per_language)
+        ),
+        args.cache_dir,
+        tag="tune",
+        **kw,
+    )
 
     grid = static_grid(tune, profile)
     best = max(grid, key=grid.get)
@@ -53,9 +72,13 @@ def main() -> int:
     def run(controller) -> float:
         return throughput([replay_generate(rt, controller, profile) for rt in measured])
 
-    rows = {"autoregressive": run(None),
-            f"static {best} (tuned on {args.tune_split})": run(StaticController(best[0], best[1], tree_width=first.tree_width)),
-            "analytic": run(AnalyticController(profile, first.tree_width, first.max_depth))}
+    rows = {
+        "autoregressive": run(None),
+        f"static {best} (tuned on {args.tune_split})": run(
+            StaticController(best[0], best[1], tree_width=first.tree_width)
+        ),
+        "analytic": run(AnalyticController(profile, first.tree_width, first.max_depth)),
+    }
     test_grid = static_grid(measured, profile)
     best_here = max(test_grid, key=test_grid.get)
     rows[f"static {best_here} (best on {args.split} itself: a bound for static)"] = test_grid[best_here]
@@ -64,14 +87,23 @@ def main() -> int:
         rows[f"learned {path} ({reward})"] = run(ctrl)
     rows["oracle"] = oracle_throughput(measured, profile)
     static = rows[f"static {best} (tuned on {args.tune_split})"]
-    print(f"{len(measured)} {args.split} traces ({sum(rt.trace.num_positions for rt in measured)} positions), "
-          f"width {first.tree_width}, depth {first.max_depth}; profile {profile.meta.get('device_name')} "
-          f"{profile.meta.get('dtype')} {profile.meta.get('num_threads')} threads")
+    print(
+        f"{len(measured)} {args.split} traces ({sum(rt.trace.num_positions for rt in measured)} positions), "
+        f"width {first.tree_width}, depth {first.max_depth}; profile {profile.meta.get('device_name')} "
+        f"{profile.meta.get('dtype')} {profile.meta.get('num_threads')} threads"
+    )
     for name, tps in rows.items():
-        print(f"  {name:70s} {tps:8.3f} tok/s  {tps / rows['autoregressive']:.3f}x AR  {tps / static:.3f}x static")
+        print(
+            f"  {name:70s} {tps:8.3f} tok/s  {tps / rows['autoregressive']:.3f}x AR  {tps / static:.3f}x static"
+        )
     if args.out:
-        Path(args.out).write_text(json.dumps({"rows": rows, "best_static_tune": best,
-                                              "split": args.split, "policies": args.policy}, indent=1) + "\n")
+        Path(args.out).write_text(
+            json.dumps(
+                {"rows": rows, "best_static_tune": best, "split": args.split, "policies": args.policy},
+                indent=1,
+            )
+            + "\n"
+        )
     return 0
 
 

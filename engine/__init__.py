@@ -10,6 +10,14 @@ from engine.records import CycleRecord, GenerationResult
 from engine.sampling import SamplingConfig
 
 __all__ = [
-    "Controller", "CycleRecord", "DraftState", "EngineConfig", "GenerationResult", "IncompatiblePairError",
-    "ModelPair", "SamplingConfig", "SpeculativeEngine", "load_pair",
+    "Controller",
+    "CycleRecord",
+    "DraftState",
+    "EngineConfig",
+    "GenerationResult",
+    "IncompatiblePairError",
+    "ModelPair",
+    "SamplingConfig",
+    "SpeculativeEngine",
+    "load_pair",
 ]

@@ -56,20 +56,32 @@ def _row_keys(mask: torch.Tensor) -> list[int | torch.Tensor]:
     return plan
 
 
-def rowwise_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                      is_causal=None, **kwargs):
+def rowwise_attention(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs
+):
     """transformers attention function (``AttentionInterface``): query [B, H, q, D], key/value
     [B, Hkv, kv, D] -> ([B, q, H, D], None)."""
     q_len, kv_len = query.shape[2], key.shape[2]
     if q_len > MAX_ROWWISE_ROWS or query.shape[0] != 1 or dropout:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
+        )
     gqa = query.shape[1] != key.shape[1]
     if attention_mask is None:  # causal: row j sees the cache and rows 0..j
         plan: list = [kv_len - q_len + j + 1 for j in range(q_len)]
     else:
         if attention_mask.shape[-1] != kv_len:
-            raise ValueError(f"attention mask covers {attention_mask.shape[-1]} keys, the cache holds {kv_len}")
+            raise ValueError(
+                f"attention mask covers {attention_mask.shape[-1]} keys, the cache holds {kv_len}"
+            )
         plan = _row_keys(attention_mask)
     rows = []
     for j, keys in enumerate(plan):
@@ -77,7 +89,9 @@ def rowwise_attention(module, query, key, value, attention_mask, dropout: float 
             k, v = key[:, :, :keys], value[:, :, :keys]
         else:
             k, v = key.index_select(2, keys), value.index_select(2, keys)
-        rows.append(F.scaled_dot_product_attention(query[:, :, j : j + 1], k, v, scale=scaling, enable_gqa=gqa))
+        rows.append(
+            F.scaled_dot_product_attention(query[:, :, j : j + 1], k, v, scale=scaling, enable_gqa=gqa)
+        )
     out = rows[0] if q_len == 1 else torch.cat(rows, dim=2)
     return out.transpose(1, 2).contiguous(), None
 

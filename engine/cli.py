@@ -60,10 +60,14 @@ def pair_limits(name: str) -> PairLimits:
     from engine.weights import DEFAULT_PAIRS
 
     if name not in DEFAULT_PAIRS or name not in RANDOM_PAIR_CONFIGS:
-        raise InputError(f"--pair {name!r} is not a known pair; known: tiny, {', '.join(sorted(DEFAULT_PAIRS))}")
+        raise InputError(
+            f"--pair {name!r} is not a known pair; known: tiny, {', '.join(sorted(DEFAULT_PAIRS))}"
+        )
     target, draft = RANDOM_PAIR_CONFIGS[name]
-    return PairLimits(min(target["vocab_size"], draft["vocab_size"]),
-                      min(target["max_position_embeddings"], draft["max_position_embeddings"]))
+    return PairLimits(
+        min(target["vocab_size"], draft["vocab_size"]),
+        min(target["max_position_embeddings"], draft["max_position_embeddings"]),
+    )
 
 
 def check_device(device: str) -> torch.device:
@@ -73,20 +77,31 @@ def check_device(device: str) -> torch.device:
     try:
         dev = resolve_device(device)
     except (RuntimeError, ValueError) as err:
-        raise InputError(f"--device {device!r} is not a device ({err}); use auto, cpu, cuda or cuda:N") from None
+        raise InputError(
+            f"--device {device!r} is not a device ({err}); use auto, cpu, cuda or cuda:N"
+        ) from None
     if dev.type not in ("cpu", "cuda"):
         raise InputError(f"--device {device!r}: only cpu and cuda are supported")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise InputError(f"--device {device!r}: CUDA is not available on this machine")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise InputError(f"--device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+            raise InputError(
+                f"--device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
     return dev
 
 
-def check_pair_args(pair: str | None, device: str = "auto", *, dtype: str = "auto", weights: str | None = "auto",
-                    draft_weights: str | None = "auto", draft_vocab: int | None = 0,
-                    custom: bool = False) -> PairLimits | None:
+def check_pair_args(
+    pair: str | None,
+    device: str = "auto",
+    *,
+    dtype: str = "auto",
+    weights: str | None = "auto",
+    draft_weights: str | None = "auto",
+    draft_vocab: int | None = 0,
+    custom: bool = False,
+) -> PairLimits | None:
     """Check the arguments of ``load_pair`` that can be checked without loading anything: the pair name
     (unless ``custom``: --target/--draft were given), device, dtype, weight formats and --draft-vocab.
     Returns the named pair's limits (None for a custom pair)."""
@@ -94,21 +109,28 @@ def check_pair_args(pair: str | None, device: str = "auto", *, dtype: str = "aut
 
     limits = None if custom else pair_limits(str(pair))
     dev = check_device(device)
-    for flag, call in (("--dtype", lambda: resolve_dtype(dtype, dev)),
-                       ("--weights", lambda: resolve_weights(weights, dtype, dev)),
-                       ("--draft-weights", lambda: draft_weights in (None, "auto")
-                        or resolve_weights(draft_weights, "auto", dev))):
+    for flag, call in (
+        ("--dtype", lambda: resolve_dtype(dtype, dev)),
+        ("--weights", lambda: resolve_weights(weights, dtype, dev)),
+        (
+            "--draft-weights",
+            lambda: draft_weights in (None, "auto") or resolve_weights(draft_weights, "auto", dev),
+        ),
+    ):
         if flag == "--dtype" and dtype == "auto":
             continue
         try:
             call()
         except ValueError as err:
             raise InputError(f"{flag}: {err}") from None
-    if draft_vocab is not None and (not is_int(draft_vocab) or draft_vocab < 0
-                                    or (limits is not None and draft_vocab > limits.vocab_size)):
+    if draft_vocab is not None and (
+        not is_int(draft_vocab) or draft_vocab < 0 or (limits is not None and draft_vocab > limits.vocab_size)
+    ):
         bound = f" in [1, {limits.vocab_size}]" if limits is not None else " >= 1"
-        raise InputError(f"--draft-vocab: the draft vocabulary size must be 0 (all tokens) or an integer{bound}, "
-                         f"got {draft_vocab!r}")
+        raise InputError(
+            f"--draft-vocab: the draft vocabulary size must be 0 (all tokens) or an integer{bound}, "
+            f"got {draft_vocab!r}"
+        )
     return limits
 
 

@@ -51,8 +51,15 @@ class DraftState:
     def before_drafting(cls, context_len: int, max_depth: int, history: Sequence[CycleRecord]) -> DraftState:
         """The depth-0 state (asked of controllers with ``decides_depth_zero``): nothing drafted yet."""
         empty = np.zeros(0, dtype=np.float32)
-        return cls(depth=0, frontier_scores=empty, step_probs=empty, node_scores=empty, context_len=context_len,
-                   max_depth=max_depth, history=history)
+        return cls(
+            depth=0,
+            frontier_scores=empty,
+            step_probs=empty,
+            node_scores=empty,
+            context_len=context_len,
+            max_depth=max_depth,
+            history=history,
+        )
 
 
 class Controller(ABC):
@@ -85,8 +92,10 @@ def decision(answer: object, controller: object) -> bool:
     ``ControllerError`` naming the controller, rather than a silent truth value (None is False, NaN True)."""
     if isinstance(answer, (bool, np.bool_)) or (is_int(answer) and answer in (0, 1)):
         return bool(answer)
-    raise ControllerError(f"{type(controller).__name__}.should_continue must return a bool, got "
-                          f"{short_repr(answer)} ({type(answer).__name__})")
+    raise ControllerError(
+        f"{type(controller).__name__}.should_continue must return a bool, got "
+        f"{short_repr(answer)} ({type(answer).__name__})"
+    )
 
 
 def verify_size(answer: object, controller: object) -> int:
@@ -94,5 +103,7 @@ def verify_size(answer: object, controller: object) -> int:
     integer (None, NaN, 2.5, an array) is a ``ControllerError``."""
     if is_int(answer):
         return int(answer)
-    raise ControllerError(f"{type(controller).__name__}.num_to_verify must return an integer, got "
-                          f"{short_repr(answer)} ({type(answer).__name__})")
+    raise ControllerError(
+        f"{type(controller).__name__}.num_to_verify must return an integer, got "
+        f"{short_repr(answer)} ({type(answer).__name__})"
+    )

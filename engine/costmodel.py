@@ -47,7 +47,9 @@ def best_gamma(alpha: float, c: float, g: float | Callable[[int], float] = 1.0, 
 
 
 # --------------------------------------------------------------------------- empirical (measured) costs
-def cycle_time(profile: CostProfile, depth: int, num_verified: int, context: int, tree_width: int = 1) -> float:
+def cycle_time(
+    profile: CostProfile, depth: int, num_verified: int, context: int, tree_width: int = 1
+) -> float:
     """The empirical cycle time T(D, V, context) in seconds from a measured cost profile (one pending
     draft token, no controller time): see ``CostProfile.cycle_s``."""
     return profile.cycle_s(depth, num_verified, context, tree_width)

@@ -68,8 +68,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.draft_mode not in ("deterministic", "sampled"):
             raise InputError(f"draft_mode must be 'deterministic' or 'sampled', got {self.draft_mode!r}")
-        for name, low, high in (("max_depth", 1, None), ("max_verify", 1, MAX_VERIFY_NODES),
-                                ("max_tree_nodes", 1, None)):
+        for name, low, high in (
+            ("max_depth", 1, None),
+            ("max_verify", 1, MAX_VERIFY_NODES),
+            ("max_tree_nodes", 1, None),
+        ):
             value = getattr(self, name)
             if not is_int(value) or value < low or (high is not None and value > high):
                 bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
@@ -102,7 +105,9 @@ class _Request:
 class SpeculativeEngine:
     """Exact speculative decoding over a ``ModelPair`` with a pluggable per-cycle ``Controller``."""
 
-    def __init__(self, pair: ModelPair, sampling: SamplingConfig | None = None, config: EngineConfig | None = None):
+    def __init__(
+        self, pair: ModelPair, sampling: SamplingConfig | None = None, config: EngineConfig | None = None
+    ):
         self.pair = pair
         self.sampling = sampling or SamplingConfig()
         self.config = config or EngineConfig()
@@ -131,7 +136,9 @@ class SpeculativeEngine:
             raise InputError(f"max_new_tokens must be a positive integer, got {short_repr(max_new_tokens)}")
         max_new_tokens = int(max_new_tokens)
         if len(prompt_ids) >= self.pair.max_context:
-            raise InputError(f"prompt has {len(prompt_ids)} tokens; the context limit is {self.pair.max_context}")
+            raise InputError(
+                f"prompt has {len(prompt_ids)} tokens; the context limit is {self.pair.max_context}"
+            )
         self._check_controller(controller)
         if not is_int(seed) or not 0 <= seed <= MAX_SEED:
             raise InputError(f"seed must be an integer in [0, 2**64), got {short_repr(seed)}")
@@ -155,7 +162,9 @@ class SpeculativeEngine:
             else:
                 go, ask_s = self._wants_draft(req, controller, cap)
                 # depth 0: the controller switched speculation off for this cycle
-                record = self._speculative_cycle(req, controller, cap) if go else self._autoregressive_step(req)
+                record = (
+                    self._speculative_cycle(req, controller, cap) if go else self._autoregressive_step(req)
+                )
                 record.controller_s += ask_s
                 controller.observe(record)
             req.cycles.append(record)
@@ -163,7 +172,7 @@ class SpeculativeEngine:
                 self._validate_caches(req)
             finish = self._finish_reason(req, len(prompt_ids), max_new_tokens)
 
-        generated = req.tokens[len(prompt_ids):]
+        generated = req.tokens[len(prompt_ids) :]
         return GenerationResult(
             tokens=generated,
             text=self.pair.tokenizer.decode(generated),
@@ -213,7 +222,9 @@ class SpeculativeEngine:
         tree, frontier, draft_probs, fwd_s, ctrl_s = self._draft(req, controller, cap)
         t_drafted = clock()
 
-        num_verify = verify_size(controller.num_to_verify(self._state(tree, frontier, ctx, cap, req)), controller)
+        num_verify = verify_size(
+            controller.num_to_verify(self._state(tree, frontier, ctx, cap, req)), controller
+        )
         selected = tree.select(clamp_verify(num_verify, len(tree), self.config.max_verify))
         t_chosen = clock()
 
@@ -224,10 +235,16 @@ class SpeculativeEngine:
         accepted, emitted = self._commit(req, tree, selected, path, new_tokens)
         t_end = clock()
         return CycleRecord(
-            context_len=ctx, depth=max(tree.depths), num_drafted=len(tree), num_verified=len(selected),
-            accepted=accepted, emitted=emitted,
-            draft_s=t_drafted - t_start - ctrl_s, verify_s=t_verified - t_chosen,
-            controller_s=ctrl_s + (t_chosen - t_drafted), overhead_s=t_end - t_verified,
+            context_len=ctx,
+            depth=max(tree.depths),
+            num_drafted=len(tree),
+            num_verified=len(selected),
+            accepted=accepted,
+            emitted=emitted,
+            draft_s=t_drafted - t_start - ctrl_s,
+            verify_s=t_verified - t_chosen,
+            controller_s=ctrl_s + (t_chosen - t_drafted),
+            overhead_s=t_end - t_verified,
             forward_s=fwd_s + verify_fwd_s,
         )
 
@@ -239,7 +256,7 @@ class SpeculativeEngine:
 
         # step 1: run the draft's pending tokens; the last row predicts the root's children
         t0 = clock()
-        pending = req.tokens[req.draft_len:]
+        pending = req.tokens[req.draft_len :]
         logits = self._forward(self.pair.draft, pending, req.draft_len, req.draft_cache, keep=1)  # [1, V]
         fwd_s += clock() - t0
         req.draft_len = ctx
@@ -264,12 +281,18 @@ class SpeculativeEngine:
                 mask = tree_attention_mask(ctx, allowed, self.pair.dtype, self.device)
             t0 = clock()
             logits = self._forward(
-                self.pair.draft, [tree.tokens[n] for n in frontier], ctx - 1 + depth, req.draft_cache,
-                mask=mask, positions=[ctx - 1 + depth] * len(frontier),
+                self.pair.draft,
+                [tree.tokens[n] for n in frontier],
+                ctx - 1 + depth,
+                req.draft_cache,
+                mask=mask,
+                positions=[ctx - 1 + depth] * len(frontier),
             )  # [W, V]
             fwd_s += clock() - t0
             scores = [tree.scores[n] for n in frontier]
-            frontier = self._expand(tree, frontier, scores, logits, width, sampled, draft_probs, req.generator)
+            frontier = self._expand(
+                tree, frontier, scores, logits, width, sampled, draft_probs, req.generator
+            )
         return tree, frontier, draft_probs, fwd_s, ctrl_s
 
     def _expand(self, tree, parents, parent_scores, logits, width, sampled, draft_probs, generator):
@@ -296,8 +319,12 @@ class SpeculativeEngine:
             mask = tree_attention_mask(ctx - 1, allowed, self.pair.dtype, self.device)
         t0 = self.clock()
         logits = self._forward(
-            self.pair.target, [req.tokens[-1]] + [tree.tokens[n] for n in selected], ctx - 1,
-            req.target_cache, mask=mask, positions=positions,
+            self.pair.target,
+            [req.tokens[-1]] + [tree.tokens[n] for n in selected],
+            ctx - 1,
+            req.target_cache,
+            mask=mask,
+            positions=positions,
         )  # [1 + V, vocab]
         fwd_s = self.clock() - t0
         if self.config.check_finite:
@@ -354,7 +381,9 @@ class SpeculativeEngine:
                 for a, b in ((got.keys, want.keys), (got.values, want.values)):
                     if not torch.allclose(a, b, rtol=1e-4, atol=1e-4):
                         err = (a - b).abs().max().item()
-                        raise AssertionError(f"{name} cache layer {i} differs from a fresh forward (max {err:.2e})")
+                        raise AssertionError(
+                            f"{name} cache layer {i} differs from a fresh forward (max {err:.2e})"
+                        )
 
     def _forward(self, model, ids, start, cache, keep=0, mask=None, positions=None) -> torch.Tensor:
         """One forward of ``ids`` at positions ``start...`` (or ``positions``); returns logits [Q, V]."""
@@ -365,11 +394,16 @@ class SpeculativeEngine:
     def _state(self, tree: DraftTree, frontier: list[int], ctx: int, cap: int, req: _Request) -> DraftState:
         scores = np.asarray(tree.scores, dtype=np.float32)
         frontier_scores = scores[frontier]
-        step = frontier_scores - np.asarray([tree.scores[p] if p >= 0 else 0.0 for p in
-                                             (tree.parents[n] for n in frontier)], dtype=np.float32)
+        step = frontier_scores - np.asarray(
+            [tree.scores[p] if p >= 0 else 0.0 for p in (tree.parents[n] for n in frontier)], dtype=np.float32
+        )
         return DraftState(
-            depth=tree.depths[frontier[0]] if frontier else 0, frontier_scores=-np.sort(-frontier_scores),
-            step_probs=np.exp(step), node_scores=-np.sort(-scores), context_len=ctx, max_depth=cap,
+            depth=tree.depths[frontier[0]] if frontier else 0,
+            frontier_scores=-np.sort(-frontier_scores),
+            step_probs=np.exp(step),
+            node_scores=-np.sort(-scores),
+            context_len=ctx,
+            max_depth=cap,
             history=req.cycles,
         )
 
@@ -392,21 +426,29 @@ class SpeculativeEngine:
             if len(shape) == 2 and shape[0] == 1:
                 prompt = prompt[0]  # a batch of one, as tokenizers return it
             elif len(shape) != 1:
-                raise InputError(f"prompt must be one sequence of token ids (shape [n] or [1, n]), got shape {shape}")
-            integer = (not (prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool)
-                       if isinstance(prompt, torch.Tensor) else np.issubdtype(prompt.dtype, np.integer))
+                raise InputError(
+                    f"prompt must be one sequence of token ids (shape [n] or [1, n]), got shape {shape}"
+                )
+            integer = (
+                not (prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool)
+                if isinstance(prompt, torch.Tensor)
+                else np.issubdtype(prompt.dtype, np.integer)
+            )
             if not integer:
                 raise InputError(f"prompt token ids must be integers, got a tensor of dtype {prompt.dtype}")
             ids = [int(t) for t in prompt.tolist()]
         elif isinstance(prompt, (list, tuple, range)):
             bad = [t for t in prompt if not is_int(t)]
             if bad:
-                raise InputError(f"prompt token ids must be integers, got {short_repr(bad[0])} "
-                                 f"({type(bad[0]).__name__})")
+                raise InputError(
+                    f"prompt token ids must be integers, got {short_repr(bad[0])} ({type(bad[0]).__name__})"
+                )
             ids = [int(t) for t in prompt]
         else:
-            raise InputError("prompt must be a string, a list of token ids or an integer tensor, got "
-                             f"{type(prompt).__name__}")
+            raise InputError(
+                "prompt must be a string, a list of token ids or an integer tensor, got "
+                f"{type(prompt).__name__}"
+            )
         if not ids:
             raise InputError("empty prompt: give at least one token")
         vocab = self.pair.vocab_size
@@ -418,23 +460,31 @@ class SpeculativeEngine:
         if controller is None:
             return
         if not isinstance(controller, Controller):
-            raise ControllerError(f"controller must be an engine.Controller (subclass it) or None, got "
-                                  f"{short_repr(controller)} ({type(controller).__name__})")
+            raise ControllerError(
+                f"controller must be an engine.Controller (subclass it) or None, got "
+                f"{short_repr(controller)} ({type(controller).__name__})"
+            )
         width = getattr(controller, "tree_width", None)
         if not is_int(width) or width < 1:
             raise ControllerError(f"controller.tree_width must be an integer >= 1, got {short_repr(width)}")
         vocab = self.pair.vocab_size
         if width > vocab:
-            raise ControllerError(f"controller.tree_width {width} exceeds the vocabulary ({vocab} tokens): a node "
-                                  f"has at most {vocab} children")
+            raise ControllerError(
+                f"controller.tree_width {width} exceeds the vocabulary ({vocab} tokens): a node "
+                f"has at most {vocab} children"
+            )
         if width > self.config.max_tree_nodes:
-            raise ControllerError(f"controller.tree_width {width} drafts more than EngineConfig.max_tree_nodes="
-                                  f"{self.config.max_tree_nodes} nodes in its first step")
+            raise ControllerError(
+                f"controller.tree_width {width} drafts more than EngineConfig.max_tree_nodes="
+                f"{self.config.max_tree_nodes} nodes in its first step"
+            )
         if self.config.draft_mode == "sampled":
             if width != 1:
                 raise InputError("draft_mode='sampled' drafts chains only: use tree_width=1")
             if self.sampling.greedy:
-                raise InputError("draft_mode='sampled' needs temperature > 0 (greedy drafts are deterministic)")
+                raise InputError(
+                    "draft_mode='sampled' needs temperature > 0 (greedy drafts are deterministic)"
+                )
 
 
 def forward_logits(model, ids, positions, cache, device, keep: int = 0, mask=None) -> torch.Tensor:
@@ -445,8 +495,14 @@ def forward_logits(model, ids, positions, cache, device, keep: int = 0, mask=Non
     position_ids = torch.as_tensor([list(positions)], device=device)
     if input_ids.shape[1] <= MAX_ROWWISE_ROWS and lean.supports(model):
         return lean.forward(model, input_ids, position_ids, cache, mask, keep)  # bitwise the call below
-    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=cache, use_cache=True,
-                logits_to_keep=keep)
+    out = model(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=mask,
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=keep,
+    )
     return out.logits[0]
 
 

@@ -33,8 +33,11 @@ def device_features(profile, tree_width: int, context: int = 512) -> np.ndarray:
     if profile is None:
         return np.zeros(NUM_DEVICE_FEATURES, dtype=np.float32)
     base = profile.verify_s(1, context)
-    feats = [profile.draft_step_s(tree_width, context) / base, profile.verify_s(16, context) / base,
-             profile.verify_s(64, context) / base]
+    feats = [
+        profile.draft_step_s(tree_width, context) / base,
+        profile.verify_s(16, context) / base,
+        profile.verify_s(64, context) / base,
+    ]
     return np.clip(np.asarray(feats, dtype=np.float32), 0.0, 64.0)
 
 
@@ -48,8 +51,15 @@ def history_features(history: Sequence[CycleRecord]) -> np.ndarray:
     for r in recent[1:]:
         ema = 0.7 * ema + 0.3 * r.accepted
     last = recent[-1]
-    return np.asarray([ema / DEPTH_SCALE, last.accepted / DEPTH_SCALE, last.depth / DEPTH_SCALE,
-                       last.num_verified / NODES_SCALE], dtype=np.float32)
+    return np.asarray(
+        [
+            ema / DEPTH_SCALE,
+            last.accepted / DEPTH_SCALE,
+            last.depth / DEPTH_SCALE,
+            last.num_verified / NODES_SCALE,
+        ],
+        dtype=np.float32,
+    )
 
 
 def _padded(values: np.ndarray, size: int) -> np.ndarray:
@@ -60,11 +70,20 @@ def _padded(values: np.ndarray, size: int) -> np.ndarray:
 
 
 def _common(state: DraftState, device: np.ndarray) -> np.ndarray:
-    return np.concatenate([
-        np.asarray([state.depth / DEPTH_SCALE, state.max_depth / DEPTH_SCALE,
-                    np.log(max(state.context_len, 1)) / LOG_CONTEXT_SCALE], dtype=np.float32),
-        history_features(state.history), device.astype(np.float32),
-    ])
+    return np.concatenate(
+        [
+            np.asarray(
+                [
+                    state.depth / DEPTH_SCALE,
+                    state.max_depth / DEPTH_SCALE,
+                    np.log(max(state.context_len, 1)) / LOG_CONTEXT_SCALE,
+                ],
+                dtype=np.float32,
+            ),
+            history_features(state.history),
+            device.astype(np.float32),
+        ]
+    )
 
 
 def depth_observation(state: DraftState, device: np.ndarray) -> np.ndarray:

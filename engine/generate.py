@@ -1,8 +1,8 @@
 """Command line: generate with speculative (or autoregressive) decoding and print the stats.
 
-    python -m engine.generate --prompt "Write a Python function that reverses a list."
-    python -m engine.generate --pair tiny --prompt "hello" --depth 3 --verify 8 --tree-width 2
-    python -m engine.generate --autoregressive --prompt "..."
+python -m engine.generate --prompt "Write a Python function that reverses a list."
+python -m engine.generate --pair tiny --prompt "hello" --depth 3 --verify 8 --tree-width 2
+python -m engine.generate --autoregressive --prompt "..."
 """
 
 from __future__ import annotations
@@ -21,8 +21,11 @@ from engine.sampling import SamplingConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m engine.generate", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m engine.generate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--prompt", required=True, help="the user message (chat template applied unless --raw)")
     ap.add_argument("--raw", action="store_true", help="encode the prompt as is, without the chat template")
     ap.add_argument("--pair", default="qwen2.5-coder", help="named pair: qwen2.5-coder (default) or tiny")
@@ -60,12 +63,18 @@ def main(argv: list[str] | None = None) -> int:
         limits = check_pair_args(args.pair, args.device, custom=custom, **format_kwargs(args))
         controller = None if args.autoregressive else _controller(args, limits)
         formats = dict(device=args.device, **format_kwargs(args))
-        pair = load_pair(target=args.target, draft=args.draft, **formats) if custom else load_pair(args.pair, **formats)
+        pair = (
+            load_pair(target=args.target, draft=args.draft, **formats)
+            if custom
+            else load_pair(args.pair, **formats)
+        )
         if args.policy and (message := controller.pair_warning(pair)):
             warn(message)
         engine = SpeculativeEngine(pair, sampling, config)
         prompt = pair.encode(args.prompt, chat=not args.raw)
-        result = engine.generate(prompt, max_new_tokens=args.max_new_tokens, controller=controller, seed=args.seed)
+        result = engine.generate(
+            prompt, max_new_tokens=args.max_new_tokens, controller=controller, seed=args.seed
+        )
     except CLI_ERRORS as err:
         return report_error(err)
     if args.json:
@@ -73,8 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(result.text)
     print()
-    print(f"pair={pair.name} weights={pair.precision} device={pair.device} "
-          f"controller={controller!r} sampling={sampling} torch={torch.__version__}")
+    print(
+        f"pair={pair.name} weights={pair.precision} device={pair.device} "
+        f"controller={controller!r} sampling={sampling} torch={torch.__version__}"
+    )
     print(f"prompt tokens={result.prompt_len} finish={result.finish_reason}")
     for key, value in result.stats.items():
         print(f"  {key:22s} {value:12.4f}")
@@ -91,10 +102,14 @@ def _controller(args, limits):
     from policies import StaticController
 
     if limits is not None and args.tree_width > limits.vocab_size:
-        raise InputError(f"--tree-width {args.tree_width} exceeds the vocabulary ({limits.vocab_size} tokens)")
+        raise InputError(
+            f"--tree-width {args.tree_width} exceeds the vocabulary ({limits.vocab_size} tokens)"
+        )
     if args.tree_width > EngineConfig.max_tree_nodes:
-        raise InputError(f"--tree-width {args.tree_width} drafts more than max_tree_nodes={EngineConfig.max_tree_nodes} "
-                         "nodes in one step")
+        raise InputError(
+            f"--tree-width {args.tree_width} drafts more than max_tree_nodes={EngineConfig.max_tree_nodes} "
+            "nodes in one step"
+        )
     return StaticController(depth=args.depth, verify=args.verify, tree_width=args.tree_width)
 
 

@@ -42,8 +42,9 @@ def _pad(w: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------------ k4
-def pack_k4(codes: np.ndarray, d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, m: np.ndarray
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_k4(
+    codes: np.ndarray, d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, m: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor]:
     """k4 tensors from fields: codes uint8 [N, Kp] (0..15), d/dmin float16 [N, nb], sc/m uint8 [N, nb, 4]."""
     n, kp = codes.shape
     nb = kp // QB
@@ -96,13 +97,16 @@ def quantize_k4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sc = np.where(d[..., None] > 0, np.rint(scale / np.where(d > 0, d, 1.0)[..., None]), 0).clip(0, 63)
     m = np.where(dmin[..., None] > 0, np.rint(mins / np.where(dmin > 0, dmin, 1.0)[..., None]), 0).clip(0, 63)
     s_eff, m_eff = d[..., None] * sc, dmin[..., None] * m
-    codes = np.where(s_eff[..., None] > 0, np.rint((g + m_eff[..., None]) / np.where(s_eff > 0, s_eff, 1.0)[..., None]),
-                     0).clip(0, 15)
+    codes = np.where(
+        s_eff[..., None] > 0, np.rint((g + m_eff[..., None]) / np.where(s_eff > 0, s_eff, 1.0)[..., None]), 0
+    ).clip(0, 15)
     return pack_k4(codes.reshape(n, kp).astype(np.uint8), d, dmin, sc.astype(np.uint8), m.astype(np.uint8))
 
 
 # ------------------------------------------------------------------------------------------------ k6
-def pack_k6(codes: np.ndarray, d: np.ndarray, sc: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_k6(
+    codes: np.ndarray, d: np.ndarray, sc: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """k6 tensors from fields: codes uint8 [N, Kp] (0..63), d float16 [N, nb], sc int8 [N, nb, 8]."""
     n, kp = codes.shape
     nb = kp // QB
@@ -114,8 +118,11 @@ def pack_k6(codes: np.ndarray, d: np.ndarray, sc: np.ndarray) -> tuple[torch.Ten
     meta = np.empty((n, nb, K6_META), dtype=np.uint8)
     meta[:, :, 0:2] = d.astype(np.float16).reshape(n, nb, 1).view(np.uint8)
     meta[:, :, 2:10] = sc.astype(np.int8).view(np.uint8)
-    return (torch.from_numpy(np.ascontiguousarray(lo.astype(np.uint8))),
-            torch.from_numpy(np.ascontiguousarray(hi.astype(np.uint8))), torch.from_numpy(meta))
+    return (
+        torch.from_numpy(np.ascontiguousarray(lo.astype(np.uint8))),
+        torch.from_numpy(np.ascontiguousarray(hi.astype(np.uint8))),
+        torch.from_numpy(meta),
+    )
 
 
 def unpack_k6(lo: torch.Tensor, hi: torch.Tensor, meta: torch.Tensor, k: int) -> np.ndarray:
@@ -159,7 +166,9 @@ def quantize_k6(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 class KQuantLinear(nn.Module):
     """``y = x @ W.T + b`` with W in the k4 or k6 layout, through the compiled kernels; float32 in and out."""
 
-    def __init__(self, kind: str, tensors: dict[str, torch.Tensor], in_features: int, bias: torch.Tensor | None):
+    def __init__(
+        self, kind: str, tensors: dict[str, torch.Tensor], in_features: int, bias: torch.Tensor | None
+    ):
         super().__init__()
         from engine.native import kernels
 
@@ -201,5 +210,5 @@ def reference_matmul(x: torch.Tensor, weight: np.ndarray) -> np.ndarray:
 
     q, d = kernels().quantize_activations(x.reshape(-1, x.shape[-1]).float())
     k = weight.shape[1]
-    xa = (q.numpy().astype(np.float64).reshape(q.shape[0], -1, QB) * d.numpy().astype(np.float64)[..., None])
+    xa = q.numpy().astype(np.float64).reshape(q.shape[0], -1, QB) * d.numpy().astype(np.float64)[..., None]
     return xa.reshape(q.shape[0], -1)[:, :k] @ weight.T

@@ -35,11 +35,17 @@ class GrowingLayer(DynamicLayer):
     def _backed(self) -> bool:
         """Whether keys/values are still the leading views of this layer's buffers."""
         kbuf, vbuf = self._kbuf, self._vbuf
-        return (kbuf is not None and self.keys.data_ptr() == kbuf.data_ptr() and self.keys.stride() == kbuf.stride()
-                and self.values.data_ptr() == vbuf.data_ptr() and self.values.stride() == vbuf.stride())
+        return (
+            kbuf is not None
+            and self.keys.data_ptr() == kbuf.data_ptr()
+            and self.keys.stride() == kbuf.stride()
+            and self.values.data_ptr() == vbuf.data_ptr()
+            and self.values.stride() == vbuf.stride()
+        )
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         old = self.get_seq_length()

@@ -38,8 +38,9 @@ def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def forward(model, ids: torch.Tensor, positions: torch.Tensor, cache, mask: torch.Tensor | None = None,
-            keep: int = 0) -> torch.Tensor:
+def forward(
+    model, ids: torch.Tensor, positions: torch.Tensor, cache, mask: torch.Tensor | None = None, keep: int = 0
+) -> torch.Tensor:
     """Logits [Q, V] of ``ids`` [1, Q] at ``positions`` [1, Q] on top of ``cache`` (a DynamicCache whose
     layers are appended to); ``mask``: an additive or boolean 4D mask over cache + new rows, None for causal;
     ``keep``: only the last rows (0 = all). Q must be at most ``MAX_ROWWISE_ROWS``."""

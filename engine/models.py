@@ -115,8 +115,15 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         return dtype
     if dtype == "auto":
         return DEFAULT_CUDA_DTYPE if device.type == "cuda" else DEFAULT_CPU_DTYPE
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "float64": torch.float64,
+    }
     if dtype not in names:
         raise ValueError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(names)}")
     return names[dtype]
@@ -132,8 +139,10 @@ def resolve_weights(weights: str | None, dtype: str | torch.dtype, device: torch
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {weights!r}; use one of auto, {', '.join(WEIGHT_FORMATS)}")
     if weights in INTEGER_FORMATS and device.type != "cpu":
-        raise ValueError(f"weight format {weights!r} runs on the CPU only (CPU integer kernels); "
-                         f"use bfloat16 or float32 on {device.type}")
+        raise ValueError(
+            f"weight format {weights!r} runs on the CPU only (CPU integer kernels); "
+            f"use bfloat16 or float32 on {device.type}"
+        )
     return weights
 
 
@@ -194,8 +203,17 @@ def load_pair(
         pair = build_random_pair(name, dtype=_dense_dtype(fmt, dtype, dev), device=dev)
         rows = _head_rows(pair.draft, pair.tokenizer, draft_vocab)
         info = _convert(pair.target, fmt), _convert(pair.draft, draft_fmt, head_rows=rows)
-        return _make_pair(pair.target, pair.draft, pair.tokenizer, pair.tokenizer, pair.name, fmt, draft_fmt, info,
-                          draft_vocab)
+        return _make_pair(
+            pair.target,
+            pair.draft,
+            pair.tokenizer,
+            pair.tokenizer,
+            pair.name,
+            fmt,
+            draft_fmt,
+            info,
+            draft_vocab,
+        )
     specs = None
     if name is not None:
         from engine.weights import DEFAULT_PAIRS, ensure_default_pair
@@ -209,14 +227,25 @@ def load_pair(
     tgt_tok = AutoTokenizer.from_pretrained(str(target))
     dft_tok = AutoTokenizer.from_pretrained(str(draft))
     models, infos = [], []
-    for path, f, spec, tok in ((target, fmt, specs and specs[0], None),
-                               (draft, draft_fmt, specs and specs[1], dft_tok)):
+    for path, f, spec, tok in (
+        (target, fmt, specs and specs[0], None),
+        (draft, draft_fmt, specs and specs[1], dft_tok),
+    ):
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_dense_dtype(f, dtype, dev)).eval()
         rows = _head_rows(model, tok, draft_vocab) if tok is not None else None
         infos.append(_convert(model, f, spec, rows, progress))
         models.append(model.to(dev))
-    return _make_pair(models[0], models[1], tgt_tok, dft_tok, name or f"{target}+{draft}", fmt, draft_fmt,
-                      tuple(infos), draft_vocab)
+    return _make_pair(
+        models[0],
+        models[1],
+        tgt_tok,
+        dft_tok,
+        name or f"{target}+{draft}",
+        fmt,
+        draft_fmt,
+        tuple(infos),
+        draft_vocab,
+    )
 
 
 def _dense_dtype(fmt: str, dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -246,7 +275,9 @@ def _eos_ids(model, tokenizer) -> set[int]:
     return eos
 
 
-def _convert(model, fmt: str, spec=None, head_rows: torch.Tensor | None = None, progress: bool = True) -> dict | None:
+def _convert(
+    model, fmt: str, spec=None, head_rows: torch.Tensor | None = None, progress: bool = True
+) -> dict | None:
     """Put ``model`` in weight format ``fmt`` (integer formats: from ``spec``'s GGUF blocks when given, else
     from its float weights) with its LM head restricted to ``head_rows``; returns the conversion info."""
     from engine import quant
@@ -262,8 +293,17 @@ def _convert(model, fmt: str, spec=None, head_rows: torch.Tensor | None = None, 
     return None
 
 
-def _make_pair(target, draft, target_tok, draft_tok, name: str, weights: str = "", draft_weights: str = "",
-               info: tuple | None = None, draft_vocab: int | None = None) -> ModelPair:
+def _make_pair(
+    target,
+    draft,
+    target_tok,
+    draft_tok,
+    name: str,
+    weights: str = "",
+    draft_weights: str = "",
+    info: tuple | None = None,
+    draft_vocab: int | None = None,
+) -> ModelPair:
     check_compatible(target, draft, target_tok, draft_tok)
     for model in (target, draft):
         model.requires_grad_(False)
@@ -272,10 +312,18 @@ def _make_pair(target, draft, target_tok, draft_tok, name: str, weights: str = "
     eos = _eos_ids(target, target_tok)
     max_context = min(_context_limit(target), _context_limit(draft))
     quant_info = None if info is None or info == (None, None) else {"target": info[0], "draft": info[1]}
-    return ModelPair(target, draft, target_tok, name, frozenset(int(i) for i in eos), max_context,
-                     weights or str(next(target.parameters()).dtype).removeprefix("torch."),
-                     draft_weights or weights or str(next(draft.parameters()).dtype).removeprefix("torch."),
-                     quant_info, int(draft_vocab or 0))
+    return ModelPair(
+        target,
+        draft,
+        target_tok,
+        name,
+        frozenset(int(i) for i in eos),
+        max_context,
+        weights or str(next(target.parameters()).dtype).removeprefix("torch."),
+        draft_weights or weights or str(next(draft.parameters()).dtype).removeprefix("torch."),
+        quant_info,
+        int(draft_vocab or 0),
+    )
 
 
 def check_compatible(target, draft, target_tok, draft_tok) -> None:
@@ -302,16 +350,32 @@ def _context_limit(model) -> int:
 def add_format_args(parser) -> None:
     """The model-format flags of every command line that loads a pair: --dtype, --weights,
     --draft-weights, --draft-vocab (``format_kwargs`` turns them into ``load_pair`` arguments)."""
-    parser.add_argument("--dtype", default="auto", help="dense model dtype: auto, float32, bfloat16, float16, float64")
-    parser.add_argument("--weights", default="auto", help="weight format of the target's linears: auto (kquant on "
-                        "CPU, int4 without a C++ compiler; bfloat16 on CUDA; the dense --dtype if one is named), "
-                        + ", ".join(WEIGHT_FORMATS))
-    parser.add_argument("--draft-weights", default="auto",
-                        help="weight format of the draft (auto: kquant-strict when --weights is auto on CPU, else as --weights)")
-    parser.add_argument("--draft-vocab", type=int, default=0, help="tokens the draft's LM head keeps (0: all; e.g. 32768: "
-                        "the most frequent by the tokenizer's merge order; exact either way)")
+    parser.add_argument(
+        "--dtype", default="auto", help="dense model dtype: auto, float32, bfloat16, float16, float64"
+    )
+    parser.add_argument(
+        "--weights",
+        default="auto",
+        help="weight format of the target's linears: auto (kquant on "
+        "CPU, int4 without a C++ compiler; bfloat16 on CUDA; the dense --dtype if one is named), "
+        + ", ".join(WEIGHT_FORMATS),
+    )
+    parser.add_argument(
+        "--draft-weights",
+        default="auto",
+        help="weight format of the draft (auto: kquant-strict when --weights is auto on CPU, else as --weights)",
+    )
+    parser.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=0,
+        help="tokens the draft's LM head keeps (0: all; e.g. 32768: "
+        "the most frequent by the tokenizer's merge order; exact either way)",
+    )
 
 
 def format_kwargs(args) -> dict[str, Any]:
     """``load_pair`` keyword arguments from the flags of ``add_format_args``."""
-    return dict(dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights, draft_vocab=args.draft_vocab)
+    return dict(
+        dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights, draft_vocab=args.draft_vocab
+    )

@@ -53,8 +53,12 @@ def build_dir() -> Path:
     from engine.weights import cache_dir
 
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
-                 cpu_signature().encode()):
+    for part in (
+        SOURCE.read_bytes(),
+        " ".join(CFLAGS + LDFLAGS).encode(),
+        torch.__version__.encode(),
+        cpu_signature().encode(),
+    ):
         key.update(part)
         key.update(b"\0")
     return cache_dir() / "native" / key.hexdigest()[:16]
@@ -82,9 +86,11 @@ def kernels() -> ModuleType:
                 verbose=bool(os.environ.get("DRAFTPILOT_VERBOSE_BUILD")),
             )
         except Exception as err:  # a compiler missing or failing: the kquant formats are then unavailable
-            _error = (f"the compiled kquant kernels are unavailable on this machine ({type(err).__name__}: "
-                      f"{str(err).strip().splitlines()[-1] if str(err).strip() else err}); they need a C++ "
-                      f"compiler and ninja (set DRAFTPILOT_VERBOSE_BUILD=1 to see the build)")
+            _error = (
+                f"the compiled kquant kernels are unavailable on this machine ({type(err).__name__}: "
+                f"{str(err).strip().splitlines()[-1] if str(err).strip() else err}); they need a C++ "
+                f"compiler and ninja (set DRAFTPILOT_VERBOSE_BUILD=1 to see the build)"
+            )
             raise NativeUnavailable(_error) from err
         return _module
 

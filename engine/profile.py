@@ -53,8 +53,14 @@ def _lerp(xs: np.ndarray, table: np.ndarray, x: float, extrapolate: bool = True)
     return np.maximum(value, table[-1]) if x > xs[-1] else value
 
 
-def _lerp2(xs: np.ndarray, contexts: np.ndarray, table: np.ndarray, x: float, context: float,
-           extrapolate: bool = True) -> float:
+def _lerp2(
+    xs: np.ndarray,
+    contexts: np.ndarray,
+    table: np.ndarray,
+    x: float,
+    context: float,
+    extrapolate: bool = True,
+) -> float:
     return float(_lerp(contexts, _lerp(xs, table, x, extrapolate), context, extrapolate))
 
 
@@ -111,9 +117,12 @@ class CostProfile:
 
     def __post_init__(self) -> None:
         self._arrays: dict[str, np.ndarray] = {}
-        shapes = {"draft_step": (self.widths, "draft_step_table"), "verify": (self.sizes, "verify_table"),
-                  "draft_chunk": (self.chunks, "draft_chunk_table"),
-                  "verify_chain": (self.sizes if self.verify_chain_table else [], "verify_chain_table")}
+        shapes = {
+            "draft_step": (self.widths, "draft_step_table"),
+            "verify": (self.sizes, "verify_table"),
+            "draft_chunk": (self.chunks, "draft_chunk_table"),
+            "verify_chain": (self.sizes if self.verify_chain_table else [], "verify_chain_table"),
+        }
         self._arrays["contexts"] = self._grid("contexts", self.contexts)
         for key, (grid, table_name) in shapes.items():
             if key in ("draft_chunk", "verify_chain") and not grid:
@@ -122,7 +131,9 @@ class CostProfile:
             table = np.asarray(getattr(self, table_name), dtype=np.float64)
             want = (len(grid), len(self.contexts))
             if table.shape != want or not np.all(np.isfinite(table)) or np.any(table < 0):
-                raise ProfileError(f"{table_name} must be a {want} table of finite times >= 0, got {table.shape}")
+                raise ProfileError(
+                    f"{table_name} must be a {want} table of finite times >= 0, got {table.shape}"
+                )
             self._arrays[key] = table
             spread = getattr(self, key + "_spread")
             spread = np.zeros(want) if not len(spread) else np.asarray(spread, dtype=np.float64)
@@ -167,7 +178,11 @@ class CostProfile:
         if depth <= 0:
             return self.ar_overhead_s
         draft_rows = (depth - 1) * tree_width  # logit rows after the first step's single row
-        return self.overhead_base_s + self.overhead_per_node_s * num_nodes + self.overhead_per_draft_row_s * draft_rows
+        return (
+            self.overhead_base_s
+            + self.overhead_per_node_s * num_nodes
+            + self.overhead_per_draft_row_s * draft_rows
+        )
 
     def prefill_s(self, prompt_len: int, with_draft: bool = True) -> float:
         """Target prefill (plus the draft's when ``with_draft``) of a ``prompt_len``-token prompt."""
@@ -179,12 +194,17 @@ class CostProfile:
             total += float(_lerp(lengths, np.asarray(self.prefill_draft_s), prompt_len))
         return total
 
-    def cycle_parts(self, depth: int, num_verified: int, context: int, tree_width: int = 1,
-                    num_pending: int = 1) -> dict[str, float]:
+    def cycle_parts(
+        self, depth: int, num_verified: int, context: int, tree_width: int = 1, num_pending: int = 1
+    ) -> dict[str, float]:
         """The expected cycle time split into first draft step, later draft steps, verify and overhead."""
         if depth <= 0:
-            return {"first_draft_s": 0.0, "more_draft_s": 0.0, "verify_s": self.verify_s(0, context),
-                    "overhead_s": self.ar_overhead_s}
+            return {
+                "first_draft_s": 0.0,
+                "more_draft_s": 0.0,
+                "verify_s": self.verify_s(0, context),
+                "overhead_s": self.ar_overhead_s,
+            }
         return {
             "first_draft_s": self.draft_chunk_s(num_pending, context),
             "more_draft_s": (depth - 1) * self.draft_step_s(tree_width, context),
@@ -192,41 +212,65 @@ class CostProfile:
             "overhead_s": self.overhead_s(num_verified, depth, tree_width),
         }
 
-    def cycle_s(self, depth: int, num_verified: int, context: int, tree_width: int = 1,
-                num_pending: int = 1, controller_calls: int = 0) -> float:
+    def cycle_s(
+        self,
+        depth: int,
+        num_verified: int,
+        context: int,
+        tree_width: int = 1,
+        num_pending: int = 1,
+        controller_calls: int = 0,
+    ) -> float:
         """Expected time T(D, V, context) of one cycle: the first draft step over ``num_pending`` tokens,
         ``depth - 1`` frontier steps of width ``tree_width``, the verification, the overhead, and
         ``controller_calls`` controller calls (0 by default: charge the policy separately)."""
         parts = self.cycle_parts(depth, num_verified, context, tree_width, num_pending)
         return sum(parts.values()) + controller_calls * self.policy_call_s
 
-    def sample_cycle_s(self, depth: int, num_verified: int, context: int, tree_width: int = 1,
-                       rng: np.random.Generator | None = None, num_pending: int = 1,
-                       controller_calls: int = 0) -> float:
+    def sample_cycle_s(
+        self,
+        depth: int,
+        num_verified: int,
+        context: int,
+        tree_width: int = 1,
+        rng: np.random.Generator | None = None,
+        num_pending: int = 1,
+        controller_calls: int = 0,
+    ) -> float:
         """``cycle_s`` with measured noise: each forward and the overhead is scaled by an independent
         lognormal factor of median 1 whose IQR/median is the measured spread of that cell."""
         if rng is None:
             raise ValueError("sample_cycle_s needs an explicit np.random.Generator (rng=...)")
         a = self._arrays
         parts = self.cycle_parts(depth, num_verified, context, tree_width, num_pending)
-        sigma_verify = _lerp2(a["verify_grid"], a["contexts"], a["verify_sigma"], num_verified, context, False)
+        sigma_verify = _lerp2(
+            a["verify_grid"], a["contexts"], a["verify_sigma"], num_verified, context, False
+        )
         total = parts["verify_s"] * math.exp(sigma_verify * rng.standard_normal())
         total += parts["overhead_s"] * math.exp(spread_to_sigma(self.overhead_spread) * rng.standard_normal())
         if depth > 0:
             key = "draft_chunk" if "draft_chunk" in a else "draft_step"
-            sigma_first = _lerp2(a[key + "_grid"], a["contexts"], a[key + "_sigma"], num_pending, context, False)
+            sigma_first = _lerp2(
+                a[key + "_grid"], a["contexts"], a[key + "_sigma"], num_pending, context, False
+            )
             total += parts["first_draft_s"] * math.exp(sigma_first * rng.standard_normal())
             if depth > 1:
-                sigma_step = _lerp2(a["draft_step_grid"], a["contexts"], a["draft_step_sigma"], tree_width,
-                                    context, False)
+                sigma_step = _lerp2(
+                    a["draft_step_grid"], a["contexts"], a["draft_step_sigma"], tree_width, context, False
+                )
                 step = self.draft_step_s(tree_width, context)
                 total += float(np.sum(step * np.exp(sigma_step * rng.standard_normal(depth - 1))))
         return total + controller_calls * self.policy_call_s
 
     def noise_scale(self, rng: np.random.Generator) -> float:
         """One lognormal factor with the median spread of all forward cells (a coarse whole-cycle noise)."""
-        sigma = float(np.median(np.concatenate([self._arrays["verify_sigma"].ravel(),
-                                                self._arrays["draft_step_sigma"].ravel()])))
+        sigma = float(
+            np.median(
+                np.concatenate(
+                    [self._arrays["verify_sigma"].ravel(), self._arrays["draft_step_sigma"].ravel()]
+                )
+            )
+        )
         return math.exp(sigma * rng.standard_normal())
 
     def c_ratio(self, context: int) -> float:
@@ -251,8 +295,9 @@ class CostProfile:
         """Read a profile written by ``save``; raises ``FileNotFoundError`` or ``ProfileError``."""
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"no cost profile at {path}: measure one with "
-                                    f"`python -m engine.profile --out {path}`")
+            raise FileNotFoundError(
+                f"no cost profile at {path}: measure one with `python -m engine.profile --out {path}`"
+            )
         try:
             data = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -260,11 +305,17 @@ class CostProfile:
         if not isinstance(data, dict):
             raise ProfileError(f"{path} is not a cost profile (top level is {type(data).__name__})")
         if data.get("version") != PROFILE_VERSION:
-            raise ProfileError(f"{path} has cost profile format version {data.get('version')!r}; this code "
-                               f"reads version {PROFILE_VERSION}: measure it again with `python -m engine.profile`")
+            raise ProfileError(
+                f"{path} has cost profile format version {data.get('version')!r}; this code "
+                f"reads version {PROFILE_VERSION}: measure it again with `python -m engine.profile`"
+            )
         known = {f.name for f in fields(cls)}
-        missing = [f.name for f in fields(cls) if f.name not in data and f.name in ("contexts", "widths",
-                   "draft_step_table", "sizes", "verify_table")]
+        missing = [
+            f.name
+            for f in fields(cls)
+            if f.name not in data
+            and f.name in ("contexts", "widths", "draft_step_table", "sizes", "verify_table")
+        ]
         if missing:
             raise ProfileError(f"{path} is not a complete cost profile: missing {missing}")
         try:
@@ -280,33 +331,62 @@ class CostProfile:
         def block(title: str, label: str, grid: list[int], table, spread) -> list[str]:
             rows = [f"{title}", f"{label:>8}{ctx_head}"]
             for i, g in enumerate(grid):
-                cells = "".join(f"{1e3 * table[i][j]:>9.2f} ±{100 * spread[i][j]:>3.0f}%"
-                                for j in range(len(self.contexts)))
+                cells = "".join(
+                    f"{1e3 * table[i][j]:>9.2f} ±{100 * spread[i][j]:>3.0f}%"
+                    for j in range(len(self.contexts))
+                )
                 rows.append(f"{g:>8}{cells}")
             return rows
 
         zeros = lambda grid: [[0.0] * len(self.contexts) for _ in grid]  # noqa: E731
-        lines = [f"cost profile: {self.meta.get('pair', '?')} {self.meta.get('dtype', '?')} on "
-                 f"{self.meta.get('device_name', '?')} ({self.meta.get('num_threads', '?')} threads"
-                 f"{', RANDOM WEIGHTS' if self.meta.get('random_weights') else ''}) -- ms, ±IQR/median"]
-        lines += block("draft step vs frontier width W", "W", self.widths, self.draft_step_table,
-                       self.draft_step_spread or zeros(self.widths))
+        lines = [
+            f"cost profile: {self.meta.get('pair', '?')} {self.meta.get('dtype', '?')} on "
+            f"{self.meta.get('device_name', '?')} ({self.meta.get('num_threads', '?')} threads"
+            f"{', RANDOM WEIGHTS' if self.meta.get('random_weights') else ''}) -- ms, ±IQR/median"
+        ]
+        lines += block(
+            "draft step vs frontier width W",
+            "W",
+            self.widths,
+            self.draft_step_table,
+            self.draft_step_spread or zeros(self.widths),
+        )
         if self.chunks:
-            lines += block("first draft step vs pending tokens P", "P", self.chunks, self.draft_chunk_table,
-                           self.draft_chunk_spread or zeros(self.chunks))
-        lines += block("verify vs verified nodes V (1 + V rows)", "V", self.sizes, self.verify_table,
-                       self.verify_spread or zeros(self.sizes))
-        lines.append("c = draft step(W=1) / verify(V=0): " + ", ".join(
-            f"ctx {c}: {self.c_ratio(c):.3f}" for c in self.contexts))
+            lines += block(
+                "first draft step vs pending tokens P",
+                "P",
+                self.chunks,
+                self.draft_chunk_table,
+                self.draft_chunk_spread or zeros(self.chunks),
+            )
+        lines += block(
+            "verify vs verified nodes V (1 + V rows)",
+            "V",
+            self.sizes,
+            self.verify_table,
+            self.verify_spread or zeros(self.sizes),
+        )
+        lines.append(
+            "c = draft step(W=1) / verify(V=0): "
+            + ", ".join(f"ctx {c}: {self.c_ratio(c):.3f}" for c in self.contexts)
+        )
         if self.prefill_lengths:
-            lines.append("prefill target / draft (ms): " + ", ".join(
-                f"{n}: {1e3 * t:.1f} / {1e3 * d:.1f}" for n, t, d in
-                zip(self.prefill_lengths, self.prefill_target_s,
-                    self.prefill_draft_s or [0.0] * len(self.prefill_lengths))))
+            lines.append(
+                "prefill target / draft (ms): "
+                + ", ".join(
+                    f"{n}: {1e3 * t:.1f} / {1e3 * d:.1f}"
+                    for n, t, d in zip(
+                        self.prefill_lengths,
+                        self.prefill_target_s,
+                        self.prefill_draft_s or [0.0] * len(self.prefill_lengths),
+                    )
+                )
+            )
         lines.append(
             f"overhead (ms): {1e3 * self.overhead_base_s:.2f} + {1e3 * self.overhead_per_node_s:.3f}/verified node"
             f" + {1e3 * self.overhead_per_draft_row_s:.3f}/draft row (±{100 * self.overhead_spread:.0f}%);"
-            f" autoregressive step {1e3 * self.ar_overhead_s:.2f}; controller call {1e3 * self.policy_call_s:.3f}")
+            f" autoregressive step {1e3 * self.ar_overhead_s:.2f}; controller call {1e3 * self.policy_call_s:.3f}"
+        )
         return "\n".join(lines)
 
 
@@ -332,8 +412,11 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m engine.profile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--pair", default="qwen2.5-coder", help="qwen2.5-coder (default) or tiny")
-    parser.add_argument("--random-weights", action="store_true",
-                        help="the pair's architecture with random weights, no download (timing only)")
+    parser.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="the pair's architecture with random weights, no download (timing only)",
+    )
     add_format_args(parser)
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda:0, ...")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")

@@ -57,41 +57,76 @@ class ProfileConfig:
 
     def __post_init__(self) -> None:
         """Ranges that hold for every pair (``check_fits`` adds the pair's context and vocabulary)."""
-        for name, low, high in (("contexts", 1, None), ("widths", 1, MAX_TREE_NODES), ("chunks", 1, None),
-                                ("sizes", 0, MAX_VERIFY_NODES)):
+        for name, low, high in (
+            ("contexts", 1, None),
+            ("widths", 1, MAX_TREE_NODES),
+            ("chunks", 1, None),
+            ("sizes", 0, MAX_VERIFY_NODES),
+        ):
             grid = getattr(self, name)
-            if (not isinstance(grid, (tuple, list)) or not grid or not all(is_int(v) for v in grid)
-                    or list(grid) != sorted(set(grid)) or grid[0] < low or (high is not None and grid[-1] > high)):
+            if (
+                not isinstance(grid, (tuple, list))
+                or not grid
+                or not all(is_int(v) for v in grid)
+                or list(grid) != sorted(set(grid))
+                or grid[0] < low
+                or (high is not None and grid[-1] > high)
+            ):
                 bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-                raise InputError(f"{name} (--{name}) must be distinct ascending integers {bound}, got {grid!r}")
-        for name, low in (("reps", 1), ("warmup", 0), ("prefill_reps", 1), ("overhead_cycles", 1),
-                          ("overhead_prompt_len", 1), ("seed", 0)):
+                raise InputError(
+                    f"{name} (--{name}) must be distinct ascending integers {bound}, got {grid!r}"
+                )
+        for name, low in (
+            ("reps", 1),
+            ("warmup", 0),
+            ("prefill_reps", 1),
+            ("overhead_cycles", 1),
+            ("overhead_prompt_len", 1),
+            ("seed", 0),
+        ):
             value = getattr(self, name)
             if not is_int(value) or value < low:
                 flag = "--" + name.replace("_", "-")
                 raise InputError(f"{name} ({flag}) must be an integer >= {low}, got {value!r}")
         if self.contexts[0] <= self.chunks[-1]:
-            raise InputError(f"contexts (--contexts) must all exceed the largest chunk ({self.chunks[-1]}): the "
-                             f"first draft step runs the chunk on top of the context, got {self.contexts}")
+            raise InputError(
+                f"contexts (--contexts) must all exceed the largest chunk ({self.chunks[-1]}): the "
+                f"first draft step runs the chunk on top of the context, got {self.contexts}"
+            )
 
     def check_fits(self, max_context: int, vocab_size: int, where: str = "this pair") -> None:
         """The grids fit a pair with this context limit and vocabulary (``InputError`` otherwise)."""
         rows = max(self.sizes[-1] + 1, self.widths[-1], self.chunks[-1])
         if self.contexts[-1] + rows > max_context:
-            raise InputError(f"contexts (--contexts) must lie in ({self.chunks[-1]}, {max_context - rows}] for "
-                             f"{where} (context limit {max_context}) and this grid, got {self.contexts}")
+            raise InputError(
+                f"contexts (--contexts) must lie in ({self.chunks[-1]}, {max_context - rows}] for "
+                f"{where} (context limit {max_context}) and this grid, got {self.contexts}"
+            )
         if self.widths[-1] > vocab_size:
-            raise InputError(f"widths (--widths) must not exceed the vocabulary of {where} ({vocab_size} tokens), "
-                             f"got {self.widths}")
+            raise InputError(
+                f"widths (--widths) must not exceed the vocabulary of {where} ({vocab_size} tokens), "
+                f"got {self.widths}"
+            )
         if self.overhead_prompt_len >= max_context:
-            raise InputError(f"overhead_prompt_len (--overhead-prompt-len) must be below the context limit of "
-                             f"{where} ({max_context}), got {self.overhead_prompt_len}")
+            raise InputError(
+                f"overhead_prompt_len (--overhead-prompt-len) must be below the context limit of "
+                f"{where} ({max_context}), got {self.overhead_prompt_len}"
+            )
 
     @classmethod
     def quick(cls) -> ProfileConfig:
         """Seconds on the tiny pair; a plumbing check elsewhere."""
-        return cls(contexts=(64, 256), widths=(1, 2), chunks=(1, 2), sizes=(0, 1, 4, 16), reps=2, warmup=1,
-                   prefill_reps=1, overhead_cycles=3, overhead_prompt_len=16)
+        return cls(
+            contexts=(64, 256),
+            widths=(1, 2),
+            chunks=(1, 2),
+            sizes=(0, 1, 4, 16),
+            reps=2,
+            warmup=1,
+            prefill_reps=1,
+            overhead_cycles=3,
+            overhead_prompt_len=16,
+        )
 
 
 class _FixedController(Controller):
@@ -178,7 +213,9 @@ class _Profiler:
             # for W > 1; the few earlier tree nodes the engine's cache also holds are left out)
             for row, w in enumerate(self.config.widths):
                 mask = tree_attention_mask(ctx, np.eye(w, dtype=bool), dtype, dev) if w > 1 else None
-                cells.append(_Cell("step", row, col, pair.draft, draft_cache, self.ids(w), ctx, 0, mask, [ctx] * w))
+                cells.append(
+                    _Cell("step", row, col, pair.draft, draft_cache, self.ids(w), ctx, 0, mask, [ctx] * w)
+                )
             # first draft step: the cache holds ctx - P tokens, the P pending ones run causally (keep=1)
             for row, p in enumerate(self.config.chunks):
                 cells.append(_Cell("chunk", row, col, pair.draft, draft_cache, self.ids(p), ctx - p, keep=1))
@@ -188,11 +225,35 @@ class _Profiler:
                 anc = ancestor_matrix([-1] + [(j - 1) // 2 for j in range(1, v + 1)])
                 positions = [ctx - 1 + int(anc[j].sum()) - 1 for j in range(v + 1)]  # by depth in the tree
                 mask = tree_attention_mask(ctx - 1, anc, dtype, dev) if v >= 2 else None
-                cells.append(_Cell("verify", row, col, pair.target, target_cache, self.ids(v + 1), ctx - 1, 0,
-                                   mask, positions))
+                cells.append(
+                    _Cell(
+                        "verify",
+                        row,
+                        col,
+                        pair.target,
+                        target_cache,
+                        self.ids(v + 1),
+                        ctx - 1,
+                        0,
+                        mask,
+                        positions,
+                    )
+                )
                 # the same count as a chain: causal, no mask (the engine's path for chains)
-                cells.append(_Cell("verify_chain", row, col, pair.target, target_cache, self.ids(v + 1), ctx - 1, 0,
-                                   None, list(range(ctx - 1, ctx + v))))
+                cells.append(
+                    _Cell(
+                        "verify_chain",
+                        row,
+                        col,
+                        pair.target,
+                        target_cache,
+                        self.ids(v + 1),
+                        ctx - 1,
+                        0,
+                        None,
+                        list(range(ctx - 1, ctx + v)),
+                    )
+                )
         return cells
 
     def run(self, cells: list[_Cell]) -> None:
@@ -203,8 +264,15 @@ class _Profiler:
                 cell = cells[i]
                 keep_entries(cell.cache, cell.start, [])
                 t0 = self.clock()
-                self.engine._forward(cell.model, cell.ids, cell.start, cell.cache, keep=cell.keep,
-                                     mask=cell.mask, positions=cell.positions)
+                self.engine._forward(
+                    cell.model,
+                    cell.ids,
+                    cell.start,
+                    cell.cache,
+                    keep=cell.keep,
+                    mask=cell.mask,
+                    positions=cell.positions,
+                )
                 elapsed = self.clock() - t0
                 if rnd >= self.config.warmup:
                     cell.samples.append(elapsed)
@@ -235,8 +303,11 @@ class _Profiler:
             for depth, verify, width in configs:
                 if len(samples[(depth, verify, width)]) >= need:
                     continue
-                res = self.engine.generate(ids, max_new_tokens=need * (depth + 1) + 2,
-                                           controller=_FixedController(depth, verify, width))
+                res = self.engine.generate(
+                    ids,
+                    max_new_tokens=need * (depth + 1) + 2,
+                    controller=_FixedController(depth, verify, width),
+                )
                 for rec in res.cycles[1:]:  # the first cycle of a request warms the new shapes up
                     if rec.depth == 0:
                         continue  # autoregressive fallback near the budget
@@ -248,11 +319,24 @@ class _Profiler:
         per_config = []
         for (depth, verify, width), got in samples.items():
             med, spread = _stats(got) if got else (float("nan"), 0.0)
-            per_config.append({"depth": depth, "verify": verify, "width": width, "median_s": med,
-                               "spread": spread, "cycles": len(got)})
+            per_config.append(
+                {
+                    "depth": depth,
+                    "verify": verify,
+                    "width": width,
+                    "median_s": med,
+                    "spread": spread,
+                    "cycles": len(got),
+                }
+            )
         coef, spread = _fit_overhead(np.asarray(rows, dtype=np.float64).reshape(-1, 3))
-        return {"coef": coef, "spread": spread, "ar": _stats(ar)[0] if ar else 0.0,
-                "policy_call_s": float(np.median(ctrl_calls)) if ctrl_calls else 0.0, "configs": per_config}
+        return {
+            "coef": coef,
+            "spread": spread,
+            "ar": _stats(ar)[0] if ar else 0.0,
+            "policy_call_s": float(np.median(ctrl_calls)) if ctrl_calls else 0.0,
+            "configs": per_config,
+        }
 
 
 def _fit_overhead(rows: np.ndarray) -> tuple[np.ndarray, float]:
@@ -288,22 +372,31 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def measure_profile(pair: ModelPair, config: ProfileConfig | None = None, random_weights: bool = False,
-                    progress: bool = True) -> CostProfile:
+def measure_profile(
+    pair: ModelPair, config: ProfileConfig | None = None, random_weights: bool = False, progress: bool = True
+) -> CostProfile:
     """Measure the cost profile of ``pair`` on its device and dtype."""
     import transformers
 
     config = config or ProfileConfig()
     config.check_fits(pair.max_context, pair.vocab_size, where=f"pair {pair.name}")
     meta = {
-        "pair": pair.name, "dtype": pair.precision, "device": str(pair.device),
-        "device_name": device_name(pair.device), "torch": torch.__version__,
-        "transformers": transformers.__version__, "num_threads": torch.get_num_threads(),
-        "random_weights": bool(random_weights), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "loadavg_start": list(os.getloadavg()), "config": asdict(config),
+        "pair": pair.name,
+        "dtype": pair.precision,
+        "device": str(pair.device),
+        "device_name": device_name(pair.device),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "num_threads": torch.get_num_threads(),
+        "random_weights": bool(random_weights),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "loadavg_start": list(os.getloadavg()),
+        "config": asdict(config),
     }
-    ctxs, grids = config.contexts, {"step": config.widths, "chunk": config.chunks, "verify": config.sizes,
-                                    "verify_chain": config.sizes}
+    ctxs, grids = (
+        config.contexts,
+        {"step": config.widths, "chunk": config.chunks, "verify": config.sizes, "verify_chain": config.sizes},
+    )
     num_cells = len(ctxs) * sum(len(g) for g in grids.values())
     total = 2 * len(ctxs) * config.prefill_reps + num_cells * (config.warmup + config.reps) + 7
     with torch.inference_mode(), tqdm(total=total, desc="profile", disable=not progress) as bar:
@@ -314,26 +407,42 @@ def measure_profile(pair: ModelPair, config: ProfileConfig | None = None, random
         over = prof.overhead()
         bar.update(max(total - bar.n, 0))  # the overhead phase may need fewer or more requests than budgeted
 
-    tables = {key: np.zeros((len(grid), len(ctxs), 2)) for key, grid in grids.items()}  # [grid, ctx, (median, spread)]
+    tables = {
+        key: np.zeros((len(grid), len(ctxs), 2)) for key, grid in grids.items()
+    }  # [grid, ctx, (median, spread)]
     for cell in cells:
         tables[cell.key][cell.row, cell.col] = _stats(cell.samples)
     target_stats = [_stats(t) for t in prefill_target]
     draft_stats = [_stats(t) for t in prefill_draft]
     meta["loadavg_end"] = list(os.getloadavg())
     return CostProfile(
-        contexts=list(ctxs), widths=list(config.widths), draft_step_table=tables["step"][..., 0].tolist(),
-        sizes=list(config.sizes), verify_table=tables["verify"][..., 0].tolist(),
+        contexts=list(ctxs),
+        widths=list(config.widths),
+        draft_step_table=tables["step"][..., 0].tolist(),
+        sizes=list(config.sizes),
+        verify_table=tables["verify"][..., 0].tolist(),
         verify_chain_table=tables["verify_chain"][..., 0].tolist(),
-        verify_chain_spread=tables["verify_chain"][..., 1].tolist(), chunks=list(config.chunks),
-        draft_chunk_table=tables["chunk"][..., 0].tolist(), prefill_lengths=list(ctxs),
-        prefill_target_s=[m for m, _ in target_stats], prefill_draft_s=[m for m, _ in draft_stats],
-        overhead_base_s=float(over["coef"][0]), overhead_per_node_s=float(over["coef"][1]),
-        overhead_per_draft_row_s=float(over["coef"][2]), ar_overhead_s=float(over["ar"]),
-        policy_call_s=over["policy_call_s"], draft_step_spread=tables["step"][..., 1].tolist(),
-        verify_spread=tables["verify"][..., 1].tolist(), draft_chunk_spread=tables["chunk"][..., 1].tolist(),
-        overhead_spread=float(over["spread"]), meta=meta,
-        details={"prefill_target_spread": [s for _, s in target_stats],
-                 "prefill_draft_spread": [s for _, s in draft_stats], "overhead_configs": over["configs"]},
+        verify_chain_spread=tables["verify_chain"][..., 1].tolist(),
+        chunks=list(config.chunks),
+        draft_chunk_table=tables["chunk"][..., 0].tolist(),
+        prefill_lengths=list(ctxs),
+        prefill_target_s=[m for m, _ in target_stats],
+        prefill_draft_s=[m for m, _ in draft_stats],
+        overhead_base_s=float(over["coef"][0]),
+        overhead_per_node_s=float(over["coef"][1]),
+        overhead_per_draft_row_s=float(over["coef"][2]),
+        ar_overhead_s=float(over["ar"]),
+        policy_call_s=over["policy_call_s"],
+        draft_step_spread=tables["step"][..., 1].tolist(),
+        verify_spread=tables["verify"][..., 1].tolist(),
+        draft_chunk_spread=tables["chunk"][..., 1].tolist(),
+        overhead_spread=float(over["spread"]),
+        meta=meta,
+        details={
+            "prefill_target_spread": [s for _, s in target_stats],
+            "prefill_draft_spread": [s for _, s in draft_stats],
+            "overhead_configs": over["configs"],
+        },
     )
 
 
@@ -345,8 +454,12 @@ def add_config_arguments(parser: argparse.ArgumentParser, defaults: ProfileConfi
         value = getattr(defaults, f.name)
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, tuple):
-            parser.add_argument(flag, type=_int_list, default=None,
-                                help=f"comma-separated (default {','.join(map(str, value))})")
+            parser.add_argument(
+                flag,
+                type=_int_list,
+                default=None,
+                help=f"comma-separated (default {','.join(map(str, value))})",
+            )
         else:
             parser.add_argument(flag, type=type(value), default=None, help=f"(default {value})")
 
@@ -364,7 +477,9 @@ def _int_list(text: str) -> tuple[int, ...]:
 def config_from_args(args: argparse.Namespace) -> ProfileConfig:
     """The ``ProfileConfig`` of the flags (``InputError`` naming the flag when a value is out of range)."""
     base = ProfileConfig.quick() if args.quick else ProfileConfig()
-    given = {f.name: getattr(args, f.name) for f in fields(ProfileConfig) if getattr(args, f.name) is not None}
+    given = {
+        f.name: getattr(args, f.name) for f in fields(ProfileConfig) if getattr(args, f.name) is not None
+    }
     return replace(base, **given)
 
 

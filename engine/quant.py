@@ -90,7 +90,9 @@ class Int4Linear(_IntegerLinear):
         n, k = codes.shape
         _check_int4_shape(n, k, "Int4Linear")
         self.in_features, self.out_features = k, n
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), INNER_K_TILES)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            codes.to(torch.int32).contiguous(), INNER_K_TILES
+        )
         self.register_buffer("packed", packed)
         self.register_buffer("scales_zeros", _aligned(scales_zeros.to(KERNEL_DTYPE)))
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).clone())
@@ -158,7 +160,9 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = weight.detach().to(torch.float64).reshape(n, k // GROUP_SIZE, GROUP_SIZE)
     lo, hi = w.amin(dim=2), w.amax(dim=2)
     scale = torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(hi)).to(KERNEL_DTYPE)
-    zero = (lo + 8.0 * scale.to(torch.float64)).to(KERNEL_DTYPE)  # code * scale + lo = (code - 8) * scale + zero
+    zero = (lo + 8.0 * scale.to(torch.float64)).to(
+        KERNEL_DTYPE
+    )  # code * scale + lo = (code - 8) * scale + zero
     s64, z64 = scale.to(torch.float64)[..., None], zero.to(torch.float64)[..., None]
     codes = torch.round((w - z64) / s64 + 8.0).clamp_(0, 15)
     scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/32, N, 2]
@@ -195,8 +199,9 @@ def _super_blocks(blocks: np.ndarray, nbytes: int, rows: int, cols: int, qtype: 
     return b
 
 
-def q4_k_fields(blocks: np.ndarray, rows: int, cols: int
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def q4_k_fields(
+    blocks: np.ndarray, rows: int, cols: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Q4_K blocks of a [rows, cols] tensor -> their fields: (codes uint8 [rows, cols] in input order,
     d float16 [blocks], dmin float16 [blocks], sc uint8 [blocks, 8], m uint8 [blocks, 8]) with
     ``weight = d * sc * code - dmin * m`` per 32-weight sub-block.
@@ -262,7 +267,9 @@ def q4_k_to_int4(blocks: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor
     zero ``8 * scale - min`` rounded to bfloat16 for the kernel."""
     codes, scale, mins = q4_k_decode(blocks, rows, cols)
     zero = (8.0 * scale.astype(np.float64) - mins.astype(np.float64)).astype(np.float32)
-    scales_zeros = torch.from_numpy(np.stack([scale, zero], axis=-1).transpose(1, 0, 2).copy()).to(KERNEL_DTYPE)
+    scales_zeros = torch.from_numpy(np.stack([scale, zero], axis=-1).transpose(1, 0, 2).copy()).to(
+        KERNEL_DTYPE
+    )
     return torch.from_numpy(codes), scales_zeros
 
 
@@ -272,8 +279,21 @@ _GGUF_LINEAR_NAMES = {
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }  # fmt: skip
-SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
-                        "Q5_K", "Q6_K")
+SUPPORTED_GGUF_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q8_0",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
 
 
 def gguf_linear_name(gguf_name: str) -> str | None:
@@ -333,8 +353,16 @@ FLOAT_SOURCES = ("float32", "float16", "bfloat16", "float64", "F32", "F16", "BF1
 
 
 def quantized_state(
-    linears: Iterator[tuple[str, str, int, int, Callable[[], tuple[torch.Tensor, torch.Tensor]] | None,
-                            Callable[[], torch.Tensor]]],
+    linears: Iterator[
+        tuple[
+            str,
+            str,
+            int,
+            int,
+            Callable[[], tuple[torch.Tensor, torch.Tensor]] | None,
+            Callable[[], torch.Tensor],
+        ]
+    ],
     fmt: str,
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """Quantize linear weights to ``fmt``. ``linears`` yields (module name, source type, N, K, exact int4
@@ -342,19 +370,28 @@ def quantized_state(
     (kind, source type, max |error| and mean relative error of the applied weight, in exact arithmetic,
     against the float32 weight)."""
     if fmt not in INTEGER_FORMATS:
-        raise QuantizationError(f"not an integer format: {fmt!r} (integer formats: {', '.join(INTEGER_FORMATS)})")
+        raise QuantizationError(
+            f"not an integer format: {fmt!r} (integer formats: {', '.join(INTEGER_FORMATS)})"
+        )
     tensors: dict[str, torch.Tensor] = {}
     info: dict[str, dict] = {}
     for module, qtype, n, k, exact_int4, dense in linears:
         reference = dense()  # dequantised once: the source of the rounding and the error reference
         if fmt in KQUANT_FORMATS:
-            kind, fields, applied = _kquant_fields(qtype, exact_int4, reference, strict=fmt == "kquant-strict")
+            kind, fields, applied = _kquant_fields(
+                qtype, exact_int4, reference, strict=fmt == "kquant-strict"
+            )
             for field, t in fields.items():
                 tensors[f"{module}.{kind}_{field}"] = t
             reference = reference.double().numpy()
             err = np.abs(applied - reference)
-            info[module] = {"kind": kind, "source": qtype, "shape": [n, k], "max_abs_error": float(err.max()),
-                            "mean_rel_error": float(err.mean() / max(float(np.abs(reference).mean()), 1e-30))}
+            info[module] = {
+                "kind": kind,
+                "source": qtype,
+                "shape": [n, k],
+                "max_abs_error": float(err.max()),
+                "mean_rel_error": float(err.mean() / max(float(np.abs(reference).mean()), 1e-30)),
+            }
             continue
         if fmt in ("int4", "int4-strict") and exact_int4 is not None and _int4_ok(n, k):
             codes, sz = exact_int4()
@@ -375,13 +412,19 @@ def quantized_state(
             applied = codes.double() * sz.double()[:, None]
         reference = reference.double()
         err = (applied - reference).abs()
-        info[module] = {"kind": kind, "source": qtype, "shape": [n, k], "max_abs_error": float(err.max()),
-                        "mean_rel_error": float(err.mean() / reference.abs().mean().clamp_min(1e-30))}
+        info[module] = {
+            "kind": kind,
+            "source": qtype,
+            "shape": [n, k],
+            "max_abs_error": float(err.max()),
+            "mean_rel_error": float(err.mean() / reference.abs().mean().clamp_min(1e-30)),
+        }
     return tensors, info
 
 
-def _kquant_fields(qtype: str, exact: Callable[[], tuple] | None, reference: torch.Tensor, strict: bool
-                   ) -> tuple[str, dict[str, torch.Tensor], np.ndarray]:
+def _kquant_fields(
+    qtype: str, exact: Callable[[], tuple] | None, reference: torch.Tensor, strict: bool
+) -> tuple[str, dict[str, torch.Tensor], np.ndarray]:
     """One tensor in a kquant format: (layout "k4"/"k6", its tensors, the float64 weights it applies).
     ``exact``: the GGUF blocks' own conversion (Q4_K -> k4, Q6_K -> k6), None for other sources."""
     from engine import kquant
@@ -399,8 +442,13 @@ def _kquant_fields(qtype: str, exact: Callable[[], tuple] | None, reference: tor
     return "k6", {"lo": lo, "hi": hi, "meta": meta}, kquant.unpack_k6(lo, hi, meta, reference.shape[1])
 
 
-def build_module(state: dict[str, torch.Tensor], module: str, bias: torch.Tensor | None,
-                 rows: torch.Tensor | None = None, in_features: int | None = None) -> nn.Module:
+def build_module(
+    state: dict[str, torch.Tensor],
+    module: str,
+    bias: torch.Tensor | None,
+    rows: torch.Tensor | None = None,
+    in_features: int | None = None,
+) -> nn.Module:
     """The quantized module ``module`` from cached tensors; ``rows``: keep only these output rows (a
     restricted LM head, ``RestrictedHead``); ``in_features``: the layer's input width (the kquant layouts
     store whole blocks of 128 inputs)."""
@@ -455,7 +503,9 @@ class RestrictedHead(nn.Module):
         return f"kept={self.keep.numel()} of {self.out_features} tokens"
 
 
-def draft_vocab_ids(size: int, vocab_size: int, always: set[int] | frozenset[int] = frozenset()) -> torch.Tensor:
+def draft_vocab_ids(
+    size: int, vocab_size: int, always: set[int] | frozenset[int] = frozenset()
+) -> torch.Tensor:
     """The token ids a restricted draft head keeps: the ``size`` lowest ids (in a byte-level BPE vocabulary
     the 256 bytes, then merges in the order they were learned, most frequent pair first on the
     tokenizer's own training corpus) plus ``always`` (end-of-sequence and other special tokens), topped up
@@ -483,8 +533,12 @@ def restrict_dense_head(model: nn.Module, keep: torch.Tensor) -> None:
     model.lm_head = RestrictedHead(inner.requires_grad_(False), keep, head.out_features)
 
 
-def replace_linears(model: nn.Module, state: dict[str, torch.Tensor], modules: list[str],
-                    head_rows: torch.Tensor | None = None) -> None:
+def replace_linears(
+    model: nn.Module,
+    state: dict[str, torch.Tensor],
+    modules: list[str],
+    head_rows: torch.Tensor | None = None,
+) -> None:
     """Swap each named ``nn.Linear`` of ``model`` for its quantized module (bias kept, float32);
     ``head_rows``: the LM head keeps only these tokens (``RestrictedHead``)."""
     for name in modules:
@@ -518,7 +572,14 @@ def quantize_model(model: nn.Module, fmt: str, head_rows: torch.Tensor | None = 
     def source():
         for name in names:
             w = model.get_submodule(name).weight
-            yield name, str(w.dtype).removeprefix("torch."), w.shape[0], w.shape[1], None, (lambda w=w: w.detach().float())
+            yield (
+                name,
+                str(w.dtype).removeprefix("torch."),
+                w.shape[0],
+                w.shape[1],
+                None,
+                (lambda w=w: w.detach().float()),
+            )
 
     state, info = quantized_state(source(), fmt)
     model.to(torch.float32)
@@ -531,8 +592,9 @@ def quant_cache_dir(root: Path, name: str, fmt: str) -> Path:
     return root / "quant" / name / fmt
 
 
-def ensure_quantized_gguf(gguf_path: Path, name: str, sha256: str, fmt: str, root: Path,
-                          progress: bool = True) -> Path:
+def ensure_quantized_gguf(
+    gguf_path: Path, name: str, sha256: str, fmt: str, root: Path, progress: bool = True
+) -> Path:
     """The cached ``fmt`` conversion of a GGUF's linear weights (built once; rebuilt if incomplete,
     unreadable or from another source/version). Returns the directory holding ``weights.safetensors``
     and the stamp."""
@@ -567,8 +629,14 @@ def ensure_quantized_gguf(gguf_path: Path, name: str, sha256: str, fmt: str, roo
     tmp = Path(tempfile.mkdtemp(prefix=f".{fmt}-", dir=final.parent))
     try:
         save_file(tensors, str(tmp / "weights.safetensors"))
-        stamp = {"version": QUANT_VERSION, "format": fmt, "source": gguf_path.name, "sha256": sha256,
-                 "modules": info, "seconds": round(time.perf_counter() - start, 1)}
+        stamp = {
+            "version": QUANT_VERSION,
+            "format": fmt,
+            "source": gguf_path.name,
+            "sha256": sha256,
+            "modules": info,
+            "seconds": round(time.perf_counter() - start, 1),
+        }
         (tmp / QUANT_STAMP).write_text(json.dumps(stamp, indent=1) + "\n")  # last: marks completion
         if final.exists():
             shutil.rmtree(final)
@@ -585,7 +653,9 @@ def _cache_valid(path: Path, sha256: str, fmt: str) -> bool:
     except (OSError, ValueError):
         return False
     return (
-        stamp.get("version") == QUANT_VERSION and stamp.get("sha256") == sha256 and stamp.get("format") == fmt
+        stamp.get("version") == QUANT_VERSION
+        and stamp.get("sha256") == sha256
+        and stamp.get("format") == fmt
         and (path / "weights.safetensors").is_file()
     )
 
@@ -605,7 +675,9 @@ def load_quantized(model: nn.Module, path: Path, head_rows: torch.Tensor | None 
     expected = set(linear_names(model))
     if set(modules) != expected:
         missing, extra = sorted(expected - set(modules))[:3], sorted(set(modules) - expected)[:3]
-        raise QuantizationError(f"quantized cache {path} does not fit the model (missing {missing}, extra {extra})")
+        raise QuantizationError(
+            f"quantized cache {path} does not fit the model (missing {missing}, extra {extra})"
+        )
     model.to(torch.float32)
     replace_linears(model, state, modules, head_rows)
     return stamp["modules"]

@@ -56,10 +56,14 @@ class StubTokenizer(ByteTokenizer):
         return self.vocab_size
 
 
-def random_pair_configs(name: str, overrides: dict[str, Any] | None = None) -> tuple[Qwen2Config, Qwen2Config]:
+def random_pair_configs(
+    name: str, overrides: dict[str, Any] | None = None
+) -> tuple[Qwen2Config, Qwen2Config]:
     """(target, draft) configs of a named pair; ``overrides`` is applied to both (tests shrink them)."""
     if name not in RANDOM_PAIR_CONFIGS:
-        raise ValueError(f"no random-weights architecture for pair {name!r}; known: {sorted(RANDOM_PAIR_CONFIGS)}")
+        raise ValueError(
+            f"no random-weights architecture for pair {name!r}; known: {sorted(RANDOM_PAIR_CONFIGS)}"
+        )
     target, draft = RANDOM_PAIR_CONFIGS[name]
     extra = overrides or {}
     return Qwen2Config(**{**target, **extra}), Qwen2Config(**{**draft, **extra})
@@ -94,7 +98,10 @@ def build_random_pair(
         generator = torch.Generator(device=dev).manual_seed(seed)
         _fill_random(target, generator, target_cfg.initializer_range)
         _fill_random(draft, generator, draft_cfg.initializer_range)
-    target, draft = target.eval(), draft.eval()  # buffers (rotary inv_freq) keep their dtype, as from_pretrained leaves them
+    target, draft = (
+        target.eval(),
+        draft.eval(),
+    )  # buffers (rotary inv_freq) keep their dtype, as from_pretrained leaves them
     tokenizer = StubTokenizer(target_cfg.vocab_size, target_cfg.eos_token_id)
     return _make_pair(target, draft, tokenizer, tokenizer, f"{name}[random]")
 

@@ -100,6 +100,8 @@ def summarize(res: GenerationResult) -> dict[str, float]:
         "mean_depth": float(np.mean([c.depth for c in cycles])) if cycles else 0.0,
         "mean_verified": float(np.mean([c.num_verified for c in cycles])) if cycles else 0.0,
         "overhead_fraction": 1.0 - forward_s / decode_s if decode_s > 0 else float("nan"),
-        "controller_fraction": sum(c.controller_s for c in cycles) / decode_s if decode_s > 0 else float("nan"),
+        "controller_fraction": sum(c.controller_s for c in cycles) / decode_s
+        if decode_s > 0
+        else float("nan"),
         "peak_memory_mb": res.peak_memory_bytes / 2**20,
     }

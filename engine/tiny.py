@@ -48,9 +48,17 @@ class ByteTokenizer:
 
 def tiny_config() -> Qwen2Config:
     return Qwen2Config(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        tie_word_embeddings=False, eos_token_id=EOS_ID, bos_token_id=None, pad_token_id=None,
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        eos_token_id=EOS_ID,
+        bos_token_id=None,
+        pad_token_id=None,
     )
 
 

@@ -244,17 +244,27 @@ def ensure_default_pair(
     return convert_to_hf(target, cache, progress), convert_to_hf(draft, cache, progress)
 
 
-def ensure_quantized(spec: PublishedGguf, fmt: str, cache: Path | str | None = None, progress: bool = True) -> Path:
+def ensure_quantized(
+    spec: PublishedGguf, fmt: str, cache: Path | str | None = None, progress: bool = True
+) -> Path:
     """The cached integer-format (``engine.quant``) conversion of ``spec``'s GGUF linear weights, built once
     from the GGUF blocks (Q4_K codes kept as they are for int4)."""
     from engine.quant import ensure_quantized_gguf
 
     root = Path(cache) if cache is not None else cache_dir()
-    return ensure_quantized_gguf(fetch_gguf(spec, root, progress), spec.name, spec.sha256, fmt, root, progress)
+    return ensure_quantized_gguf(
+        fetch_gguf(spec, root, progress), spec.name, spec.sha256, fmt, root, progress
+    )
 
 
-def load_quantized_spec(model, spec: PublishedGguf, fmt: str, cache: Path | str | None = None,
-                        progress: bool = True, head_rows=None) -> dict:
+def load_quantized_spec(
+    model,
+    spec: PublishedGguf,
+    fmt: str,
+    cache: Path | str | None = None,
+    progress: bool = True,
+    head_rows=None,
+) -> dict:
     """Swap ``model``'s linears for ``spec``'s cached ``fmt`` conversion (built on first use). A cache that
     cannot be read (truncated or corrupt file) is deleted and rebuilt once."""
     from engine.quant import QuantizationError, load_quantized

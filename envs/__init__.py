@@ -17,6 +17,15 @@ for _backend in ("Replay", "Live"):
             register(id=_id, entry_point=f"envs.envs:{_problem}Env", disable_env_checker=False)
 
 __all__ = [
-    "SIZE_LADDER", "DepthEnv", "EnvConfig", "LiveBackend", "ReplayBackend", "ReplayTrace", "SizeEnv", "Trace",
-    "TraceError", "replay_generate", "throughput",
+    "SIZE_LADDER",
+    "DepthEnv",
+    "EnvConfig",
+    "LiveBackend",
+    "ReplayBackend",
+    "ReplayTrace",
+    "SizeEnv",
+    "Trace",
+    "TraceError",
+    "replay_generate",
+    "throughput",
 ]

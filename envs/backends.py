@@ -76,8 +76,16 @@ class _BridgeController(Controller):
 class LiveLoop:
     """One live request driven message by message (the generator protocol, over a worker thread)."""
 
-    def __init__(self, engine: SpeculativeEngine, prompt_ids: list[int], max_new_tokens: int, seed: int, width: int,
-                 recharge_profile=None, depth_zero: bool = False):
+    def __init__(
+        self,
+        engine: SpeculativeEngine,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        seed: int,
+        width: int,
+        recharge_profile=None,
+        depth_zero: bool = False,
+    ):
         self.questions: queue.Queue = queue.Queue(maxsize=1)
         self.answers: queue.Queue = queue.Queue(maxsize=1)
         controller = _BridgeController(width, self.questions, self.answers)
@@ -85,12 +93,15 @@ class LiveLoop:
         self.result = None
         self.recharge_profile, self.width = recharge_profile, width
         self._thread = threading.Thread(
-            target=self._run, args=(engine, prompt_ids, max_new_tokens, controller, seed), daemon=True)
+            target=self._run, args=(engine, prompt_ids, max_new_tokens, controller, seed), daemon=True
+        )
         self._started = False
 
     def _run(self, engine, prompt_ids, max_new_tokens, controller, seed) -> None:
         try:
-            self.questions.put(("done", engine.generate(prompt_ids, max_new_tokens, controller=controller, seed=seed)))
+            self.questions.put(
+                ("done", engine.generate(prompt_ids, max_new_tokens, controller=controller, seed=seed))
+            )
         except _Abort:
             pass
         except BaseException as err:  # noqa: BLE001 - re-raised in the environment's thread
@@ -121,8 +132,15 @@ class LiveLoop:
 
 
 class LiveBackend:
-    def __init__(self, engine: SpeculativeEngine, prompts: Sequence[list[int]], tree_width: int,
-                 max_new_tokens: int = 128, profile=None, timing: str = "wall"):
+    def __init__(
+        self,
+        engine: SpeculativeEngine,
+        prompts: Sequence[list[int]],
+        tree_width: int,
+        max_new_tokens: int = 128,
+        profile=None,
+        timing: str = "wall",
+    ):
         """``timing``: "wall" charges the engine's measured times (the point of the live backend);
         "profile" recharges every cycle from ``profile`` so that rewards are deterministic (used to run
         gymnasium's determinism checks, which wall-clock rewards cannot pass)."""
@@ -139,8 +157,15 @@ class LiveBackend:
 
     def new_episode(self, index: int, rng: np.random.Generator, depth_zero: bool = False) -> LiveLoop:
         seed = int(rng.integers(2**31))
-        return LiveLoop(self.engine, self.prompts[index], self.max_new_tokens, seed, self.width,
-                        self.profile if self.timing == "profile" else None, depth_zero=depth_zero)
+        return LiveLoop(
+            self.engine,
+            self.prompts[index],
+            self.max_new_tokens,
+            seed,
+            self.width,
+            self.profile if self.timing == "profile" else None,
+            depth_zero=depth_zero,
+        )
 
     def throughput_of(self, controller: Controller) -> float:
         results = [self.engine.generate(p, self.max_new_tokens, controller=controller) for p in self.prompts]

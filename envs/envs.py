@@ -68,7 +68,9 @@ class _DecisionEnv(gym.Env):
 
     def __init__(self, backend, other: Controller, config: EnvConfig | None = None):
         if other.tree_width != backend.width:
-            raise ValueError(f"controller tree_width {other.tree_width} != backend tree width {backend.width}")
+            raise ValueError(
+                f"controller tree_width {other.tree_width} != backend tree width {backend.width}"
+            )
         self.backend, self.profile, self.other = backend, backend.profile, other
         self.config = config or EnvConfig()
         self.width = backend.width
@@ -87,8 +89,9 @@ class _DecisionEnv(gym.Env):
         for k in range(self.backend.num_episodes):
             self.episode_index = (first + k) % self.backend.num_episodes
             self.close()  # an unfinished live request must release its engine thread
-            self._loop = self.backend.new_episode(self.episode_index, self.np_random,
-                                                  depth_zero=self.config.depth_zero)
+            self._loop = self.backend.new_episode(
+                self.episode_index, self.np_random, depth_zero=self.config.depth_zero
+            )
             self.other.reset()
             self.ep_tokens, self.ep_seconds, self._continues = 0, 0.0, 0
             obs, _, terminated, info = self._advance(None)
@@ -111,8 +114,12 @@ class _DecisionEnv(gym.Env):
                 kind, payload = self._loop.send(reply)
             except StopIteration:
                 self.last_result, self._loop = getattr(self._loop, "result", None), None
-                info.update(episode_tokens=self.ep_tokens, episode_s=self.ep_seconds,
-                            episode_tokens_per_s=self.ep_tokens / max(self.ep_seconds, 1e-12), rho=self.rho)
+                info.update(
+                    episode_tokens=self.ep_tokens,
+                    episode_s=self.ep_seconds,
+                    episode_tokens_per_s=self.ep_tokens / max(self.ep_seconds, 1e-12),
+                    rho=self.rho,
+                )
                 if self.config.rho_update and self.ep_seconds > 0:
                     self.rho += self.config.rho_update * (self.ep_tokens / self.ep_seconds - self.rho)
                 return np.zeros(self.observation_space.shape, np.float32), reward, True, info
@@ -124,11 +131,20 @@ class _DecisionEnv(gym.Env):
                 self.ep_tokens += payload.emitted
                 self.ep_seconds += payload.total_s - payload.controller_s
                 self.other.observe(payload)
-                info = {"accepted": payload.accepted, "emitted": payload.emitted, "depth": payload.depth,
-                        "num_verified": payload.num_verified, "cycle_s": payload.total_s - payload.controller_s}
+                info = {
+                    "accepted": payload.accepted,
+                    "emitted": payload.emitted,
+                    "depth": payload.depth,
+                    "num_verified": payload.num_verified,
+                    "cycle_s": payload.total_s - payload.controller_s,
+                }
                 reply = None
             elif kind == "depth":  # at depth 0 only a controller that decides depth 0 is asked
-                reply = self.other.should_continue(payload) if payload.depth or self.other.decides_depth_zero else True
+                reply = (
+                    self.other.should_continue(payload)
+                    if payload.depth or self.other.decides_depth_zero
+                    else True
+                )
             else:
                 reply = self.other.num_to_verify(payload)
 
@@ -232,4 +248,3 @@ class SizeEnv(_DecisionEnv):
 
     def _act(self, action):
         return self.config.size_ladder[int(action)], 0.0
-

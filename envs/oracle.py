@@ -42,7 +42,11 @@ def oracle_plan(rt: ReplayTrace, profile, sizes: Sequence[int] = SIZE_LADDER) ->
             # depth 0 (no draft: an autoregressive step; the draft falls one more token behind) is always an
             # option, and the only one where the engine caps the depth at 0. Pending counts beyond
             # max_pending are charged as max_pending: optimistic, so the oracle stays an upper bound.
-            value = profile.verify_s(0, ctx) + profile.overhead_s(0, depth=0) + best[t + 1, min(p + 1, max_pending)]
+            value = (
+                profile.verify_s(0, ctx)
+                + profile.overhead_s(0, depth=0)
+                + best[t + 1, min(p + 1, max_pending)]
+            )
             act = (0, 0)
             for depth in range(1, cap + 1):
                 draft = profile.draft_chunk_s(p, ctx) + (depth - 1) * profile.draft_step_s(rt.width, ctx)
@@ -50,8 +54,11 @@ def oracle_plan(rt: ReplayTrace, profile, sizes: Sequence[int] = SIZE_LADDER) ->
                 for size in sorted({rt.verified(s, drafted) for s in sizes}):
                     acc = rt.accepted(t, depth, size)
                     nxt = t + rt.emitted(t, acc)
-                    cost = (draft + profile.verify_s(size, ctx, chain=rt.width == 1)
-                            + profile.overhead_s(size, depth=depth, tree_width=rt.width))
+                    cost = (
+                        draft
+                        + profile.verify_s(size, ctx, chain=rt.width == 1)
+                        + profile.overhead_s(size, depth=depth, tree_width=rt.width)
+                    )
                     total = cost + best[nxt, min(rt.pending_after(t, depth, acc), max_pending)]
                     if total < value:
                         value, act = total, (depth, size)
@@ -84,7 +91,9 @@ class OracleController(Controller):
 
     def observe(self, record: CycleRecord) -> None:
         depth, _ = self._action()
-        self.pending = self.pending + 1 if depth == 0 else self.rt.pending_after(self.t, depth, record.accepted)
+        self.pending = (
+            self.pending + 1 if depth == 0 else self.rt.pending_after(self.t, depth, record.accepted)
+        )
         self.t += record.emitted
 
 
@@ -94,8 +103,11 @@ def oracle_throughput(traces: Iterable[ReplayTrace], profile, sizes: Sequence[in
 
 
 def static_grid(
-    traces: Sequence[ReplayTrace], profile, depths: Iterable[int] | None = None,
-    sizes: Sequence[int] = SIZE_LADDER, progress: bool = False,
+    traces: Sequence[ReplayTrace],
+    profile,
+    depths: Iterable[int] | None = None,
+    sizes: Sequence[int] = SIZE_LADDER,
+    progress: bool = False,
 ) -> dict[tuple[int, int], float]:
     """Replay throughput (sum tokens / sum time) of every static (depth, size) on the traces."""
     from policies.static import StaticController  # replay-side tool: envs may use policies for baselines

@@ -33,8 +33,11 @@ def language_of(item: dict) -> str:
 
 
 def load_suite(
-    path: str | Path | None = None, *, split: str | Sequence[str] | None = None,
-    languages: Sequence[str] | None = None, limit_per_language: int | None = None,
+    path: str | Path | None = None,
+    *,
+    split: str | Sequence[str] | None = None,
+    languages: Sequence[str] | None = None,
+    limit_per_language: int | None = None,
 ) -> list[dict]:
     """Prompts of a JSONL suite (``DEFAULT_SUITE`` when ``path`` is None), in file order.
 
@@ -55,8 +58,10 @@ def load_suite(
         if unknown:
             raise ValueError(f"unknown split(s) {unknown}; the splits are {list(SPLITS)}")
         if not any("split" in item for item in items):
-            raise ValueError(f"{source}: split={split!r} requested, but no prompt in the file has a 'split' key "
-                             "(load it without split=)")
+            raise ValueError(
+                f"{source}: split={split!r} requested, but no prompt in the file has a 'split' key "
+                "(load it without split=)"
+            )
         items = [item for item in items if item.get("split") in splits]
     if langs is not None:
         items = [item for item in items if language_of(item) in langs]
@@ -72,8 +77,10 @@ def load_suite(
                 kept.append(item)
         items = kept
     if not items:
-        raise ValueError(f"{source}: no prompts selected by split={split!r}, languages={languages!r}, "
-                         f"limit_per_language={limit_per_language!r}")
+        raise ValueError(
+            f"{source}: no prompts selected by split={split!r}, languages={languages!r}, "
+            f"limit_per_language={limit_per_language!r}"
+        )
     return items
 
 

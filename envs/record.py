@@ -65,19 +65,35 @@ class RecordError(DraftpilotError, ValueError):
     fit the trace format, an --out holding traces recorded with other settings)."""
 
 
-def check_record_settings(*, max_depth: int, tree_width: int, max_new_tokens: int = 1, seed: int = 0,
-                          samples_per_prompt: int = 1, chunk: int = DEFAULT_CHUNK) -> None:
+def check_record_settings(
+    *,
+    max_depth: int,
+    tree_width: int,
+    max_new_tokens: int = 1,
+    seed: int = 0,
+    samples_per_prompt: int = 1,
+    chunk: int = DEFAULT_CHUNK,
+) -> None:
     """Every recording setting in range (``InputError`` naming it, with its command-line flag)."""
-    for name, value, low in (("max_depth", max_depth, 1), ("tree_width", tree_width, 1),
-                             ("max_new_tokens", max_new_tokens, 1), ("seed", seed, 0),
-                             ("samples_per_prompt", samples_per_prompt, 1), ("chunk", chunk, 1)):
+    for name, value, low in (
+        ("max_depth", max_depth, 1),
+        ("tree_width", tree_width, 1),
+        ("max_new_tokens", max_new_tokens, 1),
+        ("seed", seed, 0),
+        ("samples_per_prompt", samples_per_prompt, 1),
+        ("chunk", chunk, 1),
+    ):
         if not is_int(value) or value < low:
-            raise InputError(f"{name} (--{name.replace('_', '-')}) must be an integer >= {low}, got {value!r}")
+            raise InputError(
+                f"{name} (--{name.replace('_', '-')}) must be an integer >= {low}, got {value!r}"
+            )
     if seed + samples_per_prompt - 1 > MAX_SEED:
         raise InputError(f"seed (--seed) + samples_per_prompt - 1 must stay below 2**64, got seed {seed}")
     if max_depth > MAX_TRACE_DEPTH or tree_width * tree_width * max_depth > 32767:
-        raise InputError(f"max_depth={max_depth}, tree_width={tree_width} do not fit the trace format (max_depth "
-                         f"<= {MAX_TRACE_DEPTH} and tree_width^2 * max_depth <= 32767)")
+        raise InputError(
+            f"max_depth={max_depth}, tree_width={tree_width} do not fit the trace format (max_depth "
+            f"<= {MAX_TRACE_DEPTH} and tree_width^2 * max_depth <= 32767)"
+        )
 
 
 @dataclass
@@ -102,8 +118,14 @@ class RecordSummary:
 # ------------------------------------------------------------------------------------------------ trees
 @torch.inference_mode()
 def draft_trees(
-    pair: ModelPair, prompt_ids: Sequence[int], tokens: Sequence[int], sampling: SamplingConfig, max_depth: int,
-    tree_width: int, chunk: int = DEFAULT_CHUNK, progress: Callable[[int], None] | None = None,
+    pair: ModelPair,
+    prompt_ids: Sequence[int],
+    tokens: Sequence[int],
+    sampling: SamplingConfig,
+    max_depth: int,
+    tree_width: int,
+    chunk: int = DEFAULT_CHUNK,
+    progress: Callable[[int], None] | None = None,
 ) -> list[DraftTree]:
     """The draft tree at every position t of ``tokens`` (root ``tokens[t]``, committed prefix
     ``prompt_ids + tokens[:t+1]``), drafted to ``max_depth`` with width ``tree_width``.
@@ -124,15 +146,19 @@ def draft_trees(
     for c0 in range(0, len(tokens), chunk):
         c1 = min(c0 + chunk, len(tokens))
         # roots: row i predicts the children of tokens[c0 + i]; the forward extends the cache to the prefix
-        logits = forward_logits(model, seq[n0 + c0 : n0 + c1], range(n0 + c0, n0 + c1), cache, device)  # [C, V]
+        logits = forward_logits(
+            model, seq[n0 + c0 : n0 + c1], range(n0 + c0, n0 + c1), cache, device
+        )  # [C, V]
         check_finite(logits, "draft")
         rows = {(t, ()): logits[t - c0] for t in range(c0, c1)}  # canonical node -> its logits row
         slots: dict[tuple, int] = {}  # canonical node -> its cache entry after the prefix
         chunk_trees = [DraftTree() for _ in range(c0, c1)]
         frontiers = [[-1] for _ in chunk_trees]  # -1: the root
         for _ in range(max_depth):
-            keys = [[_canonical(seq, n0, c1, c0 + i, tree, node) for node in frontier]
-                    for i, (tree, frontier) in enumerate(zip(chunk_trees, frontiers))]
+            keys = [
+                [_canonical(seq, n0, c1, c0 + i, tree, node) for node in frontier]
+                for i, (tree, frontier) in enumerate(zip(chunk_trees, frontiers))
+            ]
             missing = list(dict.fromkeys(k for ks in keys for k in ks if k not in rows))
             if missing:
                 rows.update(_forward_nodes(model, missing, slots, n0, n0 + c1, cache, pair.dtype, device))
@@ -172,48 +198,83 @@ def _forward_nodes(model, nodes, slots, n0, prefix, cache, dtype, device) -> dic
             rows.append(j)
             cols.append(prefix + slots[(t, path[:k])])
     allowed[rows, cols] = True
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(torch.from_numpy(~allowed), torch.finfo(dtype).min)
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(
+        torch.from_numpy(~allowed), torch.finfo(dtype).min
+    )
     positions = [n0 + t + len(path) for t, path in nodes]
-    logits = forward_logits(model, [path[-1] for _, path in nodes], positions, cache, device,
-                      mask=mask[None, None].to(device))  # [Q, V]
+    logits = forward_logits(
+        model, [path[-1] for _, path in nodes], positions, cache, device, mask=mask[None, None].to(device)
+    )  # [Q, V]
     check_finite(logits, "draft")
     return dict(zip(nodes, logits))
 
 
 # ----------------------------------------------------------------------------------------------- traces
-def trace_meta(pair: ModelPair, prompt_ids: Sequence[int], sampling: SamplingConfig, max_depth: int,
-               tree_width: int, max_new_tokens: int, seed: int) -> dict:
+def trace_meta(
+    pair: ModelPair,
+    prompt_ids: Sequence[int],
+    sampling: SamplingConfig,
+    max_depth: int,
+    tree_width: int,
+    max_new_tokens: int,
+    seed: int,
+) -> dict:
     """The meta entries that identify a trace (``MATCH_KEYS``) plus the engine settings behind it."""
     return {
-        "pair": pair.name, "dtype": pair.precision, "sampling": dataclasses.asdict(sampling),
-        "tree_width": tree_width, "max_depth": max_depth, "max_new_tokens": max_new_tokens, "seed": seed,
-        "prompt_ids": [int(t) for t in prompt_ids], "draft_mode": "deterministic",
-        "eos_token_ids": sorted(pair.eos_token_ids), "max_context": pair.max_context,
+        "pair": pair.name,
+        "dtype": pair.precision,
+        "sampling": dataclasses.asdict(sampling),
+        "tree_width": tree_width,
+        "max_depth": max_depth,
+        "max_new_tokens": max_new_tokens,
+        "seed": seed,
+        "prompt_ids": [int(t) for t in prompt_ids],
+        "draft_mode": "deterministic",
+        "eos_token_ids": sorted(pair.eos_token_ids),
+        "max_context": pair.max_context,
         "trajectory_controller": TRAJECTORY_CONTROLLER,
     }
 
 
 def record_trace(
-    pair: ModelPair, prompt_ids: Sequence[int], prompt_id: str, sampling: SamplingConfig, max_depth: int = 8,
-    tree_width: int = 4, max_new_tokens: int = 128, seed: int = 0, *, sample: int = 0,
-    chunk: int = DEFAULT_CHUNK, extra_meta: dict | None = None, progress: Callable[[int], None] | None = None,
+    pair: ModelPair,
+    prompt_ids: Sequence[int],
+    prompt_id: str,
+    sampling: SamplingConfig,
+    max_depth: int = 8,
+    tree_width: int = 4,
+    max_new_tokens: int = 128,
+    seed: int = 0,
+    *,
+    sample: int = 0,
+    chunk: int = DEFAULT_CHUNK,
+    extra_meta: dict | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> Trace:
     """Generate one trajectory (engine, ``seed``) and record the tree at each of its positions."""
     from policies import StaticController  # lazily: policies may import envs for training
 
-    check_record_settings(max_depth=max_depth, tree_width=tree_width, max_new_tokens=max_new_tokens, seed=seed,
-                          chunk=chunk)
+    check_record_settings(
+        max_depth=max_depth, tree_width=tree_width, max_new_tokens=max_new_tokens, seed=seed, chunk=chunk
+    )
     t0 = time.perf_counter()
     result = SpeculativeEngine(pair, sampling).generate(
-        list(prompt_ids), max_new_tokens, controller=StaticController(**TRAJECTORY_CONTROLLER), seed=seed)
+        list(prompt_ids), max_new_tokens, controller=StaticController(**TRAJECTORY_CONTROLLER), seed=seed
+    )
     t1 = time.perf_counter()
     trees = draft_trees(pair, prompt_ids, result.tokens, sampling, max_depth, tree_width, chunk, progress)
     t2 = time.perf_counter()
     meta = trace_meta(pair, prompt_ids, sampling, max_depth, tree_width, max_new_tokens, seed)
-    meta.update(extra_meta or {}, sample=sample, finish_reason=result.finish_reason,
-                timing={"trajectory_s": t1 - t0, "trees_s": t2 - t1})
+    meta.update(
+        extra_meta or {},
+        sample=sample,
+        finish_reason=result.finish_reason,
+        timing={"trajectory_s": t1 - t0, "trees_s": t2 - t1},
+    )
     trace = Trace(
-        prompt_id=str(prompt_id), prompt_len=len(prompt_ids), tokens=np.asarray(result.tokens, dtype=np.int32),
+        prompt_id=str(prompt_id),
+        prompt_len=len(prompt_ids),
+        tokens=np.asarray(result.tokens, dtype=np.int32),
         node_offsets=np.cumsum([0] + [len(tree) for tree in trees], dtype=np.int64),
         node_tokens=np.asarray([t for tree in trees for t in tree.tokens], dtype=np.int32),
         node_parents=np.asarray([p for tree in trees for p in tree.parents], dtype=np.int16),
@@ -246,14 +307,18 @@ def _check_prompts(prompts: list[dict], where: str) -> list[dict]:
     seen = set()
     for item in prompts:
         if not isinstance(item, dict):
-            raise RecordError(f"{where}: each prompt must be a dict with 'id' and 'prompt', got {type(item).__name__}")
+            raise RecordError(
+                f"{where}: each prompt must be a dict with 'id' and 'prompt', got {type(item).__name__}"
+            )
         raw = item.get("id")
         if not (isinstance(raw, str) or is_int(raw)):
             raise RecordError(f"{where}: prompt id must be a string or an integer, got {raw!r}")
         pid = str(raw)
         if not _ID_RE.fullmatch(pid) or pid in seen or not isinstance(item.get("prompt"), str):
-            raise RecordError(f"{where}: prompt id {pid!r} is duplicate, not usable in a file name "
-                              "([A-Za-z0-9._-]) or has no string 'prompt'")
+            raise RecordError(
+                f"{where}: prompt id {pid!r} is duplicate, not usable in a file name "
+                "([A-Za-z0-9._-]) or has no string 'prompt'"
+            )
         seen.add(pid)
     if not prompts:
         raise RecordError(f"{where}: no prompts")
@@ -265,8 +330,11 @@ def trace_path(out_dir: str | Path, prompt_id: object, sample: int) -> Path:
     return Path(out_dir) / f"{prompt_id}__s{sample}.npz"
 
 
-def mismatched_traces(out_dir: str | Path, wants: Iterable[tuple[Path, dict]], keys: Sequence[str] = MATCH_KEYS,
-                      ) -> list[tuple[Path, list[str]]]:
+def mismatched_traces(
+    out_dir: str | Path,
+    wants: Iterable[tuple[Path, dict]],
+    keys: Sequence[str] = MATCH_KEYS,
+) -> list[tuple[Path, list[str]]]:
     """(path, differing keys) of every readable trace among ``wants`` ((path, wanted meta)) whose meta differs
     from the wanted one in ``keys``; missing and unreadable files are not listed (recording them loses nothing)."""
     found = []
@@ -286,34 +354,69 @@ def mismatched_traces(out_dir: str | Path, wants: Iterable[tuple[Path, dict]], k
 def _refuse(found: list[tuple[Path, list[str]]], out_dir: Path) -> None:
     if found:
         path, differ = found[0]
-        raise RecordError(f"--out {out_dir} already holds {len(found)} trace(s) recorded with other settings "
-                          f"(e.g. {path.name}: {', '.join(differ)} differ) that this run would record over; use "
-                          "another --out, or --overwrite (replace_mismatched=True) to record them again")
+        raise RecordError(
+            f"--out {out_dir} already holds {len(found)} trace(s) recorded with other settings "
+            f"(e.g. {path.name}: {', '.join(differ)} differ) that this run would record over; use "
+            "another --out, or --overwrite (replace_mismatched=True) to record them again"
+        )
 
 
 def record_prompts(
-    pair: ModelPair, prompts: str | Path | Iterable[dict], out_dir: str | Path, sampling: SamplingConfig, *,
-    max_depth: int = 8, tree_width: int = 4, max_new_tokens: int = 128, seed: int = 0,
-    samples_per_prompt: int = 1, chat: bool = True, chunk: int = DEFAULT_CHUNK, progress: bool = True,
+    pair: ModelPair,
+    prompts: str | Path | Iterable[dict],
+    out_dir: str | Path,
+    sampling: SamplingConfig,
+    *,
+    max_depth: int = 8,
+    tree_width: int = 4,
+    max_new_tokens: int = 128,
+    seed: int = 0,
+    samples_per_prompt: int = 1,
+    chat: bool = True,
+    chunk: int = DEFAULT_CHUNK,
+    progress: bool = True,
     replace_mismatched: bool = True,
 ) -> RecordSummary:
     """Record ``DIR/<id>__s<s>.npz`` for every prompt and sample s (seed ``seed + s``); traces already there
     with the same ``MATCH_KEYS`` are kept; unreadable ones are recorded again, and so are traces recorded with
     other settings when ``replace_mismatched`` (a cache's behaviour), else they are refused with a
     ``RecordError`` before anything is recorded (the command line without --overwrite)."""
-    check_record_settings(max_depth=max_depth, tree_width=tree_width, max_new_tokens=max_new_tokens, seed=seed,
-                          samples_per_prompt=samples_per_prompt, chunk=chunk)
-    items = read_prompts(prompts) if isinstance(prompts, (str, Path)) else _check_prompts(list(prompts), "prompts")
+    check_record_settings(
+        max_depth=max_depth,
+        tree_width=tree_width,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        samples_per_prompt=samples_per_prompt,
+        chunk=chunk,
+    )
+    items = (
+        read_prompts(prompts)
+        if isinstance(prompts, (str, Path))
+        else _check_prompts(list(prompts), "prompts")
+    )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     plan = []  # per prompt: (item, [(prompt ids, sample, path, wanted meta) per sample])
     for item in items:
         ids = pair.encode(item["prompt"], chat=chat)
-        plan.append((item, [(ids, s, trace_path(out, item["id"], s),
-                             trace_meta(pair, ids, sampling, max_depth, tree_width, max_new_tokens, seed + s))
-                            for s in range(samples_per_prompt)]))
+        plan.append(
+            (
+                item,
+                [
+                    (
+                        ids,
+                        s,
+                        trace_path(out, item["id"], s),
+                        trace_meta(pair, ids, sampling, max_depth, tree_width, max_new_tokens, seed + s),
+                    )
+                    for s in range(samples_per_prompt)
+                ],
+            )
+        )
     if not replace_mismatched:
-        _refuse(mismatched_traces(out, [(path, want) for _, samples in plan for *_, path, want in samples]), out)
+        _refuse(
+            mismatched_traces(out, [(path, want) for _, samples in plan for *_, path, want in samples]), out
+        )
     summary = RecordSummary(paths=[])
     start = time.perf_counter()
     with tqdm(desc="recording", unit="pos", disable=not progress, dynamic_ncols=True) as bar:
@@ -325,8 +428,20 @@ def record_prompts(
                     summary.skipped += 1
                     continue
                 bar.set_postfix_str(f"prompt {index + 1}/{len(items)} {item['id']} s{s}")
-                trace = record_trace(pair, ids, str(item["id"]), sampling, max_depth, tree_width, max_new_tokens,
-                                     seed + s, sample=s, chunk=chunk, extra_meta=extra, progress=bar.update)
+                trace = record_trace(
+                    pair,
+                    ids,
+                    str(item["id"]),
+                    sampling,
+                    max_depth,
+                    tree_width,
+                    max_new_tokens,
+                    seed + s,
+                    sample=s,
+                    chunk=chunk,
+                    extra_meta=extra,
+                    progress=bar.update,
+                )
                 trace.save(path)
                 summary.recorded += 1
                 summary.positions += trace.num_positions
@@ -351,7 +466,9 @@ def load_traces(directory: str | Path) -> list[Trace]:
     directory = Path(directory)
     if not directory.is_dir():
         raise TraceError(f"trace directory not found: {directory}")
-    paths = sorted(p for p in directory.glob("*.npz") if not p.name.endswith(".tmp.npz"))  # .tmp: crashed save
+    paths = sorted(
+        p for p in directory.glob("*.npz") if not p.name.endswith(".tmp.npz")
+    )  # .tmp: crashed save
     if not paths:
         raise TraceError(f"no trace files (*.npz) in {directory}: record some with python -m envs.record")
     return [Trace.load(p) for p in paths]
@@ -359,31 +476,50 @@ def load_traces(directory: str | Path) -> list[Trace]:
 
 # ---------------------------------------------------------------------------------------------- command line
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m envs.record", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m envs.record",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--pair", default="qwen2.5-coder", help="named pair: qwen2.5-coder (default) or tiny")
-    ap.add_argument("--prompts", required=True, help='JSONL, one {"id", "prompt", "language"?, "task"?} per line')
+    ap.add_argument(
+        "--prompts", required=True, help='JSONL, one {"id", "prompt", "language"?, "task"?} per line'
+    )
     ap.add_argument("--out", required=True, help="directory for <id>__s<sample>.npz (resumes if it has some)")
     ap.add_argument("--temperature", type=float, default=SamplingConfig.temperature)
     ap.add_argument("--top-k", type=int, default=SamplingConfig.top_k)
     ap.add_argument("--top-p", type=float, default=SamplingConfig.top_p)
-    ap.add_argument("--samples-per-prompt", type=int, default=1, help="trajectories per prompt (seeds seed+s)")
+    ap.add_argument(
+        "--samples-per-prompt", type=int, default=1, help="trajectories per prompt (seeds seed+s)"
+    )
     ap.add_argument("--max-depth", type=int, default=8, help="depth of the recorded trees")
     ap.add_argument("--tree-width", type=int, default=4, help="children per node and frontier width")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     chat = ap.add_mutually_exclusive_group()
-    chat.add_argument("--chat", dest="chat", action="store_true", default=True,
-                      help="wrap each prompt as one user turn with the chat template (default)")
+    chat.add_argument(
+        "--chat",
+        dest="chat",
+        action="store_true",
+        default=True,
+        help="wrap each prompt as one user turn with the chat template (default)",
+    )
     chat.add_argument("--raw", dest="chat", action="store_false", help="encode prompts as they are")
     add_format_args(ap)
     ap.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, ...")
     ap.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="positions per batched draft forward")
-    ap.add_argument("--threads", type=int, default=0,
-                    help="torch CPU threads (0: torch's default; on a busy machine 1 can be much faster)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch CPU threads (0: torch's default; on a busy machine 1 can be much faster)",
+    )
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ap.add_argument("--overwrite", action="store_true",
-                    help="record again the traces in --out that were recorded with other settings (default: refuse)")
+    ap.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="record again the traces in --out that were recorded with other settings (default: refuse)",
+    )
     return ap
 
 
@@ -392,37 +528,67 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # every argument, the prompts and --out are checked before the models load
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-        check_record_settings(max_depth=args.max_depth, tree_width=args.tree_width,
-                              max_new_tokens=args.max_new_tokens, seed=args.seed,
-                              samples_per_prompt=args.samples_per_prompt, chunk=args.chunk)
+        check_record_settings(
+            max_depth=args.max_depth,
+            tree_width=args.tree_width,
+            max_new_tokens=args.max_new_tokens,
+            seed=args.seed,
+            samples_per_prompt=args.samples_per_prompt,
+            chunk=args.chunk,
+        )
         if args.threads < 0:
             raise InputError(f"--threads must be >= 0 (0: torch's default), got {args.threads}")
         limits = check_pair_args(args.pair, args.device, **format_kwargs(args))
         if args.tree_width > limits.vocab_size:
-            raise InputError(f"--tree-width {args.tree_width} exceeds the vocabulary ({limits.vocab_size} tokens)")
+            raise InputError(
+                f"--tree-width {args.tree_width} exceeds the vocabulary ({limits.vocab_size} tokens)"
+            )
         prompts = read_prompts(args.prompts)
         out = check_output_dir(args.out)
         if not args.overwrite:  # the settings known without the models; dtype and prompt ids after loading
-            known = {"pair": args.pair, "sampling": dataclasses.asdict(sampling), "tree_width": args.tree_width,
-                     "max_depth": args.max_depth, "max_new_tokens": args.max_new_tokens}
-            wants = [(trace_path(out, item["id"], s), {**known, "seed": args.seed + s})
-                     for item in prompts for s in range(args.samples_per_prompt)]
+            known = {
+                "pair": args.pair,
+                "sampling": dataclasses.asdict(sampling),
+                "tree_width": args.tree_width,
+                "max_depth": args.max_depth,
+                "max_new_tokens": args.max_new_tokens,
+            }
+            wants = [
+                (trace_path(out, item["id"], s), {**known, "seed": args.seed + s})
+                for item in prompts
+                for s in range(args.samples_per_prompt)
+            ]
             _refuse(mismatched_traces(out, wants, SETTING_KEYS), out)
         if args.threads > 0:
             torch.set_num_threads(args.threads)
         pair = load_pair(args.pair, device=args.device, **format_kwargs(args))
         summary = record_prompts(
-            pair, prompts, out, sampling, max_depth=args.max_depth, tree_width=args.tree_width,
-            max_new_tokens=args.max_new_tokens, seed=args.seed, samples_per_prompt=args.samples_per_prompt,
-            chat=args.chat, chunk=args.chunk, progress=not args.no_progress, replace_mismatched=args.overwrite)
+            pair,
+            prompts,
+            out,
+            sampling,
+            max_depth=args.max_depth,
+            tree_width=args.tree_width,
+            max_new_tokens=args.max_new_tokens,
+            seed=args.seed,
+            samples_per_prompt=args.samples_per_prompt,
+            chat=args.chat,
+            chunk=args.chunk,
+            progress=not args.no_progress,
+            replace_mismatched=args.overwrite,
+        )
     except CLI_ERRORS as err:
         return report_error(err)
-    print(f"pair={pair.name} weights={pair.precision} device={pair.device} "
-          f"threads={torch.get_num_threads()} sampling={sampling} max_depth={args.max_depth} "
-          f"tree_width={args.tree_width} out={args.out}")
-    print(f"traces recorded={summary.recorded} kept={summary.skipped} positions={summary.positions} "
-          f"wall={summary.wall_s:.1f}s (trajectory {summary.trajectory_s:.1f}s, trees {summary.trees_s:.1f}s) "
-          f"positions/min={summary.positions_per_min:.1f}")
+    print(
+        f"pair={pair.name} weights={pair.precision} device={pair.device} "
+        f"threads={torch.get_num_threads()} sampling={sampling} max_depth={args.max_depth} "
+        f"tree_width={args.tree_width} out={args.out}"
+    )
+    print(
+        f"traces recorded={summary.recorded} kept={summary.skipped} positions={summary.positions} "
+        f"wall={summary.wall_s:.1f}s (trajectory {summary.trajectory_s:.1f}s, trees {summary.trees_s:.1f}s) "
+        f"positions/min={summary.positions_per_min:.1f}"
+    )
     return 0
 
 

@@ -57,8 +57,14 @@ class ReplayTrace:
     the engine being replayed (defaults: the engine's defaults); replay applies them exactly as the engine
     does (``depth_cap``, ``engine.tree.clamp_verify``)."""
 
-    def __init__(self, trace: Trace, max_new_tokens: int | None = None, engine_max_depth: int = 32,
-                 engine_max_verify: int = MAX_VERIFY_NODES, engine_max_tree_nodes: int = MAX_TREE_NODES):
+    def __init__(
+        self,
+        trace: Trace,
+        max_new_tokens: int | None = None,
+        engine_max_depth: int = 32,
+        engine_max_verify: int = MAX_VERIFY_NODES,
+        engine_max_tree_nodes: int = MAX_TREE_NODES,
+    ):
         self.trace = trace
         meta = trace.meta
         self.width = int(meta.get("tree_width", 1))
@@ -71,7 +77,9 @@ class ReplayTrace:
         self.engine_max_verify = engine_max_verify
         self.engine_max_tree_nodes = engine_max_tree_nodes
         if self.width > engine_max_tree_nodes:  # the engine refuses such a controller
-            raise InputError(f"{trace.prompt_id}: tree_width {self.width} exceeds max_tree_nodes {engine_max_tree_nodes}")
+            raise InputError(
+                f"{trace.prompt_id}: tree_width {self.width} exceeds max_tree_nodes {engine_max_tree_nodes}"
+            )
         self._positions: dict[int, Position] = {}
 
     def position(self, t: int) -> Position:
@@ -91,10 +99,11 @@ class ReplayTrace:
             frontiers.append(level[: self.width])
             order_by_depth.append(order[depths[order] <= d])
         # the trajectory's walk down the full tree
-        children: dict[tuple[int, int], int] = {(int(p), int(tok)): i for i, (p, tok) in
-                                                 enumerate(zip(parents, tokens))}
+        children: dict[tuple[int, int], int] = {
+            (int(p), int(tok)): i for i, (p, tok) in enumerate(zip(parents, tokens))
+        }
         zpath, node = [], -1
-        for tok in self.trace.tokens[t + 1:]:
+        for tok in self.trace.tokens[t + 1 :]:
             child = children.get((node, int(tok)))
             if child is None:
                 break
@@ -182,7 +191,10 @@ class ReplayTrace:
 
 
 def replay_cycles(
-    rt: ReplayTrace, profile=None, rng: np.random.Generator | None = None, speculative: bool = True,
+    rt: ReplayTrace,
+    profile=None,
+    rng: np.random.Generator | None = None,
+    speculative: bool = True,
     depth_zero: bool = False,
 ) -> Generator[tuple[str, object], object, None]:
     """The engine's cycle loop on a trace, as a coroutine: yields ``("depth", DraftState)`` (send a bool:
@@ -209,7 +221,9 @@ def replay_cycles(
             num_verify = yield ("size", rt.state(t, depth, records))
             num_verify = rt.verified(num_verify, num_drafted)
             accepted = rt.accepted(t, depth, num_verify)
-            rec = CycleRecord(rt.context_len(t), depth, num_drafted, num_verify, accepted, rt.emitted(t, accepted))
+            rec = CycleRecord(
+                rt.context_len(t), depth, num_drafted, num_verify, accepted, rt.emitted(t, accepted)
+            )
             charge_times(rec, profile, rng, pending=pending, width=rt.width)
             pending = rt.pending_after(t, depth, accepted)
         records.append(rec)
@@ -231,8 +245,13 @@ def replay_generate(
         if controller.tree_width != rt.width:
             raise ValueError(f"controller tree_width {controller.tree_width} != trace tree_width {rt.width}")
         controller.reset()
-    loop = replay_cycles(rt, profile, rng, speculative=controller is not None,
-                         depth_zero=controller is not None and controller.decides_depth_zero)
+    loop = replay_cycles(
+        rt,
+        profile,
+        rng,
+        speculative=controller is not None,
+        depth_zero=controller is not None and controller.decides_depth_zero,
+    )
     records, ctrl_s, reply = [], 0.0, None
     while True:
         try:

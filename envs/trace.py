@@ -59,17 +59,27 @@ class Trace:
     def nodes(self, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(tokens, parents, depths, scores) of the tree drafted at position t, in creation order."""
         lo, hi = int(self.node_offsets[t]), int(self.node_offsets[t + 1])
-        return self.node_tokens[lo:hi], self.node_parents[lo:hi], self.node_depths[lo:hi], self.node_scores[lo:hi]
+        return (
+            self.node_tokens[lo:hi],
+            self.node_parents[lo:hi],
+            self.node_depths[lo:hi],
+            self.node_scores[lo:hi],
+        )
 
     def save(self, path: str | Path) -> None:
         """Write atomically (``engine.files.atomic_path``): a kill mid-write never leaves a half trace under the
         final name, and the temporary file (``.<name>.<random>.tmp``) never matches ``*.npz``."""
         with atomic_path(path) as tmp, open(tmp, "wb") as f:  # a file object: numpy adds no ".npz" to it
             np.savez_compressed(
-                f, prompt_id=np.asarray(self.prompt_id), prompt_len=np.asarray(self.prompt_len),
-                tokens=self.tokens.astype(np.int32), node_offsets=self.node_offsets.astype(np.int64),
-                node_tokens=self.node_tokens.astype(np.int32), node_parents=self.node_parents.astype(np.int16),
-                node_depths=self.node_depths.astype(np.int8), node_scores=self.node_scores.astype(np.float32),
+                f,
+                prompt_id=np.asarray(self.prompt_id),
+                prompt_len=np.asarray(self.prompt_len),
+                tokens=self.tokens.astype(np.int32),
+                node_offsets=self.node_offsets.astype(np.int64),
+                node_tokens=self.node_tokens.astype(np.int32),
+                node_parents=self.node_parents.astype(np.int16),
+                node_depths=self.node_depths.astype(np.int8),
+                node_scores=self.node_scores.astype(np.float32),
                 meta=np.asarray(json.dumps({**self.meta, "format_version": FORMAT_VERSION})),
             )
 
@@ -82,22 +92,33 @@ class Trace:
             with np.load(path, allow_pickle=False) as data:
                 meta = json.loads(str(data["meta"]))
                 trace = cls(
-                    prompt_id=str(data["prompt_id"]), prompt_len=int(data["prompt_len"]),
-                    tokens=data["tokens"], node_offsets=data["node_offsets"], node_tokens=data["node_tokens"],
-                    node_parents=data["node_parents"], node_depths=data["node_depths"],
-                    node_scores=data["node_scores"], meta=meta,
+                    prompt_id=str(data["prompt_id"]),
+                    prompt_len=int(data["prompt_len"]),
+                    tokens=data["tokens"],
+                    node_offsets=data["node_offsets"],
+                    node_tokens=data["node_tokens"],
+                    node_parents=data["node_parents"],
+                    node_depths=data["node_depths"],
+                    node_scores=data["node_scores"],
+                    meta=meta,
                 )
         except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as err:
             raise TraceError(f"{path}: not a readable trace file, truncated or corrupt ({err})") from err
         if meta.get("format_version") != FORMAT_VERSION:
-            raise TraceError(f"{path}: trace format version {meta.get('format_version')}, expected {FORMAT_VERSION}")
+            raise TraceError(
+                f"{path}: trace format version {meta.get('format_version')}, expected {FORMAT_VERSION}"
+            )
         trace.validate(str(path))
         return trace
 
     def validate(self, where: str = "trace") -> None:
         """Structural checks, so a corrupt trace fails loudly instead of replaying nonsense."""
         n_pos, n_nodes = len(self.tokens), len(self.node_tokens)
-        if len(self.node_offsets) != n_pos + 1 or self.node_offsets[0] != 0 or self.node_offsets[-1] != n_nodes:
+        if (
+            len(self.node_offsets) != n_pos + 1
+            or self.node_offsets[0] != 0
+            or self.node_offsets[-1] != n_nodes
+        ):
             raise TraceError(f"{where}: node_offsets do not cover the {n_nodes} nodes of {n_pos} positions")
         if np.any(np.diff(self.node_offsets) < 0):
             raise TraceError(f"{where}: node_offsets are not non-decreasing")

@@ -18,13 +18,22 @@ from engine.models import ModelPair, load_pair
 from engine.profile import CostProfile
 
 
-def load_models(pair: str, dtype: str = "auto", device: str = "auto", threads: int = 0,
-                weights: str = "auto", draft_weights: str = "auto", draft_vocab: int = 0) -> ModelPair:
+def load_models(
+    pair: str,
+    dtype: str = "auto",
+    device: str = "auto",
+    threads: int = 0,
+    weights: str = "auto",
+    draft_weights: str = "auto",
+    draft_vocab: int = 0,
+) -> ModelPair:
     """A named pair (qwen2.5-coder, tiny) or "TARGET::DRAFT" (paths or hub ids) in the given weight formats
     (``engine.quant``); ``threads`` > 0 sets torch's intra-op threads first."""
     if threads:
         torch.set_num_threads(threads)
-    formats = dict(dtype=dtype, device=device, weights=weights, draft_weights=draft_weights, draft_vocab=draft_vocab)
+    formats = dict(
+        dtype=dtype, device=device, weights=weights, draft_weights=draft_weights, draft_vocab=draft_vocab
+    )
     if "::" in pair:
         target, draft = pair.split("::", 1)
         return load_pair(target=target, draft=draft, **formats)
@@ -37,8 +46,13 @@ def pair_dir(pair: ModelPair, cache_dir: str | Path) -> Path:
     return Path(cache_dir) / name / f"{dev}-{pair.precision}"
 
 
-def ensure_profile(pair: ModelPair, cache_dir: str | Path, path: str | Path | None = None,
-                   widths: Sequence[int] = (1, 2, 4), progress: bool = True) -> CostProfile:
+def ensure_profile(
+    pair: ModelPair,
+    cache_dir: str | Path,
+    path: str | Path | None = None,
+    widths: Sequence[int] = (1, 2, 4),
+    progress: bool = True,
+) -> CostProfile:
     """The profile at ``path`` if given, else the cached one for this pair/device/dtype, measured (and
     cached) the first time: the contexts traces visit, the full size ladder, 3 repetitions."""
     from engine.profiler import ProfileConfig, measure_profile
@@ -52,16 +66,28 @@ def ensure_profile(pair: ModelPair, cache_dir: str | Path, path: str | Path | No
     if pair.name == "tiny":
         grid = replace(ProfileConfig.quick(), widths=widths)
     else:
-        grid = ProfileConfig(contexts=(128, 512, 1024), widths=widths, reps=3, prefill_reps=1, overhead_cycles=6)
+        grid = ProfileConfig(
+            contexts=(128, 512, 1024), widths=widths, reps=3, prefill_reps=1, overhead_cycles=6
+        )
     print(f"measuring the cost profile once ({cached}) ...", flush=True)
     profile = measure_profile(pair, grid, progress=progress)
     profile.save(cached)
     return profile
 
 
-def ensure_traces(pair: ModelPair, prompts: list[dict], cache_dir: str | Path, *, temperature: float = 0.0,
-                  tree_width: int = 4, max_depth: int = 8, max_new_tokens: int = 64, seed: int = 0,
-                  progress: bool = True, tag: str = "traces") -> list:
+def ensure_traces(
+    pair: ModelPair,
+    prompts: list[dict],
+    cache_dir: str | Path,
+    *,
+    temperature: float = 0.0,
+    tree_width: int = 4,
+    max_depth: int = 8,
+    max_new_tokens: int = 64,
+    seed: int = 0,
+    progress: bool = True,
+    tag: str = "traces",
+) -> list:
     """``ReplayTrace``s of ``prompts`` (one per prompt), recorded the first time, then read from the cache."""
     from engine.sampling import SamplingConfig
     from envs.record import record_prompts
@@ -71,10 +97,24 @@ def ensure_traces(pair: ModelPair, prompts: list[dict], cache_dir: str | Path, *
     if temperature == 0:
         seed = 0  # greedy trajectories do not depend on the seed: one cached trace set serves every seed
     mode = "greedy" if temperature == 0 else f"t{temperature:g}"
-    directory = pair_dir(pair, cache_dir) / "traces" / f"{mode}-w{tree_width}-d{max_depth}-n{max_new_tokens}-s{seed}"
-    summary = record_prompts(pair, prompts, directory, SamplingConfig(temperature=temperature), max_depth=max_depth,
-                             tree_width=tree_width, max_new_tokens=max_new_tokens, seed=seed, progress=progress)
+    directory = (
+        pair_dir(pair, cache_dir) / "traces" / f"{mode}-w{tree_width}-d{max_depth}-n{max_new_tokens}-s{seed}"
+    )
+    summary = record_prompts(
+        pair,
+        prompts,
+        directory,
+        SamplingConfig(temperature=temperature),
+        max_depth=max_depth,
+        tree_width=tree_width,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        progress=progress,
+    )
     if summary.recorded:
-        print(f"{tag}: recorded {summary.recorded} traces, {summary.positions} positions in {summary.wall_s:.0f} s "
-              f"({summary.positions_per_min:.0f} positions/min); kept {summary.skipped} cached", flush=True)
+        print(
+            f"{tag}: recorded {summary.recorded} traces, {summary.positions} positions in {summary.wall_s:.0f} s "
+            f"({summary.positions_per_min:.0f} positions/min); kept {summary.skipped} cached",
+            flush=True,
+        )
     return [ReplayTrace(Trace.load(p)) for p in summary.paths]

@@ -64,12 +64,16 @@ def prepare_output(out: str | Path, config, *, audit_only: bool = False) -> Chec
     else:
         finished = [name for name in FINISHED if (out / name).exists()]
         if finished:
-            raise EvaluationOutputError(f"{out} already holds a finished evaluation ({', '.join(finished)}): pass "
-                                        "--restart to replace it (its report, results, figures and config are "
-                                        "removed first), or choose another --out")
+            raise EvaluationOutputError(
+                f"{out} already holds a finished evaluation ({', '.join(finished)}): pass "
+                "--restart to replace it (its report, results, figures and config are "
+                "removed first), or choose another --out"
+            )
         if audit_only and (out / PARTIAL).exists():
-            raise EvaluationOutputError(f"{out} holds a partial evaluation ({PARTIAL}): resume it with its own "
-                                        "command, pass --restart to discard it, or choose another --out")
+            raise EvaluationOutputError(
+                f"{out} holds a partial evaluation ({PARTIAL}): resume it with its own "
+                "command, pass --restart to discard it, or choose another --out"
+            )
     return None if audit_only else Checkpoint.open(out / PARTIAL, config)
 
 
@@ -99,13 +103,15 @@ class Checkpoint:
                 if not isinstance(saved, dict):
                     raise TypeError(f"config is a {type(saved).__name__}")
             except (ValueError, KeyError, TypeError) as err:
-                raise EvaluationOutputError(f"{cp.path} is not a readable partial evaluation ({err}); pass --restart "
-                                            "to discard it") from err
+                raise EvaluationOutputError(
+                    f"{cp.path} is not a readable partial evaluation ({err}); pass --restart to discard it"
+                ) from err
             changed = differing_fields(saved, cp.config)
             if changed:
                 raise EvaluationOutputError(
                     f"{cp.path} holds a partial evaluation with a different config ({', '.join(changed)}){_hint(saved, cp.config)}; "
-                    "repeat its command to resume it, pass --restart to discard it, or choose another --out")
+                    "repeat its command to resume it, pass --restart to discard it, or choose another --out"
+                )
             cp.tuning = data.get("tuning")
             cp.runs = list(data.get("runs", []))
             cp.depth_log = list(data.get("depth_log", []))
@@ -122,8 +128,14 @@ class Checkpoint:
         """Write atomically (a kill during the write leaves the previous checkpoint intact)."""
         from evaluation.report import write_json
 
-        data = {"config": self.config, "tuning": self.tuning, "runs": self.runs, "depth_log": self.depth_log,
-                "size_log": self.size_log, "sittings": self.sittings}
+        data = {
+            "config": self.config,
+            "tuning": self.tuning,
+            "runs": self.runs,
+            "depth_log": self.depth_log,
+            "size_log": self.size_log,
+            "sittings": self.sittings,
+        }
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_json(data, self.path)
 
@@ -137,9 +149,18 @@ def differing_fields(saved: dict, current: dict) -> list[str]:
         if key in IGNORED_FIELDS or (key == "policy_sha256" and key not in saved):
             continue
         a, b = saved.get(key), current.get(key)
-        if isinstance(a, float) and isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12):
+        if (
+            isinstance(a, float)
+            and isinstance(b, (int, float))
+            and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+        ):
             continue
-        if key in PATH_FIELDS and isinstance(a, str) and isinstance(b, str) and Path(a).resolve() == Path(b).resolve():
+        if (
+            key in PATH_FIELDS
+            and isinstance(a, str)
+            and isinstance(b, str)
+            and Path(a).resolve() == Path(b).resolve()
+        ):
             continue
         if a != b:
             out.append(f"{key}: {a!r} -> {b!r}")
@@ -149,8 +170,10 @@ def differing_fields(saved: dict, current: dict) -> list[str]:
 def _hint(saved: dict, current: dict) -> str:
     """Why the policy differs, when it does."""
     if differing_fields({"policy": saved.get("policy")}, {"policy": current.get("policy")}):
-        return (" - the learned policy is another file (without --policy the newest runs/*/policy.pt is used: pass "
-                f"--policy {saved.get('policy')} to resume)")
+        return (
+            " - the learned policy is another file (without --policy the newest runs/*/policy.pt is used: pass "
+            f"--policy {saved.get('policy')} to resume)"
+        )
     if "policy_sha256" in saved and saved.get("policy_sha256") != current.get("policy_sha256"):
         return f" - the policy file {current.get('policy')} was replaced since the partial evaluation started"
     return ""

@@ -25,8 +25,16 @@ from tqdm.auto import tqdm
 from evaluation.runs import itl_samples, run_engine
 
 
-def run_pass(pair, sampling, controller_factory: Callable[[], object] | None, prompts: Sequence[tuple[str, list[int]]],
-             workers: int, max_new_tokens: int, seed: int, bar=None) -> dict:
+def run_pass(
+    pair,
+    sampling,
+    controller_factory: Callable[[], object] | None,
+    prompts: Sequence[tuple[str, list[int]]],
+    workers: int,
+    max_new_tokens: int,
+    seed: int,
+    bar=None,
+) -> dict:
     """All ``prompts`` (id, token ids) through ``workers`` threads; raw requests and the pass wall time."""
     from engine import SpeculativeEngine
 
@@ -80,15 +88,33 @@ def summarize_pass(result: dict) -> dict[str, float]:
     def pct(values: np.ndarray, q: float) -> float:
         return float(np.percentile(values, q)) if values.size else float("nan")
 
-    return {"requests": float(len(reqs)), "tokens": float(tokens), "wall_s": result["wall_s"],
-            "aggregate_tokens_per_s": tokens / result["wall_s"] if result["wall_s"] > 0 else float("nan"),
-            "latency_p50_s": pct(latency, 50), "latency_p90_s": pct(latency, 90), "latency_p99_s": pct(latency, 99),
-            "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90),
-            "itl_p50_s": pct(itl, 50), "itl_p90_s": pct(itl, 90), "itl_p99_s": pct(itl, 99)}
+    return {
+        "requests": float(len(reqs)),
+        "tokens": float(tokens),
+        "wall_s": result["wall_s"],
+        "aggregate_tokens_per_s": tokens / result["wall_s"] if result["wall_s"] > 0 else float("nan"),
+        "latency_p50_s": pct(latency, 50),
+        "latency_p90_s": pct(latency, 90),
+        "latency_p99_s": pct(latency, 99),
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p90_s": pct(ttft, 90),
+        "itl_p50_s": pct(itl, 50),
+        "itl_p90_s": pct(itl, 90),
+        "itl_p99_s": pct(itl, 99),
+    }
 
 
-def run_load(pair, sampling, factories: dict[str, Callable[[], object] | None], prompts: Sequence[tuple[str, list[int]]],
-             workers: int, max_new_tokens: int, seed: int, reps: int = 1, progress: bool = False) -> dict:
+def run_load(
+    pair,
+    sampling,
+    factories: dict[str, Callable[[], object] | None],
+    prompts: Sequence[tuple[str, list[int]]],
+    workers: int,
+    max_new_tokens: int,
+    seed: int,
+    reps: int = 1,
+    progress: bool = False,
+) -> dict:
     """Each mode (name -> controller factory; None: autoregressive) runs all prompts with ``workers``
     concurrent requests, ``reps`` times, the mode order rotated per repetition; per mode the repetition
     with the median aggregate throughput is summarised (all of them are kept)."""
@@ -96,9 +122,10 @@ def run_load(pair, sampling, factories: dict[str, Callable[[], object] | None], 
     passes: dict[str, list[dict]] = {name: [] for name in names}
     with tqdm(total=reps * len(names) * len(prompts), desc=f"load x{workers}", disable=not progress) as bar:
         for rep in range(reps):
-            for name in names[rep % len(names):] + names[: rep % len(names)]:
-                passes[name].append(run_pass(pair, sampling, factories[name], prompts, workers, max_new_tokens,
-                                             seed, bar))
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:
+                passes[name].append(
+                    run_pass(pair, sampling, factories[name], prompts, workers, max_new_tokens, seed, bar)
+                )
     out = {"workers": workers, "reps": reps, "modes": {}}
     for name, results in passes.items():
         summaries = [summarize_pass(r) for r in results]

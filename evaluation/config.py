@@ -7,8 +7,15 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-ENGINE_CONTROLLERS = ("autoregressive", "static_chain", "static_tree", "heuristic", "confidence", "analytic",
-                      "learned")
+ENGINE_CONTROLLERS = (
+    "autoregressive",
+    "static_chain",
+    "static_tree",
+    "heuristic",
+    "confidence",
+    "analytic",
+    "learned",
+)
 """Controllers measured live on our engine (autoregressive: ``controller=None``)."""
 PEERS = ("hf_assisted_default", "hf_assisted_heuristic")
 """transformers' assisted generation (``assistant_model=``) with its default and its heuristic schedule."""
@@ -128,8 +135,18 @@ class EvalConfig:
         from evaluation.llama_peer import parse_spec_setting
 
         parse_spec_setting(self.llama_spec)  # a bad setting fails before any model loads
-        for name in ("tune_prompts_per_language", "max_new_tokens", "confirm_top", "reps",
-                     "concurrency", "exactness_prompts", "samples", "exactness_tokens", "law_trials", "bootstrap"):
+        for name in (
+            "tune_prompts_per_language",
+            "max_new_tokens",
+            "confirm_top",
+            "reps",
+            "concurrency",
+            "exactness_prompts",
+            "samples",
+            "exactness_tokens",
+            "law_trials",
+            "bootstrap",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.exactness_prompt_set not in ("open", "split"):
@@ -143,7 +160,9 @@ class EvalConfig:
         if not self.temperature >= 0 or not self.audit_temperature > 0:
             raise ValueError("temperature must be >= 0 and audit_temperature > 0")
         if self.split == self.tune_split:
-            raise ValueError(f"split and tune_split are both {self.split!r}: never tune on the measured prompts")
+            raise ValueError(
+                f"split and tune_split are both {self.split!r}: never tune on the measured prompts"
+            )
         self.controller_names()  # unknown names fail before any model is loaded
 
     def controller_names(self) -> list[str]:
@@ -172,24 +191,45 @@ class EvalConfig:
         """A copy whose paths are absolute (out, cache_dir, prompts, profile) and whose policy is the file the
         learned policy will be loaded from (``find_policy``: the newest ``runs/*/policy.pt`` when none is
         given; None when the learned policy is not measured), so a stored config names what was used."""
+
         def absolute(path: str | None) -> str | None:
             return str(Path(path).resolve()) if path else None
 
         policy = str(find_policy(self, runs_dir).resolve()) if "learned" in self.controller_names() else None
-        return replace(self, out=absolute(str(self.out_dir())), cache_dir=absolute(self.cache_dir),
-                       prompts=absolute(self.prompts), profile=absolute(self.profile), policy=policy)
+        return replace(
+            self,
+            out=absolute(str(self.out_dir())),
+            cache_dir=absolute(self.cache_dir),
+            prompts=absolute(self.prompts),
+            profile=absolute(self.profile),
+            policy=policy,
+        )
 
 
 OPEN_PROMPTS = (
     {"id": "open-it", "language": "it", "task": "open", "prompt": "Scrivi una frase qualsiasi sul mare."},
     {"id": "open-en", "language": "en", "task": "open", "prompt": "Write any one sentence about the sea."},
     {"id": "open-zh", "language": "zh", "task": "open", "prompt": "随便写一句关于大海的话。"},
-    {"id": "open-es", "language": "es", "task": "open", "prompt": "Escribe una frase cualquiera sobre el mar."},
+    {
+        "id": "open-es",
+        "language": "es",
+        "task": "open",
+        "prompt": "Escribe una frase cualquiera sobre el mar.",
+    },
 )
 """Open-ended requests for the sampled exactness test: many plausible first tokens at temperature 0.7."""
 
-QUICK = {"tune_prompts_per_language": 1, "prompts_per_language": 2, "max_new_tokens": 64, "reps": 1,
-         "confirm_top": 1, "samples": 40, "exactness_prompts": 1, "law_trials": 4000, "bootstrap": 1000}
+QUICK = {
+    "tune_prompts_per_language": 1,
+    "prompts_per_language": 2,
+    "max_new_tokens": 64,
+    "reps": 1,
+    "confirm_top": 1,
+    "samples": 40,
+    "exactness_prompts": 1,
+    "law_trials": 4000,
+    "bootstrap": 1000,
+}
 """--quick: a first look (1 tune and 2 measured prompts per language, 64 tokens, 1 rep, confirm the best
 grid point only, 40 samples per arm on 1 prompt in the sampled test); explicit flags win."""
 
@@ -203,8 +243,10 @@ def find_policy(config: EvalConfig, runs_dir: str | Path = "runs") -> Path:
         return path
     found = sorted(Path(runs_dir).glob("*/policy.pt"), key=lambda p: p.stat().st_mtime)
     if not found:
-        raise FileNotFoundError(f"no policy given and none found under {runs_dir}/*/policy.pt: train one with "
-                                "`python train.py` (or pass --policy PATH, or leave 'learned' out of --controllers)")
+        raise FileNotFoundError(
+            f"no policy given and none found under {runs_dir}/*/policy.pt: train one with "
+            "`python train.py` (or pass --policy PATH, or leave 'learned' out of --controllers)"
+        )
     return found[-1]
 
 
@@ -217,17 +259,29 @@ def select_prompts(config: EvalConfig) -> tuple[list[dict], list[dict], list[str
     warnings: list[str] = []
     has_splits = config.prompts is None or any("split" in item for item in read_prompts(config.prompts))
     if has_splits:
-        test = load_suite(config.prompts, split=config.split, languages=langs,
-                          limit_per_language=config.prompts_per_language)
-        tune = load_suite(config.prompts, split=config.tune_split, languages=langs,
-                          limit_per_language=config.tune_prompts_per_language)
+        test = load_suite(
+            config.prompts,
+            split=config.split,
+            languages=langs,
+            limit_per_language=config.prompts_per_language,
+        )
+        tune = load_suite(
+            config.prompts,
+            split=config.tune_split,
+            languages=langs,
+            limit_per_language=config.tune_prompts_per_language,
+        )
         overlap = {p["id"] for p in test} & {p["id"] for p in tune}
         if overlap:
             raise ValueError(f"tune and measured prompts overlap: {sorted(overlap)}")
     else:
         test = load_suite(config.prompts, languages=langs, limit_per_language=config.prompts_per_language)
-        tune = load_suite(config.prompts, languages=langs, limit_per_language=config.tune_prompts_per_language)
-        warnings.append(f"{config.prompts} has no split keys: all of it is the test set and the static grid was "
-                        "TUNED ON THE SAME PROMPTS it is measured on, which favours the static baselines; add "
-                        '"split": "tune" / "test" keys for an honest comparison.')
+        tune = load_suite(
+            config.prompts, languages=langs, limit_per_language=config.tune_prompts_per_language
+        )
+        warnings.append(
+            f"{config.prompts} has no split keys: all of it is the test set and the static grid was "
+            "TUNED ON THE SAME PROMPTS it is measured on, which favours the static baselines; add "
+            '"split": "tune" / "test" keys for an honest comparison.'
+        )
     return interleave_languages(tune), interleave_languages(test), warnings

@@ -47,10 +47,16 @@ def greedy_audit(tokens: Mapping[str, Mapping[str, Sequence[int]]], baseline: st
         for pid, toks in by_prompt.items():
             pos = first_divergence(toks, ref[pid])
             if pos is not None:
-                divergences.append({"prompt_id": pid, "position": pos, "tokens": len(toks), "reference": len(ref[pid])})
+                divergences.append(
+                    {"prompt_id": pid, "position": pos, "tokens": len(toks), "reference": len(ref[pid])}
+                )
         n = len(by_prompt)
-        out[name] = {"prompts": n, "identical": n - len(divergences),
-                     "match_rate": (n - len(divergences)) / n if n else float("nan"), "divergences": divergences}
+        out[name] = {
+            "prompts": n,
+            "identical": n - len(divergences),
+            "match_rate": (n - len(divergences)) / n if n else float("nan"),
+            "divergences": divergences,
+        }
     return out
 
 
@@ -74,8 +80,14 @@ def homogeneity_test(sample_a: Sequence[Hashable], sample_b: Sequence[Hashable])
             columns.append(other)
         else:
             columns[-1] = [columns[-1][0] + other[0], columns[-1][1] + other[1]]
-    result = {"test": "chi-square test of homogeneity (2 x C, expected < 5 pooled)", "n_a": n_a, "n_b": n_b,
-              "categories": len(cats), "cells": len(columns), "pooled_categories": len(pooled)}
+    result = {
+        "test": "chi-square test of homogeneity (2 x C, expected < 5 pooled)",
+        "n_a": n_a,
+        "n_b": n_b,
+        "categories": len(cats),
+        "cells": len(columns),
+        "pooled_categories": len(pooled),
+    }
     if len(columns) < 2:  # one outcome only: nothing to compare
         return {**result, "statistic": 0.0, "dof": 0, "pvalue": 1.0}
     table = np.asarray(columns, dtype=np.float64).T  # [2, C]
@@ -90,9 +102,19 @@ def fisher_combined(pvalues: Sequence[float]) -> float:
     return float(stats.combine_pvalues(np.clip(pvalues, 1e-300, 1.0), method="fisher").pvalue)
 
 
-def sampled_test(pair, controller_factory: Callable[[], object], prompts: Sequence[dict], *, temperature: float,
-                 samples: int, k: int, budget: int | None = None, seed: int = 0, progress: bool = False,
-                 engine_config=None) -> dict:
+def sampled_test(
+    pair,
+    controller_factory: Callable[[], object],
+    prompts: Sequence[dict],
+    *,
+    temperature: float,
+    samples: int,
+    k: int,
+    budget: int | None = None,
+    seed: int = 0,
+    progress: bool = False,
+    engine_config=None,
+) -> dict:
     """Two-sample test of the first ``k`` emitted tokens: autoregressive vs ``controller_factory()`` on our
     engine at ``temperature``, ``samples`` requests per arm and prompt, every request with its own seed.
     The speculative arm generates ``budget`` tokens (default k; more lets it draft deeper)."""
@@ -107,21 +129,40 @@ def sampled_test(pair, controller_factory: Callable[[], object], prompts: Sequen
         base = 10_000_000 * (seed + 1) + 100_000 * index  # distinct seeds: AR even, speculative odd offsets
         arms: dict[str, list[tuple]] = {"autoregressive": [], "speculative": []}
         for i in range(samples):
-            for arm, ctrl, offset, n in (("autoregressive", None, 0, k), ("speculative", controller, 1, budget or k)):
+            for arm, ctrl, offset, n in (
+                ("autoregressive", None, 0, k),
+                ("speculative", controller, 1, budget or k),
+            ):
                 res = engine.generate(ids, max_new_tokens=n, controller=ctrl, seed=base + 2 * i + offset)
                 arms[arm].append(tuple(res.tokens[:k]))
                 bar.update()
         test = homogeneity_test(arms["autoregressive"], arms["speculative"])
         top = Counter(arms["autoregressive"]).most_common(1)[0]
-        per_prompt.append({"prompt_id": item["id"], "language": item.get("language", "unknown"), **test,
-                           "most_common": {"outcome": list(top[0]), "count_autoregressive": top[1],
-                                           "count_speculative": arms["speculative"].count(top[0])}})
+        per_prompt.append(
+            {
+                "prompt_id": item["id"],
+                "language": item.get("language", "unknown"),
+                **test,
+                "most_common": {
+                    "outcome": list(top[0]),
+                    "count_autoregressive": top[1],
+                    "count_speculative": arms["speculative"].count(top[0]),
+                },
+            }
+        )
     bar.close()
     pvalues = [r["pvalue"] for r in per_prompt]
     combined = fisher_combined(pvalues)
-    return {"controller": repr(controller), "temperature": temperature, "k": k, "samples_per_arm": samples,
-            "speculative_budget": budget or k,
-            "prompts": per_prompt, "fisher_pvalue": combined, "rejects": combined < P_FLOOR}
+    return {
+        "controller": repr(controller),
+        "temperature": temperature,
+        "k": k,
+        "samples_per_arm": samples,
+        "speculative_budget": budget or k,
+        "prompts": per_prompt,
+        "fisher_pvalue": combined,
+        "rejects": combined < P_FLOOR,
+    }
 
 
 # ---------------------------------------------------------------------------------------- sampler laws
@@ -155,16 +196,24 @@ def check_law(samples: Sequence[Hashable], exact: Mapping[Hashable, float]) -> d
     else:
         pvalue = float(stats.chisquare(observed, np.asarray(expected) * sum(observed) / sum(expected)).pvalue)
     bound = tv_bound(exact, num)
-    return {"trials": num, "pvalue": pvalue, "tv": float(tv), "tv_bound": float(bound), "impossible": len(impossible),
-            "impossible_outcomes": impossible,
-            "agrees": pvalue > P_FLOOR and tv < bound and not impossible}
+    return {
+        "trials": num,
+        "pvalue": pvalue,
+        "tv": float(tv),
+        "tv_bound": float(bound),
+        "impossible": len(impossible),
+        "impossible_outcomes": impossible,
+        "agrees": pvalue > P_FLOOR and tv < bound and not impossible,
+    }
 
 
 def verify_chain_resample_from_target(target_probs, draft_probs, draft_tokens, generator):
     """Negative control: the article's WRONG rule (on rejection, draw from the target, not the residual)."""
     idx = torch.arange(draft_tokens.shape[0])
     u = torch.rand(draft_tokens.shape[0], generator=generator, dtype=torch.float64)
-    rejected = (u * draft_probs[idx, draft_tokens].double() >= target_probs[idx, draft_tokens].double()).tolist()
+    rejected = (
+        u * draft_probs[idx, draft_tokens].double() >= target_probs[idx, draft_tokens].double()
+    ).tolist()
     for i, rej in enumerate(rejected):
         if rej:
             return i, int(torch.multinomial(target_probs[i], 1, generator=generator))
@@ -190,14 +239,20 @@ def _two_tokens(verify, target_table, draft_table, num_draft, generator) -> tupl
             ctx = int(torch.multinomial(draft_rows[-1], 1, generator=generator))
             drafts.append(ctx)
             target_rows.append(target_table[pos + i + 1, ctx])
-        accepted, nxt = verify(torch.stack(target_rows), torch.stack(draft_rows), torch.tensor(drafts), generator)
+        accepted, nxt = verify(
+            torch.stack(target_rows), torch.stack(draft_rows), torch.tensor(drafts), generator
+        )
         emitted += drafts[:accepted] + [nxt]
         prev = emitted[-1]
     return emitted[0], emitted[1]
 
 
-LAW_CASES = (("article example, 1 draft", 0, 1), ("random tables, 3 drafts", 1, 3),
-             ("draft misses target tokens, 3 drafts", 2, 3), ("draft == target, 3 drafts", 3, 3))
+LAW_CASES = (
+    ("article example, 1 draft", 0, 1),
+    ("random tables, 3 drafts", 1, 3),
+    ("draft misses target tokens, 3 drafts", 2, 3),
+    ("draft == target, 3 drafts", 3, 3),
+)
 
 
 def law_checks(trials: int, seed: int = 0, vocab: int = 5) -> list[dict]:
@@ -212,7 +267,11 @@ def law_checks(trials: int, seed: int = 0, vocab: int = 5) -> list[dict]:
             draft = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64).expand(positions, 3, 3).clone()
         else:
             target = _random_rows(rng, (positions, vocab), vocab, 1)
-            draft = target.clone() if case == 3 else _random_rows(rng, (positions, vocab), vocab, 3 if case == 2 else 1)
+            draft = (
+                target.clone()
+                if case == 3
+                else _random_rows(rng, (positions, vocab), vocab, 3 if case == 2 else 1)
+            )
         size = target.shape[-1]
         exact = {(a, b): float(target[0, 0, a] * target[1, a, b]) for a in range(size) for b in range(size)}
         rules = [("verify_chain", verify_chain, True)]
@@ -222,6 +281,13 @@ def law_checks(trials: int, seed: int = 0, vocab: int = 5) -> list[dict]:
             generator = torch.Generator().manual_seed(seed * 1000 + case)
             samples = [_two_tokens(verify, target, draft, num_draft, generator) for _ in range(trials)]
             check = check_law(samples, exact)
-            out.append({"case": name, "rule": rule, "expected": "agree" if should_agree else "disagree", **check,
-                        "ok": check["agrees"] == should_agree})
+            out.append(
+                {
+                    "case": name,
+                    "rule": rule,
+                    "expected": "agree" if should_agree else "disagree",
+                    **check,
+                    "ok": check["agrees"] == should_agree,
+                }
+            )
     return out

@@ -48,8 +48,9 @@ def parse_spec_setting(text: str) -> tuple[int, float]:
 class LlamaPeer:
     """Runs the two llama.cpp rows for one pair."""
 
-    def __init__(self, binaries, target_gguf: Path, draft_gguf: Path, spec: tuple[int, float], threads: int,
-                 pair):
+    def __init__(
+        self, binaries, target_gguf: Path, draft_gguf: Path, spec: tuple[int, float], threads: int, pair
+    ):
         self.lc = _benchmark_module()
         self.binaries, self.target, self.draft = binaries, target_gguf, draft_gguf
         self.settings = {"llama_cpp": self.lc.AUTOREGRESSIVE, "llama_cpp_spec": self.lc.LlamaSetting(*spec)}
@@ -61,13 +62,18 @@ class LlamaPeer:
         from engine.weights import DEFAULT_PAIRS, cache_dir, fetch_gguf
 
         if config.pair not in DEFAULT_PAIRS:
-            return None, f"llama.cpp rows need a pair published as GGUF ({', '.join(DEFAULT_PAIRS)}), not {config.pair}"
+            return (
+                None,
+                f"llama.cpp rows need a pair published as GGUF ({', '.join(DEFAULT_PAIRS)}), not {config.pair}",
+            )
         lc = _benchmark_module()
         bin_dir = Path(config.llama_bin).expanduser() if config.llama_bin else lc.default_bin_dir()
         binaries = lc.find_binaries(bin_dir)
         if binaries is None:
-            return None, (f"llama.cpp rows left out: no llama.cpp programs in {bin_dir} (build them once with "
-                          f"`python benchmarks/llama_cpp.py`, or pass --llama-bin)")
+            return None, (
+                f"llama.cpp rows left out: no llama.cpp programs in {bin_dir} (build them once with "
+                f"`python benchmarks/llama_cpp.py`, or pass --llama-bin)"
+            )
         target, draft = DEFAULT_PAIRS[config.pair]
         root = Path(config.cache_dir) if getattr(config, "cache_dir", None) else cache_dir()
         paths = fetch_gguf(target, root, progress=False), fetch_gguf(draft, root, progress=False)
@@ -75,24 +81,43 @@ class LlamaPeer:
 
     def describe(self, name: str) -> str:
         setting = self.settings[name]
-        what = ("autoregressive" if setting.n_max is None
-                else f"speculative, --spec-draft-n-max {setting.n_max} --spec-draft-p-min {setting.p_min:g}")
+        what = (
+            "autoregressive"
+            if setting.n_max is None
+            else f"speculative, --spec-draft-n-max {setting.n_max} --spec-draft-p-min {setting.p_min:g}"
+        )
         version = (self.binaries.version or {}).get("version", "?")
         return f"llama.cpp {version} ({what}), {self.threads} threads, same GGUF files"
 
     def run(self, name: str, prompt: str, max_new_tokens: int, seed: int) -> dict:
         """One greedy request; a run record like ``evaluation.runs.run_engine``'s."""
-        text = self.pair.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                       add_generation_prompt=True)
+        text = self.pair.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
         setting = self.settings[name]
-        out = self.lc.run_llama_cpp(self.binaries, setting, text, self.target,
-                                    None if setting.n_max is None else self.draft, max_new_tokens=max_new_tokens,
-                                    threads=self.threads, seed=seed)
+        out = self.lc.run_llama_cpp(
+            self.binaries,
+            setting,
+            text,
+            self.target,
+            None if setting.n_max is None else self.draft,
+            max_new_tokens=max_new_tokens,
+            threads=self.threads,
+            seed=seed,
+        )
         tokens = self.pair.encode(out.get("output", ""), chat=False)
         n = int(out["tokens"])
         prompt_s = float(out.get("prompt_s") or 0.0)
         decode_s = float(out["decode_s"])
-        return {"tokens": tokens, "num_tokens": n, "total_s": prompt_s + decode_s, "ttft_s": prompt_s,
-                "decode_s": decode_s, "finish_reason": "length" if n >= max_new_tokens else "eos",
-                "peak_memory_mb": float("nan"), "cycles": [], "first_chunk": 1,
-                "llama": {k: out.get(k) for k in ("tok_s", "accept", "n_drafted", "n_accept", "wall_s")}}
+        return {
+            "tokens": tokens,
+            "num_tokens": n,
+            "total_s": prompt_s + decode_s,
+            "ttft_s": prompt_s,
+            "decode_s": decode_s,
+            "finish_reason": "length" if n >= max_new_tokens else "eos",
+            "peak_memory_mb": float("nan"),
+            "cycles": [],
+            "first_chunk": 1,
+            "llama": {k: out.get(k) for k in ("tok_s", "accept", "n_drafted", "n_accept", "wall_s")},
+        }

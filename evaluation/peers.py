@@ -15,12 +15,18 @@ from collections.abc import Iterator
 
 import torch
 
-HF_DEFAULT = {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
-              "assistant_confidence_threshold": 0.4}
+HF_DEFAULT = {
+    "num_assistant_tokens": 20,
+    "num_assistant_tokens_schedule": "constant",
+    "assistant_confidence_threshold": 0.4,
+}
 """transformers 5.x defaults (``GenerationConfig._get_default_generation_params``); the confidence threshold
 adapts during generation when scikit-learn is installed."""
-HF_HEURISTIC = {"num_assistant_tokens": 5, "num_assistant_tokens_schedule": "heuristic_transient",
-                "assistant_confidence_threshold": 0.0}
+HF_HEURISTIC = {
+    "num_assistant_tokens": 5,
+    "num_assistant_tokens_schedule": "heuristic_transient",
+    "assistant_confidence_threshold": 0.0,
+}
 """The +2/-1 schedule from 5 drafted tokens (reset per call), no confidence stop."""
 SCHEDULES = {"hf_assisted_default": HF_DEFAULT, "hf_assisted_heuristic": HF_HEURISTIC}
 
@@ -55,16 +61,23 @@ def _quiet_transformers() -> Iterator[None]:
         logging.set_verbosity(level)
 
 
-def run_peer(pair, ids: list[int], max_new_tokens: int, schedule: str, temperature: float = 0.0,
-             seed: int = 0) -> dict:
+def run_peer(
+    pair, ids: list[int], max_new_tokens: int, schedule: str, temperature: float = 0.0, seed: int = 0
+) -> dict:
     """One request through ``pair.target.generate(assistant_model=pair.draft)``; a raw run record with the
     same keys as ``evaluation.runs.run_engine`` (greedy, or ``do_sample`` at ``temperature`` with no top-k/top-p
     truncation, like our ``SamplingConfig(temperature)``)."""
     device = pair.device
     input_ids = torch.as_tensor([ids], device=device)
     eos = sorted(pair.eos_token_ids)
-    kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0],
-                  attention_mask=torch.ones_like(input_ids), assistant_model=pair.draft, repetition_penalty=1.0)
+    kwargs = dict(
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=eos[0],
+        attention_mask=torch.ones_like(input_ids),
+        assistant_model=pair.draft,
+        repetition_penalty=1.0,
+    )
     if temperature > 0:
         kwargs.update(do_sample=True, temperature=float(temperature), top_k=0, top_p=1.0)
         torch.manual_seed(seed)  # transformers samples from the global generator
@@ -84,12 +97,23 @@ def run_peer(pair, ids: list[int], max_new_tokens: int, schedule: str, temperatu
     with _quiet_transformers(), torch.inference_mode():
         out = pair.target.generate(input_ids, streamer=timer, **kwargs)
     end = clock()
-    tokens = out[0, len(ids):].tolist()
+    tokens = out[0, len(ids) :].tolist()
     stamps = [timer.t0] + [t for _, t in timer.chunks]
     steps = [[n, stamps[i + 1] - stamps[i], n - 1, -1, -1] for i, (n, _) in enumerate(timer.chunks)]
     ttft = steps[0][1] if steps else end - timer.t0
-    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    return {"tokens": tokens, "num_tokens": len(tokens), "total_s": end - timer.t0, "ttft_s": ttft,
-            "decode_s": end - timer.t0 - ttft, "finish_reason": "eos" if tokens and tokens[-1] in eos else "length",
-            "peak_memory_mb": peak / 2**20, "cycles": steps[1:], "first_chunk": steps[0][0] if steps else 0}
+    peak = (
+        torch.cuda.max_memory_allocated(device)
+        if device.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
+    return {
+        "tokens": tokens,
+        "num_tokens": len(tokens),
+        "total_s": end - timer.t0,
+        "ttft_s": ttft,
+        "decode_s": end - timer.t0 - ttft,
+        "finish_reason": "eos" if tokens and tokens[-1] in eos else "length",
+        "peak_memory_mb": peak / 2**20,
+        "cycles": steps[1:],
+        "first_chunk": steps[0][0] if steps else 0,
+    }

@@ -40,7 +40,14 @@ def speedup_plot(summary: dict, path: Path) -> Path:
         lows = np.asarray([(cis[name].get(lang) or {}).get("low", np.nan) for lang in langs])
         highs = np.asarray([(cis[name].get(lang) or {}).get("high", np.nan) for lang in langs])
         err = np.vstack([np.clip(vals - lows, 0, None), np.clip(highs - vals, 0, None)])
-        ax.bar(x + (i - (len(names) - 1) / 2) * width, vals, width, yerr=np.nan_to_num(err), capsize=2, label=name)
+        ax.bar(
+            x + (i - (len(names) - 1) / 2) * width,
+            vals,
+            width,
+            yerr=np.nan_to_num(err),
+            capsize=2,
+            label=name,
+        )
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(x, langs)
     ax.set_ylabel("speedup over autoregressive (tokens/s ratio)")
@@ -63,7 +70,7 @@ def accepted_hist(cycles_by_controller: dict[str, list], path: Path) -> Path:
         ax.hist(vals, bins=np.arange(top + 2) - 0.5, color="tab:blue", alpha=0.8)
         ax.set_title(f"{name} (mean {np.mean(vals):.2f}, {len(vals)} cycles)", fontsize=9)
         ax.set_xlabel("accepted tokens per cycle")
-    for ax in axes.ravel()[len(data):]:
+    for ax in axes.ravel()[len(data) :]:
         ax.axis("off")
     fig.tight_layout()
     return _save(fig, path)
@@ -80,7 +87,9 @@ def verified_size_rows(rows) -> np.ndarray:
 
 def learned_actions_plot(actions: dict, path: Path) -> Path:
     """The learned policy's decisions: chosen depth and size against context position and draft confidence."""
-    depth = np.asarray(actions["depth"], dtype=np.float64).reshape(-1, 5)  # ctx, depth, step p, frontier p, go
+    depth = np.asarray(actions["depth"], dtype=np.float64).reshape(
+        -1, 5
+    )  # ctx, depth, step p, frontier p, go
     size = verified_size_rows(actions["size"])  # ctx, depth, nodes, top p, size verified
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     rng = np.random.default_rng(0)  # jitter only
@@ -89,11 +98,17 @@ def learned_actions_plot(actions: dict, path: Path) -> Path:
         ax.scatter(size[:, 0], size[:, 1] + rng.uniform(-0.15, 0.15, len(size)), s=6, alpha=0.5)
         ax.set(xlabel="context length (tokens)", ylabel="chosen depth", title="depth vs context position")
         ax = axes[0, 1]
-        ax.scatter(size[:, 0], size[:, 4] + rng.uniform(-0.2, 0.2, len(size)), s=6, alpha=0.5, color="tab:orange")
+        ax.scatter(
+            size[:, 0], size[:, 4] + rng.uniform(-0.2, 0.2, len(size)), s=6, alpha=0.5, color="tab:orange"
+        )
         ax.set(xlabel="context length (tokens)", ylabel="nodes verified", title="size vs context position")
         ax = axes[1, 1]
-        ax.scatter(size[:, 3], size[:, 4] + rng.uniform(-0.2, 0.2, len(size)), s=6, alpha=0.5, color="tab:orange")
-        ax.set(xlabel="best node path prob (draft)", ylabel="nodes verified", title="size vs draft confidence")
+        ax.scatter(
+            size[:, 3], size[:, 4] + rng.uniform(-0.2, 0.2, len(size)), s=6, alpha=0.5, color="tab:orange"
+        )
+        ax.set(
+            xlabel="best node path prob (draft)", ylabel="nodes verified", title="size vs draft confidence"
+        )
     zero = depth[depth[:, 1] == 0]  # depth-0 questions (draft at all?): no draft probabilities yet
     depth = depth[depth[:, 1] > 0]
     if len(depth):
@@ -108,8 +123,12 @@ def learned_actions_plot(actions: dict, path: Path) -> Path:
             if n:
                 ax.text(c, (r if np.isfinite(r) else 0) + 0.02, str(n), ha="center", fontsize=6)
         skipped = f"; drafted in {zero[:, 4].mean():.0%} of {len(zero)} cycles asked" if len(zero) else ""
-        ax.set(xlabel="top draft step prob (last step)", ylabel="P(continue drafting)", ylim=(0, 1.1),
-               title=f"depth decision vs draft confidence (n per bin){skipped}")
+        ax.set(
+            xlabel="top draft step prob (last step)",
+            ylabel="P(continue drafting)",
+            ylim=(0, 1.1),
+            title=f"depth decision vs draft confidence (n per bin){skipped}",
+        )
     for ax in axes.ravel():
         if not ax.has_data():
             ax.text(0.5, 0.5, "no decisions recorded", ha="center", va="center", transform=ax.transAxes)

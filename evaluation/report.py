@@ -45,18 +45,25 @@ def _ci(ci: dict | None) -> str:
 
 # ------------------------------------------------------------------------------------------------ sections
 def conditions_md(cond: dict, config: dict) -> list[str]:
-    rows = [[k, ", ".join(f"{a}: {b}" for a, b in v.items()) if isinstance(v, dict) else v]
-            for k, v in cond.items() if k not in ("policy_metrics", "profile")]
+    rows = [
+        [k, ", ".join(f"{a}: {b}" for a, b in v.items()) if isinstance(v, dict) else v]
+        for k, v in cond.items()
+        if k not in ("policy_metrics", "profile")
+    ]
     rows.append(["seed / bootstrap resamples", f"{config['seed']} / {config['bootstrap']}"])
     out = ["## Conditions", ""] + _table(["", "value"], rows)
     if cond.get("policy_metrics"):
         out += ["Policy training metrics (replay, validation split, from the policy file):", ""]
-        out += _table(["metric", "value"], [[k, _f(v) if isinstance(v, float) else v]
-                                            for k, v in cond["policy_metrics"].items()])
+        out += _table(
+            ["metric", "value"],
+            [[k, _f(v) if isinstance(v, float) else v] for k, v in cond["policy_metrics"].items()],
+        )
     if cond.get("profile"):
         prof = cond["profile"]
-        out += [f"Cost profile: {', '.join(f'{k}={prof[k]}' for k in ('device', 'dtype', 'threads', 'date') if k in prof)}",
-                ""]
+        out += [
+            f"Cost profile: {', '.join(f'{k}={prof[k]}' for k in ('device', 'dtype', 'threads', 'date') if k in prof)}",
+            "",
+        ]
     return out
 
 
@@ -65,22 +72,66 @@ def results_md(summary: dict) -> list[str]:
     rows = []
     for name, by_lang in table.items():
         a = by_lang["all"]
-        rows.append([name, _f(a["tokens_per_s"]), _ci(cis[name]["all"]), _f(a["mean_accepted"], 2), _f(a["ttft_s"]),
-                     _f(a["itl_p50_s"], 1, 1e3), _f(a["itl_p90_s"], 1, 1e3), _f(a["itl_p99_s"], 1, 1e3),
-                     _f(a["total_s"], 1), _f(a["peak_memory_mb"], 0), int(a["prompts"])])
+        rows.append(
+            [
+                name,
+                _f(a["tokens_per_s"]),
+                _ci(cis[name]["all"]),
+                _f(a["mean_accepted"], 2),
+                _f(a["ttft_s"]),
+                _f(a["itl_p50_s"], 1, 1e3),
+                _f(a["itl_p90_s"], 1, 1e3),
+                _f(a["itl_p99_s"], 1, 1e3),
+                _f(a["total_s"], 1),
+                _f(a["peak_memory_mb"], 0),
+                int(a["prompts"]),
+            ]
+        )
     out = ["## Results (all measured prompts)", ""]
-    out += _table(["controller", "tokens/s", "speedup [95% CI]", "mean accepted", "TTFT s", "ITL p50 ms",
-                   "ITL p90 ms", "ITL p99 ms", "total s", "peak MB", "prompts"], rows)
+    out += _table(
+        [
+            "controller",
+            "tokens/s",
+            "speedup [95% CI]",
+            "mean accepted",
+            "TTFT s",
+            "ITL p50 ms",
+            "ITL p90 ms",
+            "ITL p99 ms",
+            "total s",
+            "peak MB",
+            "prompts",
+        ],
+        rows,
+    )
     langs = [lang for lang in table["autoregressive"] if lang != "all"]
     out += ["### Per language: tokens/s (speedup over autoregressive)", ""]
-    out += _table(["controller"] + langs + ["all"],
-                  [[name] + [f"{_f(by[lang]['tokens_per_s'])} ({_f(by[lang]['speedup'], 2)}x)" if lang in by else "–"
-                             for lang in langs + ["all"]] for name, by in table.items()])
+    out += _table(
+        ["controller"] + langs + ["all"],
+        [
+            [name]
+            + [
+                f"{_f(by[lang]['tokens_per_s'])} ({_f(by[lang]['speedup'], 2)}x)" if lang in by else "–"
+                for lang in langs + ["all"]
+            ]
+            for name, by in table.items()
+        ],
+    )
     out += ["### Per language: mean accepted length / TTFT s / ITL p50 ms", ""]
-    out += _table(["controller"] + langs,
-                  [[name] + [f"{_f(by[lang]['mean_accepted'], 2)} / {_f(by[lang]['ttft_s'], 2)} / "
-                             f"{_f(by[lang]['itl_p50_s'], 1, 1e3)}" if lang in by else "–" for lang in langs]
-                   for name, by in table.items()])
+    out += _table(
+        ["controller"] + langs,
+        [
+            [name]
+            + [
+                f"{_f(by[lang]['mean_accepted'], 2)} / {_f(by[lang]['ttft_s'], 2)} / "
+                f"{_f(by[lang]['itl_p50_s'], 1, 1e3)}"
+                if lang in by
+                else "–"
+                for lang in langs
+            ]
+            for name, by in table.items()
+        ],
+    )
     return out
 
 
@@ -88,13 +139,23 @@ def ratios_md(summary: dict) -> list[str]:
     ratios = summary["learned_ratios"]
     if not ratios:
         return []
-    rows = [[f"learned / {k}" + (f" ({r['against']})" if r["against"] != k else ""), _f(r["ratio"]),
-             f"[{_f(r['low'])}, {_f(r['high'])}]", r["prompts"]] for k, r in ratios.items()]
-    return (["## Learned policy ratios", "",
-             "Throughput ratio (all tokens / all time of the learned policy over the other controller, same "
-             "prompts); 95% paired bootstrap interval: prompts resampled with replacement, both controllers' "
-             "numbers of a prompt kept together.", ""]
-            + _table(["ratio", "point", "95% CI", "prompts"], rows))
+    rows = [
+        [
+            f"learned / {k}" + (f" ({r['against']})" if r["against"] != k else ""),
+            _f(r["ratio"]),
+            f"[{_f(r['low'])}, {_f(r['high'])}]",
+            r["prompts"],
+        ]
+        for k, r in ratios.items()
+    ]
+    return [
+        "## Learned policy ratios",
+        "",
+        "Throughput ratio (all tokens / all time of the learned policy over the other controller, same "
+        "prompts); 95% paired bootstrap interval: prompts resampled with replacement, both controllers' "
+        "numbers of a prompt kept together.",
+        "",
+    ] + _table(["ratio", "point", "95% CI", "prompts"], rows)
 
 
 def targets_md(summary: dict) -> list[str]:
@@ -103,7 +164,11 @@ def targets_md(summary: dict) -> list[str]:
         verdict = {True: "**PASS**", False: "**FAIL**", None: "NOT MEASURED"}[t["pass"]]
         extra = ""
         if t.get("ci") is not None:
-            extra = " — interval clears the threshold" if t["ci_clears"] else " — interval does not clear the threshold"
+            extra = (
+                " — interval clears the threshold"
+                if t["ci_clears"]
+                else " — interval does not clear the threshold"
+            )
         out.append(f"- {verdict}: {t['target']}: {t['detail']}{extra}")
     return out + [""]
 
@@ -111,18 +176,30 @@ def targets_md(summary: dict) -> list[str]:
 def tuning_md(tuning: dict, best_static: str | None) -> list[str]:
     if not tuning:
         return []
-    out = ["## Static grid search (tune split)", "",
-           f"Replay grid on the tune prompts' traces, then the best configurations confirmed live on the same tune "
-           f"prompts; best live wins. Best static overall (faster live on tune): **{best_static}**.", ""]
+    out = [
+        "## Static grid search (tune split)",
+        "",
+        f"Replay grid on the tune prompts' traces, then the best configurations confirmed live on the same tune "
+        f"prompts; best live wins. Best static overall (faster live on tune): **{best_static}**.",
+        "",
+    ]
     for kind, t in tuning.items():
         best = t["best"]
-        out.append(f"**{kind}** (width {t['width']}, {len(t['tune_prompts'])} tune prompts, "
-                   f"{t['max_new_tokens']} tokens): chosen depth {best['depth']}, verify {best['verify']}")
+        out.append(
+            f"**{kind}** (width {t['width']}, {len(t['tune_prompts'])} tune prompts, "
+            f"{t['max_new_tokens']} tokens): chosen depth {best['depth']}, verify {best['verify']}"
+        )
         out.append("")
-        out += _table(["depth", "verify", "replay tokens/s", "live tokens/s"],
-                      [[c["depth"], c["verify"], _f(c["replay_tokens_per_s"]), _f(c["live_tokens_per_s"])]
-                       for c in t["confirmed"]])
-        top = ", ".join(f"({g['depth']},{g['verify']}) {_f(g['replay_tokens_per_s'])}" for g in t["replay_grid"][:8])
+        out += _table(
+            ["depth", "verify", "replay tokens/s", "live tokens/s"],
+            [
+                [c["depth"], c["verify"], _f(c["replay_tokens_per_s"]), _f(c["live_tokens_per_s"])]
+                for c in t["confirmed"]
+            ],
+        )
+        top = ", ".join(
+            f"({g['depth']},{g['verify']}) {_f(g['replay_tokens_per_s'])}" for g in t["replay_grid"][:8]
+        )
         out += [f"Replay grid top 8 of {len(t['replay_grid'])}: {top}", ""]
     return out
 
@@ -131,19 +208,48 @@ def replay_md(replay: dict | None, summary: dict) -> list[str]:
     if not replay:
         return []
     fid = summary["replay_vs_live"]
-    out = ["## Replay: hindsight oracle and replay vs live (REPLAY numbers, cost-profile times)", "",
-           f"Traces of the measured prompts (width {replay['width']}, depth {replay['max_depth']}, "
-           f"{replay['traces']} traces); decode tokens/s (the prefill token excluded).", ""]
-    rows = [[name, _f(v["replay_tokens_per_s"]), _f(v.get("live_tokens_per_s")), _f(v.get("replay_over_live")),
-             _f(v.get("relative_to_autoregressive"))] for name, v in fid.items() if name != "oracle"]
+    out = [
+        "## Replay: hindsight oracle and replay vs live (REPLAY numbers, cost-profile times)",
+        "",
+        f"Traces of the measured prompts (width {replay['width']}, depth {replay['max_depth']}, "
+        f"{replay['traces']} traces); decode tokens/s (the prefill token excluded).",
+        "",
+    ]
+    rows = [
+        [
+            name,
+            _f(v["replay_tokens_per_s"]),
+            _f(v.get("live_tokens_per_s")),
+            _f(v.get("replay_over_live")),
+            _f(v.get("relative_to_autoregressive")),
+        ]
+        for name, v in fid.items()
+        if name != "oracle"
+    ]
     if "oracle" in fid:
-        rows.append(["hindsight oracle (upper bound, replay only)", _f(fid["oracle"]["replay_tokens_per_s"]), "–", "–",
-                     "–"])
-    note = ["Relative to autoregressive: a controller's replay / live divided by autoregressive decoding's. A "
-            "change of the machine's speed since the cost profile was measured moves every row's replay / live alike "
-            "and cancels here; what remains is how well replay predicts the controller's decisions and their costs."]
-    return out + _table(["controller", "replay tokens/s", "live tokens/s", "replay / live",
-                         "relative to autoregressive"], rows) + note + [""]
+        rows.append(
+            [
+                "hindsight oracle (upper bound, replay only)",
+                _f(fid["oracle"]["replay_tokens_per_s"]),
+                "–",
+                "–",
+                "–",
+            ]
+        )
+    note = [
+        "Relative to autoregressive: a controller's replay / live divided by autoregressive decoding's. A "
+        "change of the machine's speed since the cost profile was measured moves every row's replay / live alike "
+        "and cancels here; what remains is how well replay predicts the controller's decisions and their costs."
+    ]
+    return (
+        out
+        + _table(
+            ["controller", "replay tokens/s", "live tokens/s", "replay / live", "relative to autoregressive"],
+            rows,
+        )
+        + note
+        + [""]
+    )
 
 
 def concurrency_md(load: dict | None, summary: dict) -> list[str]:
@@ -153,56 +259,136 @@ def concurrency_md(load: dict | None, summary: dict) -> list[str]:
     for name, mode in load["modes"].items():
         s = mode["summary"]
         batch_one = summary["table"].get(name, {}).get("all", {}).get("speedup")
-        rows.append([name, _f(s["aggregate_tokens_per_s"]), _f(s["speedup"], 2), _f(batch_one, 2),
-                     _f(s["latency_p50_s"], 2), _f(s["latency_p90_s"], 2), _f(s["latency_p99_s"], 2),
-                     _f(s["ttft_p50_s"], 2), _f(s["itl_p50_s"], 1, 1e3), _f(s["itl_p99_s"], 1, 1e3),
-                     int(s["requests"]), _f(s["wall_s"], 1)])
-    return ([f"## Load: {load['workers']} concurrent requests", "",
-             f"{load['workers']} worker threads, each with its own engine and controller, sharing the model weights "
-             "and pulling prompts from one queue (closed loop, no cross-request batching). Aggregate = all tokens / "
-             "wall time; latency = each request's start to last token.", ""]
-            + _table(["mode", "aggregate tokens/s", "speedup under load", "speedup batch one", "latency p50 s",
-                      "p90 s", "p99 s", "TTFT p50 s", "ITL p50 ms", "ITL p99 ms", "requests", "wall s"], rows))
+        rows.append(
+            [
+                name,
+                _f(s["aggregate_tokens_per_s"]),
+                _f(s["speedup"], 2),
+                _f(batch_one, 2),
+                _f(s["latency_p50_s"], 2),
+                _f(s["latency_p90_s"], 2),
+                _f(s["latency_p99_s"], 2),
+                _f(s["ttft_p50_s"], 2),
+                _f(s["itl_p50_s"], 1, 1e3),
+                _f(s["itl_p99_s"], 1, 1e3),
+                int(s["requests"]),
+                _f(s["wall_s"], 1),
+            ]
+        )
+    return [
+        f"## Load: {load['workers']} concurrent requests",
+        "",
+        f"{load['workers']} worker threads, each with its own engine and controller, sharing the model weights "
+        "and pulling prompts from one queue (closed loop, no cross-request batching). Aggregate = all tokens / "
+        "wall time; latency = each request's start to last token.",
+        "",
+    ] + _table(
+        [
+            "mode",
+            "aggregate tokens/s",
+            "speedup under load",
+            "speedup batch one",
+            "latency p50 s",
+            "p90 s",
+            "p99 s",
+            "TTFT p50 s",
+            "ITL p50 ms",
+            "ITL p99 ms",
+            "requests",
+            "wall s",
+        ],
+        rows,
+    )
 
 
 def exactness_md(ex: dict) -> list[str]:
     out = ["## Exactness audit", ""]
-    kind = ("greedy: speculative tokens must equal autoregressive tokens" if ex.get("greedy", True) else
-            "sampled runs with the same seed as autoregressive (deterministic drafts draw one target sample per "
-            "emitted token, so equal up to float rounding; the two-sample test below is the law check)")
+    kind = (
+        "greedy: speculative tokens must equal autoregressive tokens"
+        if ex.get("greedy", True)
+        else "sampled runs with the same seed as autoregressive (deterministic drafts draw one target sample per "
+        "emitted token, so equal up to float rounding; the two-sample test below is the law check)"
+    )
     out += [f"Token audit ({kind}):", ""]
-    rows = [[name, f"{a['identical']}/{a['prompts']}", f"{a['match_rate']:.1%}",
-             ", ".join(f"{d['prompt_id']}@{d['position']}" for d in a["divergences"][:6]) or "–"]
-            for name, a in ex["token_audit"].items()]
+    rows = [
+        [
+            name,
+            f"{a['identical']}/{a['prompts']}",
+            f"{a['match_rate']:.1%}",
+            ", ".join(f"{d['prompt_id']}@{d['position']}" for d in a["divergences"][:6]) or "–",
+        ]
+        for name, a in ex["token_audit"].items()
+    ]
     out += _table(["controller", "identical prompts", "match rate", "first divergence (prompt@token)"], rows)
     if ex.get("peer_token_audit"):
-        out += ["transformers' assisted generation vs our autoregressive (informational: another implementation's "
-                "kernels and rounding):", ""]
-        out += _table(["peer", "identical prompts", "match rate"],
-                      [[n, f"{a['identical']}/{a['prompts']}", f"{a['match_rate']:.1%}"]
-                       for n, a in ex["peer_token_audit"].items()])
+        out += [
+            "transformers' assisted generation vs our autoregressive (informational: another implementation's "
+            "kernels and rounding):",
+            "",
+        ]
+        out += _table(
+            ["peer", "identical prompts", "match rate"],
+            [
+                [n, f"{a['identical']}/{a['prompts']}", f"{a['match_rate']:.1%}"]
+                for n, a in ex["peer_token_audit"].items()
+            ],
+        )
     sampled = ex.get("sampled")
     if sampled:
-        out += [f"Sampled two-sample test: {sampled['controller_name']} ({sampled['controller']}) vs autoregressive, "
-                f"temperature {sampled['temperature']:g}, joint law of the first k = {sampled['k']} tokens, "
-                f"{sampled['samples_per_arm']} requests per arm and prompt, every request its own seed (speculative "
-                f"requests generate {sampled['speculative_budget']} tokens).", ""]
-        out += _table(["prompt", "test", "n (AR / spec)", "categories (cells)", "statistic", "dof", "p-value"],
-                      [[p["prompt_id"], p["test"], f"{p['n_a']} / {p['n_b']}", f"{p['categories']} ({p['cells']})",
-                        _f(p["statistic"], 2), p["dof"], f"{p['pvalue']:.3g}"] for p in sampled["prompts"]])
+        out += [
+            f"Sampled two-sample test: {sampled['controller_name']} ({sampled['controller']}) vs autoregressive, "
+            f"temperature {sampled['temperature']:g}, joint law of the first k = {sampled['k']} tokens, "
+            f"{sampled['samples_per_arm']} requests per arm and prompt, every request its own seed (speculative "
+            f"requests generate {sampled['speculative_budget']} tokens).",
+            "",
+        ]
+        out += _table(
+            ["prompt", "test", "n (AR / spec)", "categories (cells)", "statistic", "dof", "p-value"],
+            [
+                [
+                    p["prompt_id"],
+                    p["test"],
+                    f"{p['n_a']} / {p['n_b']}",
+                    f"{p['categories']} ({p['cells']})",
+                    _f(p["statistic"], 2),
+                    p["dof"],
+                    f"{p['pvalue']:.3g}",
+                ]
+                for p in sampled["prompts"]
+            ],
+        )
         verdict = "REJECTS equality of laws" if sampled["rejects"] else "does not reject equality of laws"
         out += [f"Combined (Fisher) p-value: {sampled['fisher_pvalue']:.3g} — {verdict} at 1e-3.", ""]
         blind = [p["prompt_id"] for p in sampled["prompts"] if p["cells"] < 2]
         if blind:
-            out += [f"Note: on {', '.join(blind)} every outcome was rarer than the pooling threshold, so the table "
-                    "has one cell and the test has no power there (raise --samples or lower the temperature).", ""]
+            out += [
+                f"Note: on {', '.join(blind)} every outcome was rarer than the pooling threshold, so the table "
+                "has one cell and the test has no power there (raise --samples or lower the temperature).",
+                "",
+            ]
     if ex.get("law_checks"):
-        out += ["Sampler law checks (Monte Carlo of `engine.sampling.verify_chain`, two emitted tokens of a toy "
-                "target, vs the exact law; chi-square p and total variation against its bound; the wrong rule is a "
-                "negative control that must be flagged):", ""]
-        out += _table(["case", "rule", "trials", "p-value", "TV", "TV bound", "expected", "result"],
-                      [[c["case"], c["rule"], c["trials"], f"{c['pvalue']:.3g}", _f(c["tv"], 4), _f(c["tv_bound"], 4),
-                        c["expected"], "ok" if c["ok"] else "**UNEXPECTED**"] for c in ex["law_checks"]])
+        out += [
+            "Sampler law checks (Monte Carlo of `engine.sampling.verify_chain`, two emitted tokens of a toy "
+            "target, vs the exact law; chi-square p and total variation against its bound; the wrong rule is a "
+            "negative control that must be flagged):",
+            "",
+        ]
+        out += _table(
+            ["case", "rule", "trials", "p-value", "TV", "TV bound", "expected", "result"],
+            [
+                [
+                    c["case"],
+                    c["rule"],
+                    c["trials"],
+                    f"{c['pvalue']:.3g}",
+                    _f(c["tv"], 4),
+                    _f(c["tv_bound"], 4),
+                    c["expected"],
+                    "ok" if c["ok"] else "**UNEXPECTED**",
+                ]
+                for c in ex["law_checks"]
+            ],
+        )
     return out
 
 
@@ -224,37 +410,56 @@ def write_report(results: dict, out_dir: str | Path) -> Path:
     cycles = {name: [c for row in by.values() for c in row["cycles"]] for name, by in rows.items()}
     figures.append(("Accepted length per cycle", plots.accepted_hist(cycles, out / hist)))
     if results.get("learned_actions"):
-        figures.append(("Learned policy actions", plots.learned_actions_plot(results["learned_actions"],
-                                                                              out / actions)))
+        figures.append(
+            ("Learned policy actions", plots.learned_actions_plot(results["learned_actions"], out / actions))
+        )
     cond = results["conditions"]
-    lines = ["# draftpilot evaluation", "",
-             f"{cond['pair']} ({cond['dtype']}, {cond['device']}), {cond['sampling']}, split {cond['split']}, "
-             f"{sum(cond['prompts'].values())} prompts, {cond['max_new_tokens']} new tokens, {cond['reps']} rep(s); "
-             f"{cond['date']}. Controllers are interleaved prompt by prompt (order rotated per prompt), so machine "
-             "drift affects all alike; per prompt the median over repetitions is used.", ""]
+    lines = [
+        "# draftpilot evaluation",
+        "",
+        f"{cond['pair']} ({cond['dtype']}, {cond['device']}), {cond['sampling']}, split {cond['split']}, "
+        f"{sum(cond['prompts'].values())} prompts, {cond['max_new_tokens']} new tokens, {cond['reps']} rep(s); "
+        f"{cond['date']}. Controllers are interleaved prompt by prompt (order rotated per prompt), so machine "
+        "drift affects all alike; per prompt the median over repetitions is used.",
+        "",
+    ]
     sittings = results.get("sittings") or []
     if len(sittings) > 1:
-        lines += [f"Measured in {len(sittings)} sittings (interrupted and resumed with the same config; started "
-                  f"{', '.join(s['started'] for s in sittings)}). All controllers of a prompt were measured in the "
-                  "same sitting, so per-prompt ratios stay paired.", ""]
-    lines += [f"> **WARNING**: {w}" for w in results.get("warnings", [])] + ([""] if results.get("warnings") else [])
-    lines += targets_md(summary) + results_md(summary) + ratios_md(summary) + conditions_md(cond, results["config"])
+        lines += [
+            f"Measured in {len(sittings)} sittings (interrupted and resumed with the same config; started "
+            f"{', '.join(s['started'] for s in sittings)}). All controllers of a prompt were measured in the "
+            "same sitting, so per-prompt ratios stay paired.",
+            "",
+        ]
+    lines += [f"> **WARNING**: {w}" for w in results.get("warnings", [])] + (
+        [""] if results.get("warnings") else []
+    )
+    lines += (
+        targets_md(summary)
+        + results_md(summary)
+        + ratios_md(summary)
+        + conditions_md(cond, results["config"])
+    )
     lines += tuning_md(results.get("tuning"), results.get("best_static"))
     lines += replay_md(results.get("replay"), summary) + concurrency_md(results.get("concurrency"), summary)
     lines += exactness_md(results["exactness"]) + ["## Figures", ""]
     lines += [f"![{title}]({p.name})" for title, p in figures] + [""]
-    lines += ["## Method notes", "",
-              "- tokens/s = all generated tokens / all request time (prefill + decode) over the prompts; speedup is "
-              "relative to our autoregressive decoding in the same run.",
-              "- ITL is amortised: a cycle of T seconds committing n tokens counts n latencies of T/n. TTFT = prefill "
-              "+ first token (transformers: time to the first streamed chunk).",
-              "- Peak memory: CUDA max allocated per request; on CPU the process's peak RSS (monotone over the run).",
-              "- transformers' accepted length = streamed chunk size - 1 per assisted step.",
-              "- The learned policy is loaded with this run's cost profile, so its device features describe the "
-              "device it runs on (the same features as in training when the profile is the cached one).",
-              "- Every measured request uses the same seed (the traces' seed), so in sampled mode all controllers "
-              "follow the same target-law trajectory (up to float rounding), the one the replay traces hold.",
-              f"- Evaluation wall time: {_f(results.get('wall_s'), 0)} s.", ""]
+    lines += [
+        "## Method notes",
+        "",
+        "- tokens/s = all generated tokens / all request time (prefill + decode) over the prompts; speedup is "
+        "relative to our autoregressive decoding in the same run.",
+        "- ITL is amortised: a cycle of T seconds committing n tokens counts n latencies of T/n. TTFT = prefill "
+        "+ first token (transformers: time to the first streamed chunk).",
+        "- Peak memory: CUDA max allocated per request; on CPU the process's peak RSS (monotone over the run).",
+        "- transformers' accepted length = streamed chunk size - 1 per assisted step.",
+        "- The learned policy is loaded with this run's cost profile, so its device features describe the "
+        "device it runs on (the same features as in training when the profile is the cached one).",
+        "- Every measured request uses the same seed (the traces' seed), so in sampled mode all controllers "
+        "follow the same target-law trajectory (up to float rounding), the one the replay traces hold.",
+        f"- Evaluation wall time: {_f(results.get('wall_s'), 0)} s.",
+        "",
+    ]
     path = out / "report.md"
     return atomic_write(path, "\n".join(lines))
 
@@ -266,8 +471,10 @@ def summary_lines(results: dict) -> list[str]:
     lines = [f"{'controller':24s}{'tokens/s':>10s}{'speedup':>9s}{'learned/x':>11s}"]
     for name, by in summary["table"].items():
         r = next((v for v in ratios.values() if v["against"] == name), None)
-        lines.append(f"{name:24s}{_f(by['all']['tokens_per_s']):>10s}{_f(by['all']['speedup'], 2) + 'x':>9s}"
-                     f"{(_f(r['ratio']) if r else '–'):>11s}")
+        lines.append(
+            f"{name:24s}{_f(by['all']['tokens_per_s']):>10s}{_f(by['all']['speedup'], 2) + 'x':>9s}"
+            f"{(_f(r['ratio']) if r else '–'):>11s}"
+        )
     verdicts = {True: "PASS", False: "FAIL", None: "n/a "}
     lines += [f"{verdicts[t['pass']]}  {t['target']}" for t in summary["targets"]]
     return lines
@@ -278,11 +485,15 @@ def write_exactness_report(results: dict, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cond = results["conditions"]
-    lines = ["# draftpilot exactness audit", "",
-             f"{cond['pair']} ({cond['dtype']}, {cond['device']}, {cond['threads']} threads), torch {cond['torch']}, "
-             f"transformers {cond['transformers']}, split {cond['split']}, {sum(cond['prompts'].values())} prompts, "
-             f"{cond['max_new_tokens']} greedy tokens per prompt; {cond['date']}. Static settings are fixed "
-             "(chain depth 4; tree depth 4, verify 8), not grid-searched: the audit is about the law, not speed.", ""]
+    lines = [
+        "# draftpilot exactness audit",
+        "",
+        f"{cond['pair']} ({cond['dtype']}, {cond['device']}, {cond['threads']} threads), torch {cond['torch']}, "
+        f"transformers {cond['transformers']}, split {cond['split']}, {sum(cond['prompts'].values())} prompts, "
+        f"{cond['max_new_tokens']} greedy tokens per prompt; {cond['date']}. Static settings are fixed "
+        "(chain depth 4; tree depth 4, verify 8), not grid-searched: the audit is about the law, not speed.",
+        "",
+    ]
     lines += [f"> **WARNING**: {w}" for w in results.get("warnings", [])] + [""]
     lines += exactness_md(results["exactness"]) + conditions_md(cond, results["config"])
     write_json(results, out / "exactness.json")

@@ -39,16 +39,25 @@ class Setup:
         self.width = config.tree_width or (policy.tree_width if policy else DEFAULT_WIDTH)
         self.max_depth = config.max_depth or (policy.max_depth if policy else DEFAULT_DEPTH)
         if policy and self.width != policy.tree_width:
-            self.warnings.append(f"tree_width {self.width} differs from the policy's {policy.tree_width}: the "
-                                 "learned policy keeps its own width and has no replay prediction")
+            self.warnings.append(
+                f"tree_width {self.width} differs from the policy's {policy.tree_width}: the "
+                "learned policy keeps its own width and has no replay prediction"
+            )
         self.tree_width = self.width if (self.width > 1 or config.tree_width) else DEFAULT_WIDTH
         """W of the static tree baseline: W, except that a chain policy (W 1) is still compared with a
         width-4 tree unless --tree-width 1 is asked for."""
         if "static_tree" in self.names and self.tree_width == 1:
             self.names.remove("static_tree")
             self.warnings.append("tree_width is 1: the static tree is the static chain, measured once")
-        self.pair = workspace.load_models(config.pair, config.dtype, config.device, config.threads,
-                                          config.weights, config.draft_weights, config.draft_vocab)
+        self.pair = workspace.load_models(
+            config.pair,
+            config.dtype,
+            config.device,
+            config.threads,
+            config.weights,
+            config.draft_weights,
+            config.draft_vocab,
+        )
         self.llama = None
         if any(n in LLAMA_PEERS for n in self.names):
             import torch
@@ -60,8 +69,10 @@ class Setup:
                 self.names = [n for n in self.names if n not in LLAMA_PEERS]
                 self.warnings.append(why)
         if policy and self.policy_meta.get("pair") not in (None, self.pair.name):
-            self.warnings.append(f"the policy was trained on pair {self.policy_meta.get('pair')!r}, evaluated on "
-                                 f"{self.pair.name!r}")
+            self.warnings.append(
+                f"the policy was trained on pair {self.policy_meta.get('pair')!r}, evaluated on "
+                f"{self.pair.name!r}"
+            )
         self._profile = None
 
     @property
@@ -76,9 +87,13 @@ class Setup:
 
         if self._profile is None:
             config = self.config
-            self._profile = workspace.ensure_profile(self.pair, config.cache_dir, config.profile,
-                                                     widths=(1, 2, self.width, self.tree_width),
-                                                     progress=config.progress)
+            self._profile = workspace.ensure_profile(
+                self.pair,
+                config.cache_dir,
+                config.profile,
+                widths=(1, 2, self.width, self.tree_width),
+                progress=config.progress,
+            )
         return self._profile
 
     def learned(self):
@@ -94,21 +109,35 @@ class Setup:
         for name in self.names:
             if name in STATIC and name in static_best:
                 best = static_best[name]
-                made[name] = lambda b=best: StaticController(b["depth"], b["verify"], tree_width=b["tree_width"])
+                made[name] = lambda b=best: StaticController(
+                    b["depth"], b["verify"], tree_width=b["tree_width"]
+                )
             elif name == "heuristic":
                 made[name] = HeuristicController
             elif name == "confidence":
                 made[name] = lambda: ConfidenceController(0.4)
             elif name == "analytic":
-                made[name] = lambda: AnalyticController(self.profile, tree_width=self.width, max_depth=self.max_depth)
+                made[name] = lambda: AnalyticController(
+                    self.profile, tree_width=self.width, max_depth=self.max_depth
+                )
             elif name == "learned":
                 made[name] = self.learned
         return made
 
 
-def live_runs(setup: Setup, engine, controllers: dict[str, object], prompts: list[dict], *, max_new_tokens: int,
-              reps: int, seed: int, progress: bool, done: Sequence[dict] = (),
-              on_prompt: Callable[[list[dict]], None] | None = None) -> list[dict]:
+def live_runs(
+    setup: Setup,
+    engine,
+    controllers: dict[str, object],
+    prompts: list[dict],
+    *,
+    max_new_tokens: int,
+    reps: int,
+    seed: int,
+    progress: bool,
+    done: Sequence[dict] = (),
+    on_prompt: Callable[[list[dict]], None] | None = None,
+) -> list[dict]:
     """Every prompt, every controller in turn (order rotated per prompt and repetition), ``reps`` times.
     ``done``: runs of an earlier sitting; a (repetition, prompt) they cover for every controller is reused,
     not measured again. ``on_prompt(runs so far)`` is called after each newly measured (repetition, prompt)."""
@@ -138,7 +167,9 @@ def live_runs(setup: Setup, engine, controllers: dict[str, object], prompts: lis
                         run = setup.llama.run(name, item["prompt"], max_new_tokens, seed)
                     else:
                         run = run_engine(engine, ids, controllers[name], max_new_tokens, seed)
-                    run.update(controller=name, prompt_id=item["id"], language=language_of(item), rep=rep, seed=seed)
+                    run.update(
+                        controller=name, prompt_id=item["id"], language=language_of(item), rep=rep, seed=seed
+                    )
                     runs.append(run)
                     bar.update()
                 if on_prompt is not None:
@@ -154,17 +185,27 @@ def replay_section(setup: Setup, controllers: dict[str, object]) -> dict:
 
     config = setup.config
     started = time.perf_counter()
-    traces = workspace.ensure_traces(setup.pair, setup.test_prompts, config.cache_dir,
-                                     temperature=config.temperature, tree_width=setup.width,
-                                     max_depth=setup.max_depth, max_new_tokens=config.max_new_tokens,
-                                     seed=config.seed, progress=config.progress, tag="test traces")
+    traces = workspace.ensure_traces(
+        setup.pair,
+        setup.test_prompts,
+        config.cache_dir,
+        temperature=config.temperature,
+        tree_width=setup.width,
+        max_depth=setup.max_depth,
+        max_new_tokens=config.max_new_tokens,
+        seed=config.seed,
+        progress=config.progress,
+        tag="test traces",
+    )
     out = {"width": setup.width, "max_depth": setup.max_depth, "traces": len(traces), "predicted": {}}
     for name, ctrl in controllers.items():
         if ctrl is not None and getattr(ctrl, "tree_width", None) != setup.width:
             continue
         records = [replay_generate(rt, ctrl, setup.profile) for rt in traces]
-        out["predicted"][name] = {"tokens_per_s": throughput(records),
-                                  "per_prompt": {rt.trace.prompt_id: throughput([r]) for rt, r in zip(traces, records)}}
+        out["predicted"][name] = {
+            "tokens_per_s": throughput(records),
+            "per_prompt": {rt.trace.prompt_id: throughput([r]) for rt, r in zip(traces, records)},
+        }
     if "oracle" in setup.names:
         out["oracle_tokens_per_s"] = oracle_throughput(traces, setup.profile)
     out["seconds"] = time.perf_counter() - started
@@ -177,11 +218,15 @@ def exactness_section(setup: Setup, runs: list[dict], factories: dict, engine_na
 
     config = setup.config
     first = [r for r in runs if r["rep"] == 0]
-    tokens = {name: {r["prompt_id"]: r["tokens"] for r in first if r["controller"] == name}
-              for name in engine_names}
+    tokens = {
+        name: {r["prompt_id"]: r["tokens"] for r in first if r["controller"] == name} for name in engine_names
+    }
     out = {"greedy": config.temperature == 0, "token_audit": greedy_audit(tokens)}
-    peers = {name: {r["prompt_id"]: r["tokens"] for r in first if r["controller"] == name}
-             for name in setup.names if name in PEERS}
+    peers = {
+        name: {r["prompt_id"]: r["tokens"] for r in first if r["controller"] == name}
+        for name in setup.names
+        if name in PEERS
+    }
     if peers and config.temperature == 0:  # sampled: transformers draws from its own generator
         out["peer_token_audit"] = greedy_audit({"autoregressive": tokens["autoregressive"], **peers})
     if config.exactness:
@@ -203,15 +248,31 @@ def audit_sampled(setup: Setup, factories: dict) -> dict:
     from evaluation.exactness import law_checks, sampled_test
 
     config = setup.config
-    spec = next((n for n in ("learned", "static_tree", "static_chain", "analytic", "heuristic", "confidence")
-                 if factories.get(n) is not None), None)
+    spec = next(
+        (
+            n
+            for n in ("learned", "static_tree", "static_chain", "analytic", "heuristic", "confidence")
+            if factories.get(n) is not None
+        ),
+        None,
+    )
     out: dict = {"law_checks": law_checks(config.law_trials, config.seed)}
     if spec is not None:
         temperature = config.temperature or config.audit_temperature
-        out["sampled"] = {"controller_name": spec, **sampled_test(
-            setup.pair, factories[spec], exactness_prompts(setup)[: config.exactness_prompts], temperature=temperature,
-            samples=config.samples, k=config.exactness_tokens, budget=config.exactness_budget, seed=config.seed,
-            progress=config.progress)}
+        out["sampled"] = {
+            "controller_name": spec,
+            **sampled_test(
+                setup.pair,
+                factories[spec],
+                exactness_prompts(setup)[: config.exactness_prompts],
+                temperature=temperature,
+                samples=config.samples,
+                k=config.exactness_tokens,
+                budget=config.exactness_budget,
+                seed=config.seed,
+                progress=config.progress,
+            ),
+        }
     return out
 
 
@@ -231,17 +292,31 @@ def evaluate(config: EvalConfig, checkpoint=None) -> dict:
     if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
         state = Checkpoint.open(Path(checkpoint), config)
     if state is not None and state.resumed:
-        print(f"resuming the partial evaluation in {state.path} (sitting {len(state.sittings)}: "
-              f"{len(state.runs)} runs kept{', static grid kept' if state.tuning is not None else ''})", flush=True)
+        print(
+            f"resuming the partial evaluation in {state.path} (sitting {len(state.sittings)}: "
+            f"{len(state.runs)} runs kept{', static grid kept' if state.tuning is not None else ''})",
+            flush=True,
+        )
     setup = Setup(config)
     engine = SpeculativeEngine(setup.pair, SamplingConfig(temperature=config.temperature))
     kinds = [k for k in STATIC if k in setup.names]
     tuning = state.tuning if state is not None and state.tuning is not None else {}
     if kinds and not tuning:
-        tuning = tune_static(setup.pair, engine, setup.profile, setup.tune_prompts, kinds=kinds,
-                             tree_width=setup.tree_width, max_depth=setup.max_depth, temperature=config.temperature,
-                             max_new_tokens=config.tune_tokens(), confirm_top=config.confirm_top,
-                             cache_dir=config.cache_dir, seed=config.seed, progress=config.progress)
+        tuning = tune_static(
+            setup.pair,
+            engine,
+            setup.profile,
+            setup.tune_prompts,
+            kinds=kinds,
+            tree_width=setup.tree_width,
+            max_depth=setup.max_depth,
+            temperature=config.temperature,
+            max_new_tokens=config.tune_tokens(),
+            confirm_top=config.confirm_top,
+            cache_dir=config.cache_dir,
+            seed=config.seed,
+            progress=config.progress,
+        )
         if state is not None:
             state.tuning = tuning
             state.save()
@@ -271,10 +346,18 @@ def evaluate(config: EvalConfig, checkpoint=None) -> dict:
             state.depth_log, state.size_log = recorder.depth_log, recorder.size_log
         state.save()
 
-    runs = live_runs(setup, engine, {n: controllers.get(n) for n in measured}, setup.test_prompts,
-                     max_new_tokens=config.max_new_tokens, reps=config.reps, seed=config.seed,
-                     progress=config.progress, done=state.runs if state is not None else (),
-                     on_prompt=save_progress if state is not None else None)
+    runs = live_runs(
+        setup,
+        engine,
+        {n: controllers.get(n) for n in measured},
+        setup.test_prompts,
+        max_new_tokens=config.max_new_tokens,
+        reps=config.reps,
+        seed=config.seed,
+        progress=config.progress,
+        done=state.runs if state is not None else (),
+        on_prompt=save_progress if state is not None else None,
+    )
     replay = None
     if config.replay and ({"oracle", "learned", "analytic", "static_tree"} & set(setup.names)):
         plain = {n: (c.inner if isinstance(c, RecordingController) else c) for n, c in controllers.items()}
@@ -284,21 +367,49 @@ def evaluate(config: EvalConfig, checkpoint=None) -> dict:
         best_static = _best_static(tuning)
         modes = {n: factories[n] for n in ("autoregressive", "learned", best_static) if n in factories}
         encoded = [(p["id"], setup.pair.encode(p["prompt"])) for p in setup.test_prompts]
-        load = run_load(setup.pair, engine.sampling, modes, encoded, config.concurrency, config.max_new_tokens,
-                        config.seed, reps=config.reps, progress=config.progress)
+        load = run_load(
+            setup.pair,
+            engine.sampling,
+            modes,
+            encoded,
+            config.concurrency,
+            config.max_new_tokens,
+            config.seed,
+            reps=config.reps,
+            progress=config.progress,
+        )
     exactness = exactness_section(setup, runs, factories, engine_names)
 
-    results = {"config": stored_config(config), "conditions": conditions(setup), "warnings": setup.warnings,
-               "controllers": {n: repr(controllers[n]) if n in controllers else setup.llama.describe(n)
-                               if n in LLAMA_PEERS else f"transformers assisted generation {SCHEDULES[n]}"
-                               for n in measured},
-               "tuning": tuning, "best_static": _best_static(tuning), "runs": runs, "replay": replay,
-               "sittings": state.sittings if state is not None else None,
-               "concurrency": load, "exactness": exactness,
-               "learned_actions": ({"depth_fields": ["context_len", "depth", "top_step_prob", "max_frontier_prob",
-                                                     "continue"], "depth": recorder.depth_log,
-                                    "size_fields": ["context_len", "depth", "nodes", "top_node_prob", "size"],
-                                    "size": recorder.size_log} if recorder is not None else None)}
+    results = {
+        "config": stored_config(config),
+        "conditions": conditions(setup),
+        "warnings": setup.warnings,
+        "controllers": {
+            n: repr(controllers[n])
+            if n in controllers
+            else setup.llama.describe(n)
+            if n in LLAMA_PEERS
+            else f"transformers assisted generation {SCHEDULES[n]}"
+            for n in measured
+        },
+        "tuning": tuning,
+        "best_static": _best_static(tuning),
+        "runs": runs,
+        "replay": replay,
+        "sittings": state.sittings if state is not None else None,
+        "concurrency": load,
+        "exactness": exactness,
+        "learned_actions": (
+            {
+                "depth_fields": ["context_len", "depth", "top_step_prob", "max_frontier_prob", "continue"],
+                "depth": recorder.depth_log,
+                "size_fields": ["context_len", "depth", "nodes", "top_node_prob", "size"],
+                "size": recorder.size_log,
+            }
+            if recorder is not None
+            else None
+        ),
+    }
     results["summary"] = summarize(results, resamples=config.bootstrap, seed=config.seed)
     results["wall_s"] = time.perf_counter() - started
     return results
@@ -322,18 +433,34 @@ def exactness_only(config: EvalConfig) -> dict:
 
     started = time.perf_counter()
     setup = Setup(config)
-    fixed = {"static_chain": {"depth": 4, "verify": 4, "tree_width": 1},
-             "static_tree": {"depth": 4, "verify": 8, "tree_width": setup.tree_width}}
+    fixed = {
+        "static_chain": {"depth": 4, "verify": 4, "tree_width": 1},
+        "static_tree": {"depth": 4, "verify": 8, "tree_width": setup.tree_width},
+    }
     factories = setup.factories(fixed)
     engine_names = [n for n in setup.names if n in factories]
     greedy = SpeculativeEngine(setup.pair, SamplingConfig(temperature=0.0))
     controllers = {n: factories[n]() if factories[n] else None for n in engine_names}
-    runs = live_runs(setup, greedy, controllers, setup.test_prompts, max_new_tokens=config.max_new_tokens, reps=1,
-                     seed=config.seed, progress=config.progress)
+    runs = live_runs(
+        setup,
+        greedy,
+        controllers,
+        setup.test_prompts,
+        max_new_tokens=config.max_new_tokens,
+        reps=1,
+        seed=config.seed,
+        progress=config.progress,
+    )
     tokens = {n: {r["prompt_id"]: r["tokens"] for r in runs if r["controller"] == n} for n in engine_names}
     exactness = {"greedy": True, "token_audit": greedy_audit(tokens)}
     if config.exactness:
         exactness.update(audit_sampled(setup, factories))
-    return {"config": stored_config(config), "conditions": conditions(setup), "warnings": setup.warnings,
-            "controllers": {n: repr(c) for n, c in controllers.items()}, "exactness": exactness,
-            "runs": runs, "wall_s": time.perf_counter() - started}
+    return {
+        "config": stored_config(config),
+        "conditions": conditions(setup),
+        "warnings": setup.warnings,
+        "controllers": {n: repr(c) for n, c in controllers.items()},
+        "exactness": exactness,
+        "runs": runs,
+        "wall_s": time.perf_counter() - started,
+    }

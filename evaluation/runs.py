@@ -23,12 +23,22 @@ CYCLE_FIELDS = ("emitted", "seconds", "accepted", "verified", "depth")
 def run_engine(engine, ids: list[int], controller: Controller | None, max_new_tokens: int, seed: int) -> dict:
     """One ``SpeculativeEngine.generate`` call as a raw run record."""
     res = engine.generate(ids, max_new_tokens=max_new_tokens, controller=controller, seed=seed)
-    cycles = [[c.emitted, c.total_s, c.accepted if c.depth else -1, c.num_verified if c.depth else -1, c.depth]
-              for c in res.cycles]
+    cycles = [
+        [c.emitted, c.total_s, c.accepted if c.depth else -1, c.num_verified if c.depth else -1, c.depth]
+        for c in res.cycles
+    ]
     decode_s = float(sum(c.total_s for c in res.cycles))
-    return {"tokens": list(res.tokens), "num_tokens": len(res.tokens), "total_s": res.prefill_s + decode_s,
-            "ttft_s": res.prefill_s, "decode_s": decode_s, "finish_reason": res.finish_reason,
-            "peak_memory_mb": res.peak_memory_bytes / 2**20, "cycles": cycles, "first_chunk": 1}
+    return {
+        "tokens": list(res.tokens),
+        "num_tokens": len(res.tokens),
+        "total_s": res.prefill_s + decode_s,
+        "ttft_s": res.prefill_s,
+        "decode_s": decode_s,
+        "finish_reason": res.finish_reason,
+        "peak_memory_mb": res.peak_memory_bytes / 2**20,
+        "cycles": cycles,
+        "first_chunk": 1,
+    }
 
 
 class RecordingController(Controller):
@@ -41,7 +51,9 @@ class RecordingController(Controller):
     def __init__(self, inner: Controller):
         self.inner = inner
         self.tree_width = inner.tree_width
-        self.decides_depth_zero = inner.decides_depth_zero  # the wrapped policy is asked what it is asked live
+        self.decides_depth_zero = (
+            inner.decides_depth_zero
+        )  # the wrapped policy is asked what it is asked live
         self.depth_log: list[tuple] = []
         self.size_log: list[tuple] = []
 
@@ -51,15 +63,28 @@ class RecordingController(Controller):
     def should_continue(self, state: DraftState) -> bool:
         go = bool(self.inner.should_continue(state))
         drafted = state.depth > 0  # before drafting (depth 0) there are no step or frontier probabilities
-        self.depth_log.append((state.context_len, state.depth,
-                               float(np.max(state.step_probs)) if drafted else float("nan"),
-                               float(np.exp(state.frontier_scores[0])) if drafted else float("nan"), int(go)))
+        self.depth_log.append(
+            (
+                state.context_len,
+                state.depth,
+                float(np.max(state.step_probs)) if drafted else float("nan"),
+                float(np.exp(state.frontier_scores[0])) if drafted else float("nan"),
+                int(go),
+            )
+        )
         return go
 
     def num_to_verify(self, state: DraftState) -> int:
         size = int(self.inner.num_to_verify(state))
-        self.size_log.append((state.context_len, state.depth, len(state.node_scores),
-                              float(np.exp(state.node_scores[0])), size))
+        self.size_log.append(
+            (
+                state.context_len,
+                state.depth,
+                len(state.node_scores),
+                float(np.exp(state.node_scores[0])),
+                size,
+            )
+        )
         return size
 
     def observe(self, record: CycleRecord) -> None:
@@ -78,11 +103,15 @@ def per_prompt(runs: Iterable[dict]) -> dict[str, dict[str, dict]]:
     out: dict[str, dict[str, dict]] = defaultdict(dict)
     for (name, pid), reps in grouped.items():
         first = reps[0]
-        row = {"prompt_id": pid, "language": first["language"], "reps": len(reps),
-               "num_tokens": statistics.median(r["num_tokens"] for r in reps),
-               "decode_tokens": statistics.median(r["num_tokens"] - r["first_chunk"] for r in reps),
-               "cycles": [c for r in reps for c in r["cycles"]],
-               "peak_memory_mb": max(r["peak_memory_mb"] for r in reps)}
+        row = {
+            "prompt_id": pid,
+            "language": first["language"],
+            "reps": len(reps),
+            "num_tokens": statistics.median(r["num_tokens"] for r in reps),
+            "decode_tokens": statistics.median(r["num_tokens"] - r["first_chunk"] for r in reps),
+            "cycles": [c for r in reps for c in r["cycles"]],
+            "peak_memory_mb": max(r["peak_memory_mb"] for r in reps),
+        }
         for key in ("total_s", "ttft_s", "decode_s"):
             row[key] = statistics.median(r[key] for r in reps)
         out[name][pid] = row
@@ -115,12 +144,16 @@ def aggregate(rows: Sequence[dict]) -> dict[str, float]:
         return float(np.percentile(itl, q)) if itl.size else nan
 
     return {
-        "prompts": float(len(rows)), "tokens": float(tokens), "total_s": float(total),
+        "prompts": float(len(rows)),
+        "tokens": float(tokens),
+        "total_s": float(total),
         "tokens_per_s": tokens / total if total > 0 else nan,
         "decode_tokens_per_s": decode_tokens / decode if decode > 0 else nan,
         "mean_accepted": float(np.mean(accepted)) if accepted else nan,
         "ttft_s": float(np.median([r["ttft_s"] for r in rows])) if rows else nan,
-        "itl_p50_s": pct(50), "itl_p90_s": pct(90), "itl_p99_s": pct(99),
+        "itl_p50_s": pct(50),
+        "itl_p90_s": pct(90),
+        "itl_p99_s": pct(99),
         "peak_memory_mb": max((r["peak_memory_mb"] for r in rows), default=nan),
     }
 

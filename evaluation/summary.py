@@ -13,8 +13,19 @@ from engine.profiler import device_name
 from evaluation.runs import aggregate, group_by_language, per_prompt
 from evaluation.stats import paired_ratio_from_rows
 
-LEARNED_VS = ("best_static", "static_chain", "static_tree", "analytic", "heuristic", "confidence",
-              "hf_assisted_default", "hf_assisted_heuristic", "llama_cpp", "llama_cpp_spec", "autoregressive")
+LEARNED_VS = (
+    "best_static",
+    "static_chain",
+    "static_tree",
+    "analytic",
+    "heuristic",
+    "confidence",
+    "hf_assisted_default",
+    "hf_assisted_heuristic",
+    "llama_cpp",
+    "llama_cpp_spec",
+    "autoregressive",
+)
 """Controllers the learned policy is compared with (paired bootstrap over prompts)."""
 TARGETS = (
     ("learned >= 1.05x best grid-searched static", "best_static", 1.05),
@@ -43,19 +54,30 @@ def conditions(setup) -> dict:
         "draft": str(getattr(pair.draft, "name_or_path", "") or type(pair.draft).__name__),
         "target_params_m": sum(p.numel() for p in pair.target.parameters()) / 1e6,
         "draft_params_m": sum(p.numel() for p in pair.draft.parameters()) / 1e6,
-        "dtype": pair.precision, "device": str(pair.device),
-        "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-        "cpu": device_name(torch.device("cpu")), "gpu": torch.cuda.get_device_name(pair.device) if pair.device.type == "cuda" else None,
+        "dtype": pair.precision,
+        "device": str(pair.device),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cpu": device_name(torch.device("cpu")),
+        "gpu": torch.cuda.get_device_name(pair.device) if pair.device.type == "cuda" else None,
         "threads": torch.get_num_threads(),
-        "sampling": "greedy" if config.temperature == 0 else f"temperature {config.temperature:g} (no top-k/top-p)",
+        "sampling": "greedy"
+        if config.temperature == 0
+        else f"temperature {config.temperature:g} (no top-k/top-p)",
         "prompt_file": config.prompts or "built-in suite (prompts/suite.jsonl)",
-        "split": config.split, "tune_split": config.tune_split,
+        "split": config.split,
+        "tune_split": config.tune_split,
         "prompts": dict(Counter(p.get("language", "unknown") for p in setup.test_prompts)),
         "tune_prompts": dict(Counter(p.get("language", "unknown") for p in setup.tune_prompts)),
-        "max_new_tokens": config.max_new_tokens, "tune_max_new_tokens": config.tune_tokens(),
-        "reps": config.reps, "tree_width": setup.width, "static_tree_width": setup.tree_width,
+        "max_new_tokens": config.max_new_tokens,
+        "tune_max_new_tokens": config.tune_tokens(),
+        "reps": config.reps,
+        "tree_width": setup.width,
+        "static_tree_width": setup.tree_width,
         "max_depth": setup.max_depth,
-        "policy": str(setup.policy_path) if setup.policy_path else None, "policy_pair": meta.get("pair"),
+        "policy": str(setup.policy_path) if setup.policy_path else None,
+        "policy_pair": meta.get("pair"),
         "policy_metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float, str))},
         "profile": (profile.meta if profile is not None else None),
     }
@@ -75,20 +97,30 @@ def summarize(results: dict, resamples: int = 2000, seed: int = 0) -> dict:
         for lang in groups:
             base = table["autoregressive"][lang]["tokens_per_s"]
             table[name][lang]["speedup"] = table[name][lang]["tokens_per_s"] / base
-            speedup_ci[name][lang] = paired_ratio_from_rows(by_pid, ar, resamples=resamples, rng=rng,
-                                                            language=None if lang == "all" else lang)
+            speedup_ci[name][lang] = paired_ratio_from_rows(
+                by_pid, ar, resamples=resamples, rng=rng, language=None if lang == "all" else lang
+            )
     ratios = {}
     if "learned" in rows:
         for other in LEARNED_VS:
             name = results.get("best_static") if other == "best_static" else other
             if name in rows:
-                ratios[other] = {"against": name, **paired_ratio_from_rows(rows["learned"], rows[name],
-                                                                            resamples=resamples, rng=rng)}
+                ratios[other] = {
+                    "against": name,
+                    **paired_ratio_from_rows(rows["learned"], rows[name], resamples=resamples, rng=rng),
+                }
     fidelity = replay_vs_live(results.get("replay"), table)
-    return {"table": table, "speedup_ci": speedup_ci, "learned_ratios": ratios, "replay_vs_live": fidelity,
-            "targets": targets(ratios, fidelity, "learned" in rows),
-            "per_prompt": {name: {pid: {k: v for k, v in row.items() if k != "cycles"} for pid, row in by_pid.items()}
-                           for name, by_pid in rows.items()}}
+    return {
+        "table": table,
+        "speedup_ci": speedup_ci,
+        "learned_ratios": ratios,
+        "replay_vs_live": fidelity,
+        "targets": targets(ratios, fidelity, "learned" in rows),
+        "per_prompt": {
+            name: {pid: {k: v for k, v in row.items() if k != "cycles"} for pid, row in by_pid.items()}
+            for name, by_pid in rows.items()
+        },
+    }
 
 
 def replay_vs_live(replay: dict | None, table: dict) -> dict:
@@ -99,8 +131,11 @@ def replay_vs_live(replay: dict | None, table: dict) -> dict:
     for name, pred in replay["predicted"].items():
         if name in table:
             live = table[name]["all"]["decode_tokens_per_s"]
-            out[name] = {"replay_tokens_per_s": pred["tokens_per_s"], "live_tokens_per_s": live,
-                         "replay_over_live": pred["tokens_per_s"] / live}
+            out[name] = {
+                "replay_tokens_per_s": pred["tokens_per_s"],
+                "live_tokens_per_s": live,
+                "replay_over_live": pred["tokens_per_s"] / live,
+            }
     base = out.get("autoregressive")
     if base is not None:  # a drift of the machine since the profile was measured moves every row alike
         for row in out.values():
@@ -116,24 +151,52 @@ def targets(ratios: dict, fidelity: dict, has_learned: bool) -> list[dict]:
     for text, key, threshold in TARGETS:
         r = ratios.get(key)
         if not has_learned or r is None:
-            out.append({"target": text, "value": None, "threshold": threshold, "pass": None,
-                        "detail": "not measured (controller not run)"})
+            out.append(
+                {
+                    "target": text,
+                    "value": None,
+                    "threshold": threshold,
+                    "pass": None,
+                    "detail": "not measured (controller not run)",
+                }
+            )
             continue
-        out.append({"target": text, "value": r["ratio"], "threshold": threshold, "pass": bool(r["ratio"] >= threshold),
-                    "ci": [r["low"], r["high"]], "ci_clears": bool(r["low"] >= threshold),
-                    "detail": f"learned / {r['against']} = {r['ratio']:.3f} (95% CI {r['low']:.3f}-{r['high']:.3f}, "
-                              f"{r['prompts']} prompts)"})
+        out.append(
+            {
+                "target": text,
+                "value": r["ratio"],
+                "threshold": threshold,
+                "pass": bool(r["ratio"] >= threshold),
+                "ci": [r["low"], r["high"]],
+                "ci_clears": bool(r["low"] >= threshold),
+                "detail": f"learned / {r['against']} = {r['ratio']:.3f} (95% CI {r['low']:.3f}-{r['high']:.3f}, "
+                f"{r['prompts']} prompts)",
+            }
+        )
     text = f"replay-predicted vs live tokens/s within {FIDELITY_TOLERANCE:.0%} for the learned policy"
     fid = fidelity.get("learned")
     if fid is None:
-        out.append({"target": text, "value": None, "threshold": FIDELITY_TOLERANCE, "pass": None,
-                    "detail": "not measured (no replay prediction of the learned policy in this run)"})
+        out.append(
+            {
+                "target": text,
+                "value": None,
+                "threshold": FIDELITY_TOLERANCE,
+                "pass": None,
+                "detail": "not measured (no replay prediction of the learned policy in this run)",
+            }
+        )
     else:
         ratio = fid["replay_over_live"]
-        out.append({"target": text, "value": ratio, "threshold": FIDELITY_TOLERANCE,
-                    "pass": bool(abs(ratio - 1) <= FIDELITY_TOLERANCE),
-                    "detail": f"replay {fid['replay_tokens_per_s']:.3f} vs live {fid['live_tokens_per_s']:.3f} decode "
-                              f"tokens/s (replay / live = {ratio:.3f})" + _drift_note(fid, fidelity)})
+        out.append(
+            {
+                "target": text,
+                "value": ratio,
+                "threshold": FIDELITY_TOLERANCE,
+                "pass": bool(abs(ratio - 1) <= FIDELITY_TOLERANCE),
+                "detail": f"replay {fid['replay_tokens_per_s']:.3f} vs live {fid['live_tokens_per_s']:.3f} decode "
+                f"tokens/s (replay / live = {ratio:.3f})" + _drift_note(fid, fidelity),
+            }
+        )
     return out
 
 
@@ -143,5 +206,7 @@ def _drift_note(fid: dict, fidelity: dict) -> str:
     rel = fid.get("relative_to_autoregressive")
     if rel is None:
         return ""
-    return (f"; autoregressive decoding's replay / live is {fidelity['autoregressive']['replay_over_live']:.3f}, so "
-            f"relative to it the learned policy's prediction is off by {rel - 1:+.1%}")
+    return (
+        f"; autoregressive decoding's replay / live is {fidelity['autoregressive']['replay_over_live']:.3f}, so "
+        f"relative to it the learned policy's prediction is off by {rel - 1:+.1%}"
+    )

@@ -30,31 +30,62 @@ def replay_ranking(traces: Sequence, profile) -> list[dict]:
     return sorted(seen.values(), key=lambda r: (-r["replay_tokens_per_s"], r["depth"], r["verify"]))
 
 
-def confirm_live(engine, candidates: list[dict], width: int, prompts: Sequence[tuple[str, list[int]]],
-                 max_new_tokens: int, seed: int, bar=None) -> list[dict]:
+def confirm_live(
+    engine,
+    candidates: list[dict],
+    width: int,
+    prompts: Sequence[tuple[str, list[int]]],
+    max_new_tokens: int,
+    seed: int,
+    bar=None,
+) -> list[dict]:
     """Run every candidate on every tune prompt (candidate order rotated per prompt); adds live figures."""
     from policies import StaticController
 
     totals = [[0, 0.0] for _ in candidates]
     for index, (_, ids) in enumerate(prompts):
         order = list(range(len(candidates)))
-        order = order[index % len(order):] + order[: index % len(order)]
+        order = order[index % len(order) :] + order[: index % len(order)]
         for i in order:
             cand = candidates[i]
-            run = run_engine(engine, ids, StaticController(cand["depth"], cand["verify"], tree_width=width),
-                             max_new_tokens, seed)
+            run = run_engine(
+                engine,
+                ids,
+                StaticController(cand["depth"], cand["verify"], tree_width=width),
+                max_new_tokens,
+                seed,
+            )
             totals[i][0] += run["num_tokens"]
             totals[i][1] += run["total_s"]
             if bar is not None:
                 bar.update()
-    return [{**cand, "live_tokens": tokens, "live_s": seconds,
-             "live_tokens_per_s": tokens / seconds if seconds > 0 else float("nan")}
-            for cand, (tokens, seconds) in zip(candidates, totals)]
+    return [
+        {
+            **cand,
+            "live_tokens": tokens,
+            "live_s": seconds,
+            "live_tokens_per_s": tokens / seconds if seconds > 0 else float("nan"),
+        }
+        for cand, (tokens, seconds) in zip(candidates, totals)
+    ]
 
 
-def tune_static(pair, engine, profile, tune_prompts: list[dict], *, kinds: Sequence[str], tree_width: int,
-                max_depth: int, temperature: float, max_new_tokens: int, confirm_top: int, cache_dir: str,
-                seed: int, progress: bool) -> dict[str, dict]:
+def tune_static(
+    pair,
+    engine,
+    profile,
+    tune_prompts: list[dict],
+    *,
+    kinds: Sequence[str],
+    tree_width: int,
+    max_depth: int,
+    temperature: float,
+    max_new_tokens: int,
+    confirm_top: int,
+    cache_dir: str,
+    seed: int,
+    progress: bool,
+) -> dict[str, dict]:
     """kind ("static_chain", "static_tree") -> {"width", "replay_grid", "confirmed", "best"}."""
     from envs import workspace
 
@@ -63,17 +94,32 @@ def tune_static(pair, engine, profile, tune_prompts: list[dict], *, kinds: Seque
     out: dict[str, dict] = {}
     ranked: dict[str, list[dict]] = {}
     for kind in kinds:
-        traces = workspace.ensure_traces(pair, tune_prompts, cache_dir, temperature=temperature,
-                                         tree_width=widths[kind], max_depth=max_depth, max_new_tokens=max_new_tokens,
-                                         seed=seed, progress=progress, tag=f"tune traces ({kind})")
+        traces = workspace.ensure_traces(
+            pair,
+            tune_prompts,
+            cache_dir,
+            temperature=temperature,
+            tree_width=widths[kind],
+            max_depth=max_depth,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            progress=progress,
+            tag=f"tune traces ({kind})",
+        )
         ranked[kind] = replay_ranking(traces, profile)
     total = sum(min(confirm_top, len(r)) for r in ranked.values()) * len(encoded)
     with tqdm(total=total, desc="confirm static grid live", disable=not progress) as bar:
         for kind in kinds:
-            confirmed = confirm_live(engine, ranked[kind][:confirm_top], widths[kind], encoded, max_new_tokens,
-                                     seed, bar)
+            confirmed = confirm_live(
+                engine, ranked[kind][:confirm_top], widths[kind], encoded, max_new_tokens, seed, bar
+            )
             best = max(confirmed, key=lambda r: r["live_tokens_per_s"])
-            out[kind] = {"width": widths[kind], "replay_grid": ranked[kind], "confirmed": confirmed,
-                         "best": {"depth": best["depth"], "verify": best["verify"], "tree_width": widths[kind]},
-                         "tune_prompts": [pid for pid, _ in encoded], "max_new_tokens": max_new_tokens}
+            out[kind] = {
+                "width": widths[kind],
+                "replay_grid": ranked[kind],
+                "confirmed": confirmed,
+                "best": {"depth": best["depth"], "verify": best["verify"], "tree_width": widths[kind]},
+                "tune_prompts": [pid for pid, _ in encoded],
+                "max_new_tokens": max_new_tokens,
+            }
     return out

@@ -7,5 +7,12 @@ from policies.heuristic import ConfidenceController, HeuristicController
 from policies.learned import LearnedController, PolicyFileError, load_policy
 from policies.static import StaticController
 
-__all__ = ["AnalyticController", "ConfidenceController", "HeuristicController", "LearnedController",
-           "PolicyFileError", "StaticController", "load_policy"]
+__all__ = [
+    "AnalyticController",
+    "ConfidenceController",
+    "HeuristicController",
+    "LearnedController",
+    "PolicyFileError",
+    "StaticController",
+    "load_policy",
+]

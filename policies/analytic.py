@@ -31,8 +31,15 @@ class AnalyticController(Controller):
 
     decides_depth_zero = True
 
-    def __init__(self, profile, tree_width: int = 1, max_depth: int = 16, ladder: tuple[int, ...] = LADDER,
-                 smoothing: float = 0.2, probe_every: int = 8):
+    def __init__(
+        self,
+        profile,
+        tree_width: int = 1,
+        max_depth: int = 16,
+        ladder: tuple[int, ...] = LADDER,
+        smoothing: float = 0.2,
+        probe_every: int = 8,
+    ):
         if profile is None:
             raise ValueError("AnalyticController needs a cost profile (python -m engine.profile)")
         self.profile, self.tree_width, self.max_depth = profile, tree_width, max_depth
@@ -54,8 +61,14 @@ class AnalyticController(Controller):
         expected = self._expected(path_probs)
         sizes = np.minimum(self.ladder, len(path_probs))
         draft_s = depth * self.profile.draft_step_s(self.tree_width, ctx)
-        cost = np.asarray([draft_s + self.profile.verify_s(int(v), ctx, chain=self.tree_width == 1)
-                           + self.profile.overhead_s(int(v), depth=depth, tree_width=self.tree_width) for v in sizes])
+        cost = np.asarray(
+            [
+                draft_s
+                + self.profile.verify_s(int(v), ctx, chain=self.tree_width == 1)
+                + self.profile.overhead_s(int(v), depth=depth, tree_width=self.tree_width)
+                for v in sizes
+            ]
+        )
         ratio = (1.0 + expected) / cost
         i = int(np.argmax(ratio))
         return float(ratio[i]), int(sizes[i])
@@ -78,8 +91,11 @@ class AnalyticController(Controller):
         best = 0.0
         for d in range(1, max(1, min(self.max_depth, state.max_depth)) + 1):
             tokens = (1.0 - alpha ** (d + 1)) / (1.0 - alpha)
-            cost = (d * p.draft_step_s(width, ctx) + p.verify_s(d, ctx, chain=width == 1)
-                    + p.overhead_s(d, depth=d, tree_width=width))
+            cost = (
+                d * p.draft_step_s(width, ctx)
+                + p.verify_s(d, ctx, chain=width == 1)
+                + p.overhead_s(d, depth=d, tree_width=width)
+            )
             best = max(best, tokens / cost)
         return best > autoregressive
 
@@ -112,7 +128,7 @@ class AnalyticController(Controller):
         if record.num_verified == 0 or self._predicted <= 1e-6:
             return
         ratio = float(np.clip(record.accepted / self._predicted, 0.2, 3.0))
-        self.kappa = float(np.clip(self.kappa * ratio ** self.smoothing, 0.05, 20.0))
+        self.kappa = float(np.clip(self.kappa * ratio**self.smoothing, 0.05, 20.0))
 
     def __repr__(self) -> str:
         return f"AnalyticController(tree_width={self.tree_width}, max_depth={self.max_depth})"

@@ -34,8 +34,13 @@ def field_docs(cls: type) -> dict[str, str]:
         tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
         body = tree.body[0].body
         for node, nxt in zip(body, body[1:] + [None]):
-            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
-                    and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
                 docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 
@@ -74,15 +79,27 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, group: str | 
         if dataclasses.is_dataclass(kind):  # nested config: its own flags, added by the caller
             continue
         if kind is bool:
-            target.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
-                                help=docs.get(f.name, "").replace("%", "%%"))
+            target.add_argument(
+                flag,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=docs.get(f.name, "").replace("%", "%%"),
+            )
         else:
-            target.add_argument(flag, dest=f.name, type=_parser_for(kind, optional), default=default,
-                                metavar=kind.__name__.upper(), help=help_text)
+            target.add_argument(
+                flag,
+                dest=f.name,
+                type=_parser_for(kind, optional),
+                default=default,
+                metavar=kind.__name__.upper(),
+                help=help_text,
+            )
 
 
-def apply_preset(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str],
-                 preset: dict[str, Any]) -> None:
+def apply_preset(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str], preset: dict[str, Any]
+) -> None:
     """Set ``preset`` values on ``args`` for every flag not given explicitly in ``argv`` (``--flag v`` or
     ``--flag=v``): a preset such as ``--quick`` replaces defaults, never the user's flags."""
     given = given_flags(parser, argv)
@@ -93,8 +110,11 @@ def apply_preset(parser: argparse.ArgumentParser, args: argparse.Namespace, argv
 
 def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
     """The ``dest`` of every option written in ``argv`` (``--flag v``, ``--flag=v``, ``--no-flag``)."""
-    return {a.dest for a in parser._actions
-            if any(opt in argv or any(x.startswith(opt + "=") for x in argv) for opt in a.option_strings)}
+    return {
+        a.dest
+        for a in parser._actions
+        if any(opt in argv or any(x.startswith(opt + "=") for x in argv) for opt in a.option_strings)
+    }
 
 
 def from_args(cls: type, args: argparse.Namespace, **overrides: Any):

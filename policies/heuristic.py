@@ -46,7 +46,9 @@ class ConfidenceController(Controller):
 
     With a tree, the confidence is that of the best frontier node."""
 
-    def __init__(self, threshold: float = 0.4, max_depth: int = 16, tree_width: int = 1, max_verify: int = 64):
+    def __init__(
+        self, threshold: float = 0.4, max_depth: int = 16, tree_width: int = 1, max_verify: int = 64
+    ):
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"threshold must be in [0, 1], got {threshold}")
         if max_depth < 1 or tree_width < 1 or max_verify < 0:
@@ -63,5 +65,7 @@ class ConfidenceController(Controller):
         return min(len(state.node_scores), self.max_verify)
 
     def __repr__(self) -> str:
-        return (f"ConfidenceController(threshold={self.threshold}, max_depth={self.max_depth}, "
-                f"tree_width={self.tree_width}, max_verify={self.max_verify})")
+        return (
+            f"ConfidenceController(threshold={self.threshold}, max_depth={self.max_depth}, "
+            f"tree_width={self.tree_width}, max_verify={self.max_verify})"
+        )

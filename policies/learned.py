@@ -69,16 +69,24 @@ class PolicyFileWarning(UserWarning):
 
 def _check_tensor(value: Any, what: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point:
-        raise PolicyFileError(f"{what} must be a floating-point tensor, got {type(value).__name__}"
-                              + (f" of {value.dtype}" if isinstance(value, torch.Tensor) else ""))
+        raise PolicyFileError(
+            f"{what} must be a floating-point tensor, got {type(value).__name__}"
+            + (f" of {value.dtype}" if isinstance(value, torch.Tensor) else "")
+        )
     if not bool(torch.isfinite(value).all()):
         raise PolicyFileError(f"{what} holds NaN or infinite values")
     return value
 
 
 def _check_number(value: Any, what: str, low: float, low_open: bool = False, inf_ok: bool = False) -> float:
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)
-            or (math.isinf(value) and not (inf_ok and value > 0)) or value < low or (low_open and value == low)):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or math.isnan(value)
+        or (math.isinf(value) and not (inf_ok and value > 0))
+        or value < low
+        or (low_open and value == low)
+    ):
         kind = "a number (or inf)" if inf_ok else "a finite number"
         raise PolicyFileError(f"{what} must be {kind} {'>' if low_open else '>='} {low}, got {value!r}")
     return float(value)
@@ -87,7 +95,9 @@ def _check_number(value: Any, what: str, low: float, low_open: bool = False, inf
 class Actor:
     """Normalise, MLP, argmax: the deterministic action of one exported PPO policy."""
 
-    def __init__(self, spec: dict[str, Any], obs_dim: int, num_actions: int, device: str | torch.device = "cpu"):
+    def __init__(
+        self, spec: dict[str, Any], obs_dim: int, num_actions: int, device: str | torch.device = "cpu"
+    ):
         try:
             weights = [_check_tensor(w, f"actor weight {i}") for i, w in enumerate(spec["weights"])]
             biases = [_check_tensor(b, f"actor bias {i}") for i, b in enumerate(spec["biases"])]
@@ -96,24 +106,37 @@ class Actor:
             obs_mean = _check_tensor(spec["obs_mean"], "observation mean")
             obs_var = _check_tensor(spec["obs_var"], "observation variance")
             epsilon = _check_number(spec["epsilon"], "normaliser epsilon", 0.0)
-            self.clip_obs = _check_number(spec["clip_obs"], "clip_obs", 0.0, low_open=True, inf_ok=True)  # inf: no clip
+            self.clip_obs = _check_number(
+                spec["clip_obs"], "clip_obs", 0.0, low_open=True, inf_ok=True
+            )  # inf: no clip
         except (KeyError, TypeError, AttributeError) as err:
             raise PolicyFileError(f"actor entry is incomplete or malformed ({err!r})") from err
         if bool((obs_var < 0).any()) or not bool((obs_var.double() + epsilon > 0).all()):
-            raise PolicyFileError("observation variance must be >= 0 and variance + epsilon > 0 (the scale divides)")
+            raise PolicyFileError(
+                "observation variance must be >= 0 and variance + epsilon > 0 (the scale divides)"
+            )
         self.weights = [w.to(device, torch.float32) for w in weights]
         self.biases = [b.to(device, torch.float32) for b in biases]
         self.obs_mean = obs_mean.to(device, torch.float32)
         self.obs_std = torch.sqrt(obs_var.to(device, torch.float32) + epsilon)
         if not bool(torch.isfinite(self.obs_std).all()) or not bool((self.obs_std > 0).all()):
-            raise PolicyFileError("observation scale sqrt(variance + epsilon) is not finite and positive in float32")
+            raise PolicyFileError(
+                "observation scale sqrt(variance + epsilon) is not finite and positive in float32"
+            )
         dims = [obs_dim] + [w.shape[0] for w in self.weights]
-        if (len(self.weights) != len(self.biases) or not self.weights
-                or any(w.shape != (o, i) for w, i, o in zip(self.weights, dims, dims[1:]))
-                or any(b.shape != (w.shape[0],) for w, b in zip(self.weights, self.biases))
-                or dims[-1] != num_actions or self.obs_mean.shape != (obs_dim,) or self.obs_std.shape != (obs_dim,)):
-            raise PolicyFileError(f"actor shapes do not fit {obs_dim} observations -> {num_actions} actions "
-                                  f"(layers {[tuple(w.shape) for w in self.weights]})")
+        if (
+            len(self.weights) != len(self.biases)
+            or not self.weights
+            or any(w.shape != (o, i) for w, i, o in zip(self.weights, dims, dims[1:]))
+            or any(b.shape != (w.shape[0],) for w, b in zip(self.weights, self.biases))
+            or dims[-1] != num_actions
+            or self.obs_mean.shape != (obs_dim,)
+            or self.obs_std.shape != (obs_dim,)
+        ):
+            raise PolicyFileError(
+                f"actor shapes do not fit {obs_dim} observations -> {num_actions} actions "
+                f"(layers {[tuple(w.shape) for w in self.weights]})"
+            )
         self.device = torch.device(device)
 
     @torch.inference_mode()
@@ -131,9 +154,15 @@ class Actor:
         return int(torch.argmax(self.logits(obs), dim=-1))
 
     def to_spec(self) -> dict[str, Any]:
-        return {"weights": [w.cpu() for w in self.weights], "biases": [b.cpu() for b in self.biases],
-                "activation": self.activation_name, "obs_mean": self.obs_mean.cpu(),
-                "obs_var": (self.obs_std.cpu() ** 2), "clip_obs": self.clip_obs, "epsilon": 0.0}
+        return {
+            "weights": [w.cpu() for w in self.weights],
+            "biases": [b.cpu() for b in self.biases],
+            "activation": self.activation_name,
+            "obs_mean": self.obs_mean.cpu(),
+            "obs_var": (self.obs_std.cpu() ** 2),
+            "clip_obs": self.clip_obs,
+            "epsilon": 0.0,
+        }
 
 
 class LearnedController(Controller):
@@ -143,9 +172,19 @@ class LearnedController(Controller):
     (a baseline controller). Exported files always hold both.
     """
 
-    def __init__(self, depth_actor: Actor | None, size_actor: Actor | None, *, size_ladder: Sequence[int],
-                 tree_width: int, max_depth: int, device_feats: np.ndarray, fallback: Controller | None = None,
-                 meta: dict[str, Any] | None = None, depth_zero: bool = False):
+    def __init__(
+        self,
+        depth_actor: Actor | None,
+        size_actor: Actor | None,
+        *,
+        size_ladder: Sequence[int],
+        tree_width: int,
+        max_depth: int,
+        device_feats: np.ndarray,
+        fallback: Controller | None = None,
+        meta: dict[str, Any] | None = None,
+        depth_zero: bool = False,
+    ):
         """``depth_zero``: the depth actor was trained to decide depth 0 too (draft at all?); policies
         trained without it always draft."""
         if (depth_actor is None or size_actor is None) and fallback is None:
@@ -209,18 +248,38 @@ class LearnedController(Controller):
         return f"LearnedController({', '.join(parts)})"
 
 
-def save_policy(path: str | Path, depth_actor: Actor, size_actor: Actor, *, size_ladder: Sequence[int],
-                tree_width: int, max_depth: int, device_feats: np.ndarray, pair: str, profile: dict | None,
-                train_config: dict | None = None, metrics: dict | None = None, depth_zero: bool = False) -> Path:
+def save_policy(
+    path: str | Path,
+    depth_actor: Actor,
+    size_actor: Actor,
+    *,
+    size_ladder: Sequence[int],
+    tree_width: int,
+    max_depth: int,
+    device_feats: np.ndarray,
+    pair: str,
+    profile: dict | None,
+    train_config: dict | None = None,
+    metrics: dict | None = None,
+    depth_zero: bool = False,
+) -> Path:
     """Write one standalone policy file (both actors and everything needed to use them)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "feature_version": FEATURE_VERSION,
-        "depth": depth_actor.to_spec(), "size": size_actor.to_spec(), "size_ladder": [int(s) for s in size_ladder],
-        "tree_width": int(tree_width), "max_depth": int(max_depth), "depth_zero": bool(depth_zero),
-        "device_features": [float(x) for x in np.asarray(device_feats).ravel()], "pair": str(pair),
-        "profile": json.dumps(profile, default=str), "train_config": json.dumps(train_config or {}, default=str),
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "feature_version": FEATURE_VERSION,
+        "depth": depth_actor.to_spec(),
+        "size": size_actor.to_spec(),
+        "size_ladder": [int(s) for s in size_ladder],
+        "tree_width": int(tree_width),
+        "max_depth": int(max_depth),
+        "depth_zero": bool(depth_zero),
+        "device_features": [float(x) for x in np.asarray(device_feats).ravel()],
+        "pair": str(pair),
+        "profile": json.dumps(profile, default=str),
+        "train_config": json.dumps(train_config or {}, default=str),
         "metrics": json.dumps(metrics or {}, default=str),
     }
     _check_fields(payload, "the policy to save")  # never write a file load_policy would refuse
@@ -264,8 +323,17 @@ def _feed(digest, obj: Any) -> None:
         raise PolicyFileError(f"a policy file holds only tensors and plain values, not {type(obj).__name__}")
 
 
-REQUIRED_KEYS = ("depth", "size", "size_ladder", "tree_width", "max_depth", "device_features", "profile",
-                 "train_config", "metrics")
+REQUIRED_KEYS = (
+    "depth",
+    "size",
+    "size_ladder",
+    "tree_width",
+    "max_depth",
+    "device_features",
+    "profile",
+    "train_config",
+    "metrics",
+)
 
 
 def _check_fields(data: dict[str, Any], where: str) -> None:
@@ -274,10 +342,17 @@ def _check_fields(data: dict[str, Any], where: str) -> None:
     if missing:
         raise PolicyFileError(f"{where} is missing or has malformed metadata (missing {', '.join(missing)})")
     ladder = data["size_ladder"]
-    if (not isinstance(ladder, (list, tuple)) or not ladder or not all(is_int(s) for s in ladder)
-            or any(not 0 <= s <= MAX_VERIFY_NODES for s in ladder) or list(ladder) != sorted(set(ladder))):
-        raise PolicyFileError(f"{where}: size_ladder must be distinct ascending integers in [0, {MAX_VERIFY_NODES}], "
-                              f"got {str(ladder)[:80]}")
+    if (
+        not isinstance(ladder, (list, tuple))
+        or not ladder
+        or not all(is_int(s) for s in ladder)
+        or any(not 0 <= s <= MAX_VERIFY_NODES for s in ladder)
+        or list(ladder) != sorted(set(ladder))
+    ):
+        raise PolicyFileError(
+            f"{where}: size_ladder must be distinct ascending integers in [0, {MAX_VERIFY_NODES}], "
+            f"got {str(ladder)[:80]}"
+        )
     for key, low, high in (("tree_width", 1, None), ("max_depth", 1, MAX_POLICY_DEPTH)):
         value = data[key]
         if not is_int(value) or value < low or (high is not None and value > high):
@@ -286,15 +361,23 @@ def _check_fields(data: dict[str, Any], where: str) -> None:
     if not isinstance(data.get("depth_zero", False), bool):
         raise PolicyFileError(f"{where}: depth_zero must be a bool, got {data['depth_zero']!r}")
     feats = data["device_features"]
-    if (not isinstance(feats, (list, tuple)) or len(feats) != NUM_DEVICE_FEATURES
-            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in feats)):
-        raise PolicyFileError(f"{where}: device_features must be {NUM_DEVICE_FEATURES} finite numbers, "
-                              f"got {str(feats)[:80]}")
+    if (
+        not isinstance(feats, (list, tuple))
+        or len(feats) != NUM_DEVICE_FEATURES
+        or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in feats
+        )
+    ):
+        raise PolicyFileError(
+            f"{where}: device_features must be {NUM_DEVICE_FEATURES} finite numbers, got {str(feats)[:80]}"
+        )
     if not isinstance(data.get("pair", ""), str):
         raise PolicyFileError(f"{where}: pair must be a string, got {data['pair']!r}")
 
 
-def load_policy(path: str | Path, device: str | torch.device = "cpu", profile=None, pair=None) -> LearnedController:
+def load_policy(
+    path: str | Path, device: str | torch.device = "cpu", profile=None, pair=None
+) -> LearnedController:
     """A ``LearnedController`` from an exported ``policy.pt``.
 
     ``profile`` (a ``CostProfile``) replaces the device features stored at training time, so a policy can
@@ -311,26 +394,38 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", profile=No
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - torch raises many kinds for a corrupt file
         first = (str(err).strip().splitlines() or [""])[0][:160]
-        raise PolicyFileError(f"{path} is not a readable policy file ({type(err).__name__}: {first})") from err
+        raise PolicyFileError(
+            f"{path} is not a readable policy file ({type(err).__name__}: {first})"
+        ) from err
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise PolicyFileError(f"{path} is not a draftpilot policy file")
     if data.get("format_version") != FORMAT_VERSION:
-        raise PolicyFileError(f"{path} has policy format version {data.get('format_version')!r}; this code "
-                              f"reads version {FORMAT_VERSION}")
+        raise PolicyFileError(
+            f"{path} has policy format version {data.get('format_version')!r}; this code "
+            f"reads version {FORMAT_VERSION}"
+        )
     if data.get("feature_version") != FEATURE_VERSION:
-        raise PolicyFileError(f"{path} was trained on observation features version {data.get('feature_version')!r} "
-                              f"but this code computes version {FEATURE_VERSION}: retrain it with `python train.py`")
+        raise PolicyFileError(
+            f"{path} was trained on observation features version {data.get('feature_version')!r} "
+            f"but this code computes version {FEATURE_VERSION}: retrain it with `python train.py`"
+        )
     if HASH_KEY in data:
         try:
             actual = payload_digest(data)
         except PolicyFileError as err:
             raise PolicyFileError(f"{path}: {err}") from None
         if data[HASH_KEY] != actual:
-            raise PolicyFileError(f"{path} fails its integrity check (payload sha256 {actual[:12]}..., saved "
-                                  f"{str(data[HASH_KEY])[:12]}...): it was modified or corrupted after it was saved")
+            raise PolicyFileError(
+                f"{path} fails its integrity check (payload sha256 {actual[:12]}..., saved "
+                f"{str(data[HASH_KEY])[:12]}...): it was modified or corrupted after it was saved"
+            )
     else:
-        warnings.warn(f"{path} has no payload hash (exported before policy files carried one), so it cannot be "
-                      "checked for corruption; its values are still validated", PolicyFileWarning, stacklevel=2)
+        warnings.warn(
+            f"{path} has no payload hash (exported before policy files carried one), so it cannot be "
+            "checked for corruption; its values are still validated",
+            PolicyFileWarning,
+            stacklevel=2,
+        )
     _check_fields(data, str(path))
     try:
         ladder = [int(s) for s in data["size_ladder"]]
@@ -348,8 +443,16 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", profile=No
     if profile is not None:
         feats = device_features(profile, width)
     meta.update(pair=data.get("pair"), path=str(path))
-    controller = LearnedController(depth, size, size_ladder=ladder, tree_width=width, max_depth=max_depth,
-                                   device_feats=feats, meta=meta, depth_zero=depth_zero)
+    controller = LearnedController(
+        depth,
+        size,
+        size_ladder=ladder,
+        tree_width=width,
+        max_depth=max_depth,
+        device_feats=feats,
+        meta=meta,
+        depth_zero=depth_zero,
+    )
     if pair is not None and (message := controller.pair_warning(pair)):
         warnings.warn(message, PolicyFileWarning, stacklevel=2)
     return controller

@@ -121,27 +121,46 @@ def actor_from_model(model: PPO, obs_rms=None, clip_obs: float = CLIP_OBS, epsil
     policy = model.policy
     if not isinstance(policy.features_extractor, FlattenExtractor):
         raise TypeError("only MLP policies on flat observations can be exported")
-    layers = [m for m in policy.mlp_extractor.policy_net if isinstance(m, torch.nn.Linear)] + [policy.action_net]
+    layers = [m for m in policy.mlp_extractor.policy_net if isinstance(m, torch.nn.Linear)] + [
+        policy.action_net
+    ]
     obs_dim = policy.observation_space.shape[0]
     if obs_rms is not None:
         mean, var, clip, eps = obs_rms.mean, obs_rms.var, clip_obs, epsilon
     else:
         mean, var, clip, eps = np.zeros(obs_dim), np.ones(obs_dim), np.inf, 0.0
-    spec = {"weights": [m.weight.detach().cpu().clone() for m in layers],
-            "biases": [m.bias.detach().cpu().clone() for m in layers],
-            "activation": ACTIVATION_NAMES[policy.activation_fn],
-            "obs_mean": torch.as_tensor(mean, dtype=torch.float32), "obs_var": torch.as_tensor(var, dtype=torch.float32),
-            "clip_obs": float(clip), "epsilon": float(eps)}
+    spec = {
+        "weights": [m.weight.detach().cpu().clone() for m in layers],
+        "biases": [m.bias.detach().cpu().clone() for m in layers],
+        "activation": ACTIVATION_NAMES[policy.activation_fn],
+        "obs_mean": torch.as_tensor(mean, dtype=torch.float32),
+        "obs_var": torch.as_tensor(var, dtype=torch.float32),
+        "clip_obs": float(clip),
+        "epsilon": float(eps),
+    }
     return Actor(spec, obs_dim, int(policy.action_space.n))
 
 
 class CoTrainer:
     """Co-adaptive PPO training of the two policies on one backend (replay or live)."""
 
-    def __init__(self, backend, ppo: PPOConfig, env_config: EnvConfig, baseline: Callable[[], Controller],
-                 evaluate: Callable[[Controller], float] | None, *, max_depth: int, device_feats: np.ndarray,
-                 seed: int = 0, device: str = "cpu", tensorboard_dir: str | None = None,
-                 eval_every: int = 10_000, writer=None, progress: bool = False):
+    def __init__(
+        self,
+        backend,
+        ppo: PPOConfig,
+        env_config: EnvConfig,
+        baseline: Callable[[], Controller],
+        evaluate: Callable[[Controller], float] | None,
+        *,
+        max_depth: int,
+        device_feats: np.ndarray,
+        seed: int = 0,
+        device: str = "cpu",
+        tensorboard_dir: str | None = None,
+        eval_every: int = 10_000,
+        writer=None,
+        progress: bool = False,
+    ):
         self.backend, self.ppo, self.env_config = backend, ppo, env_config
         self.baseline, self.evaluate = baseline, evaluate
         self.max_depth, self.device_feats = max_depth, np.asarray(device_feats, np.float32)
@@ -165,16 +184,27 @@ class CoTrainer:
 
     def controller(self, depth: Actor | None, size: Actor | None) -> LearnedController:
         """Both decisions from the given actors, a fresh baseline for any that is missing."""
-        return LearnedController(depth, size, size_ladder=self.env_config.size_ladder, tree_width=self.backend.width,
-                                 max_depth=self.max_depth, device_feats=self.device_feats,
-                                 fallback=None if depth is not None and size is not None else self.baseline(),
-                                 depth_zero=self.env_config.depth_zero)
+        return LearnedController(
+            depth,
+            size,
+            size_ladder=self.env_config.size_ladder,
+            tree_width=self.backend.width,
+            max_depth=self.max_depth,
+            device_feats=self.device_feats,
+            fallback=None if depth is not None and size is not None else self.baseline(),
+            depth_zero=self.env_config.depth_zero,
+        )
 
     # ----------------------------------------------------------------------------------------- phases
     def _make_venv(self, name: str, other_factory: Callable[[], Controller]) -> VecNormalize:
         env_cls = SizeEnv if name == "size" else DepthEnv
-        config = EnvConfig(reward=self.env_config.reward, rho=self.rho, rho_update=0.0,
-                           size_ladder=self.env_config.size_ladder, depth_zero=self.env_config.depth_zero)
+        config = EnvConfig(
+            reward=self.env_config.reward,
+            rho=self.rho,
+            rho_update=0.0,
+            size_ladder=self.env_config.size_ladder,
+            depth_zero=self.env_config.depth_zero,
+        )
         fns = [lambda: env_cls(self.backend, other_factory(), config) for _ in range(self.ppo.n_envs)]
         venv = DummyVecEnv(fns)
         venv.seed(self.seed + (0 if name == "size" else 1000) + 10 * len(self.history))
@@ -190,12 +220,23 @@ class CoTrainer:
         activation = {"tanh": torch.nn.Tanh, "relu": torch.nn.ReLU}[ppo.activation]
         lr = ppo.learning_rate
         schedule = (lambda progress: lr * (0.1 + 0.9 * progress)) if ppo.lr_decay else lr
-        return PPO("MlpPolicy", venv, learning_rate=schedule, n_steps=ppo.n_steps, batch_size=ppo.batch_size,
-                   n_epochs=ppo.n_epochs, gamma=ppo.gamma_size if name == "size" else ppo.gamma_depth,
-                   gae_lambda=ppo.gae_lambda, clip_range=ppo.clip_range, ent_coef=ppo.ent_coef,
-                   policy_kwargs={"net_arch": {"pi": arch, "vf": arch}, "activation_fn": activation},
-                   tensorboard_log=self.tb_dir, seed=self.seed + (0 if name == "size" else 1), device=self.device,
-                   verbose=0)
+        return PPO(
+            "MlpPolicy",
+            venv,
+            learning_rate=schedule,
+            n_steps=ppo.n_steps,
+            batch_size=ppo.batch_size,
+            n_epochs=ppo.n_epochs,
+            gamma=ppo.gamma_size if name == "size" else ppo.gamma_depth,
+            gae_lambda=ppo.gae_lambda,
+            clip_range=ppo.clip_range,
+            ent_coef=ppo.ent_coef,
+            policy_kwargs={"net_arch": {"pi": arch, "vf": arch}, "activation_fn": activation},
+            tensorboard_log=self.tb_dir,
+            seed=self.seed + (0 if name == "size" else 1),
+            device=self.device,
+            verbose=0,
+        )
 
     def run_phase(self, name: str, steps: int, round_index: int) -> PhaseLog:
         """Train policy ``name`` ("size" or "depth") for ``steps`` env steps against the other's current actor."""
@@ -213,8 +254,11 @@ class CoTrainer:
         except NoDecisionError:
             # the other policy leaves nothing to decide (a depth policy that never drafts asks no size
             # question): this phase trains nothing, the current actor is kept
-            print(f"round {round_index + 1} {name}: skipped, the {other_name} policy leaves no {name} decision "
-                  "in any episode", flush=True)
+            print(
+                f"round {round_index + 1} {name}: skipped, the {other_name} policy leaves no {name} decision "
+                "in any episode",
+                flush=True,
+            )
             log = PhaseLog(name, round_index, 0, 0.0)
             self.history.append(log)
             return log
@@ -226,8 +270,13 @@ class CoTrainer:
         log = PhaseLog(name, round_index, steps, 0.0)
         callback = _TrainCallback(self, name, other_name, log)
         start = time.perf_counter()
-        model.learn(total_timesteps=steps, callback=callback, tb_log_name=name, reset_num_timesteps=False,
-                    progress_bar=self.progress)
+        model.learn(
+            total_timesteps=steps,
+            callback=callback,
+            tb_log_name=name,
+            reset_num_timesteps=False,
+            progress_bar=self.progress,
+        )
         log.seconds = time.perf_counter() - start
         callback.validate()  # the end of every phase is a candidate too
         self.history.append(log)
@@ -250,22 +299,46 @@ class CoTrainer:
                 model.save(tmp)
             written[f"{name}.zip"] = directory / f"{name}.{tag}.zip"
         best_tps, best_depth, best_size = self.best
-        state = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "rho": float(self.rho),
-                 "total_steps": int(self.total_steps), "best_tps": float(best_tps),
-                 "best_depth": best_depth.to_spec() if best_depth else None,
-                 "best_size": best_size.to_spec() if best_size else None,
-                 "obs_rms": {n: {"mean": torch.as_tensor(np.asarray(r.mean, np.float64)),
-                                 "var": torch.as_tensor(np.asarray(r.var, np.float64)), "count": float(r.count)}
-                             for n, r in self.obs_rms.items()},
-                 "history": [{"policy": h.policy, "round": int(h.round), "steps": int(h.steps),
-                              "seconds": float(h.seconds), "validation": [[int(s), float(v)] for s, v in h.validation]}
-                             for h in self.history]}
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "version": CHECKPOINT_VERSION,
+            "rho": float(self.rho),
+            "total_steps": int(self.total_steps),
+            "best_tps": float(best_tps),
+            "best_depth": best_depth.to_spec() if best_depth else None,
+            "best_size": best_size.to_spec() if best_size else None,
+            "obs_rms": {
+                n: {
+                    "mean": torch.as_tensor(np.asarray(r.mean, np.float64)),
+                    "var": torch.as_tensor(np.asarray(r.var, np.float64)),
+                    "count": float(r.count),
+                }
+                for n, r in self.obs_rms.items()
+            },
+            "history": [
+                {
+                    "policy": h.policy,
+                    "round": int(h.round),
+                    "steps": int(h.steps),
+                    "seconds": float(h.seconds),
+                    "validation": [[int(s), float(v)] for s, v in h.validation],
+                }
+                for h in self.history
+            ],
+        }
         with atomic_path(directory / f"trainer.{tag}.pt") as tmp:
             torch.save(state, tmp)
         written["trainer.pt"] = directory / f"trainer.{tag}.pt"
         files = {role: {"file": path.name, "sha256": sha256_file(path)} for role, path in written.items()}
-        atomic_write_json(directory / MANIFEST, {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
-                                                 "phases": len(self.history), "files": files})
+        atomic_write_json(
+            directory / MANIFEST,
+            {
+                "format": CHECKPOINT_FORMAT,
+                "version": CHECKPOINT_VERSION,
+                "phases": len(self.history),
+                "files": files,
+            },
+        )
         current = {entry["file"] for entry in files.values()}
         for path in directory.iterdir():
             if path.name not in current and (_is_checkpoint_file(path.name) or path.name == "trainer.pt.tmp"):
@@ -286,17 +359,30 @@ class CoTrainer:
                 self.models[name] = PPO.load(files[f"{name}.zip"], device=self.device)
         for name, stats in state["obs_rms"].items():
             rms = RunningMeanStd(shape=tuple(stats["mean"].shape))
-            rms.mean, rms.var = stats["mean"].numpy().astype(np.float64), stats["var"].numpy().astype(np.float64)
+            rms.mean, rms.var = (
+                stats["mean"].numpy().astype(np.float64),
+                stats["var"].numpy().astype(np.float64),
+            )
             rms.count = float(stats["count"])
             self.obs_rms[name] = rms
         self.rho, self.total_steps = float(state["rho"]), int(state["total_steps"])
         obs_dims = {"depth": DEPTH_OBS_DIM, "size": SIZE_OBS_DIM}
         ladder = len(self.env_config.size_ladder)
-        actors = [Actor(state[k], obs_dims[n], 2 if n == "depth" else ladder) if state[k] else None
-                  for k, n in (("best_depth", "depth"), ("best_size", "size"))]
+        actors = [
+            Actor(state[k], obs_dims[n], 2 if n == "depth" else ladder) if state[k] else None
+            for k, n in (("best_depth", "depth"), ("best_size", "size"))
+        ]
         self.best = (float(state["best_tps"]), *actors)
-        self.history = [PhaseLog(h["policy"], int(h["round"]), int(h["steps"]), float(h["seconds"]),
-                                 [(int(s), float(v)) for s, v in h["validation"]]) for h in state["history"]]
+        self.history = [
+            PhaseLog(
+                h["policy"],
+                int(h["round"]),
+                int(h["steps"]),
+                float(h["seconds"]),
+                [(int(s), float(v)) for s, v in h["validation"]],
+            )
+            for h in state["history"]
+        ]
 
 
 def _is_checkpoint_file(name: str) -> bool:
@@ -304,15 +390,19 @@ def _is_checkpoint_file(name: str) -> bool:
     if name in CHECKPOINT_ENTRIES:
         return True
     stem, _, ext = name.rpartition(".")
-    return any(stem.startswith(role.rpartition(".")[0] + ".") and ext == role.rpartition(".")[2]
-               for role in CHECKPOINT_ENTRIES)
+    return any(
+        stem.startswith(role.rpartition(".")[0] + ".") and ext == role.rpartition(".")[2]
+        for role in CHECKPOINT_ENTRIES
+    )
 
 
 def has_checkpoint(directory: str | Path) -> bool:
     """Whether ``directory`` holds anything of a checkpoint (a manifest or checkpoint files; temporary files
     of an interrupted write do not count)."""
     directory = Path(directory)
-    return directory.is_dir() and any(p.name == MANIFEST or _is_checkpoint_file(p.name) for p in directory.iterdir())
+    return directory.is_dir() and any(
+        p.name == MANIFEST or _is_checkpoint_file(p.name) for p in directory.iterdir()
+    )
 
 
 def verify_checkpoint(directory: str | Path) -> dict[str, Path] | None:
@@ -324,9 +414,11 @@ def verify_checkpoint(directory: str | Path) -> dict[str, Path] | None:
     manifest = directory / MANIFEST
     if not manifest.is_file():
         if has_checkpoint(directory):
-            raise CheckpointError(f"{directory} has no {MANIFEST}, so its files cannot be checked and are not loaded "
-                                  "(a checkpoint this code did not write, or an older version's); delete the "
-                                  "directory to train from the start")
+            raise CheckpointError(
+                f"{directory} has no {MANIFEST}, so its files cannot be checked and are not loaded "
+                "(a checkpoint this code did not write, or an older version's); delete the "
+                "directory to train from the start"
+            )
         return None
     try:
         data = json.loads(manifest.read_text(encoding="utf-8"))
@@ -334,19 +426,30 @@ def verify_checkpoint(directory: str | Path) -> dict[str, Path] | None:
     except (OSError, UnicodeDecodeError, ValueError, AttributeError) as err:
         raise CheckpointError(f"{manifest} is not a readable checkpoint manifest ({err})") from err
     if not ok or data.get("version") != CHECKPOINT_VERSION:
-        raise CheckpointError(f"{manifest} is not a draftpilot checkpoint manifest (version {CHECKPOINT_VERSION})")
+        raise CheckpointError(
+            f"{manifest} is not a draftpilot checkpoint manifest (version {CHECKPOINT_VERSION})"
+        )
     files: dict[str, Path] = {}
     for role, entry in data["files"].items():
         name = entry.get("file") if isinstance(entry, dict) else None
-        if (role not in CHECKPOINT_ENTRIES or not isinstance(name, str) or Path(name).name != name
-                or name.startswith(".") or not _is_checkpoint_file(name)):
-            raise CheckpointError(f"{manifest}: entry {role!r} -> {name!r} is not a checkpoint file of this directory")
+        if (
+            role not in CHECKPOINT_ENTRIES
+            or not isinstance(name, str)
+            or Path(name).name != name
+            or name.startswith(".")
+            or not _is_checkpoint_file(name)
+        ):
+            raise CheckpointError(
+                f"{manifest}: entry {role!r} -> {name!r} is not a checkpoint file of this directory"
+            )
         path = directory / name
         if not path.is_file():
             raise CheckpointError(f"{path} is missing: {manifest} lists it")
         if sha256_file(path) != entry.get("sha256"):
-            raise CheckpointError(f"{path} does not match its sha256 in {manifest}: modified or not written by this "
-                                  "run; refusing to load it")
+            raise CheckpointError(
+                f"{path} does not match its sha256 in {manifest}: modified or not written by this "
+                "run; refusing to load it"
+            )
         files[role] = path
     if "trainer.pt" not in files:
         raise CheckpointError(f"{manifest} lists no trainer state")
@@ -361,11 +464,16 @@ def read_trainer_state(path: str | Path) -> dict:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - torch raises many kinds for a foreign or corrupt file
         first = (str(err).strip().splitlines() or [""])[0][:160]
-        raise CheckpointError(f"{path} is not a plain trainer state, refusing to load it "
-                              f"({type(err).__name__}: {first})") from err
+        raise CheckpointError(
+            f"{path} is not a plain trainer state, refusing to load it ({type(err).__name__}: {first})"
+        ) from err
     keys = ("rho", "total_steps", "best_tps", "best_depth", "best_size", "obs_rms", "history")
-    if (not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT
-            or state.get("version") != CHECKPOINT_VERSION or any(k not in state for k in keys)):
+    if (
+        not isinstance(state, dict)
+        or state.get("format") != CHECKPOINT_FORMAT
+        or state.get("version") != CHECKPOINT_VERSION
+        or any(k not in state for k in keys)
+    ):
         raise CheckpointError(f"{path} is not a draftpilot trainer state (version {CHECKPOINT_VERSION})")
     return state
 
@@ -413,8 +521,11 @@ class _TrainCallback(BaseCallback):
         if self.accepted:
             self.logger.record("charts/mean_accepted", float(np.mean(self.accepted)))
         if self.actions:
-            self.logger.record(f"actions/{self.name}", torch.as_tensor(self.actions, dtype=torch.float32),
-                               exclude=("stdout", "log", "json", "csv"))
+            self.logger.record(
+                f"actions/{self.name}",
+                torch.as_tensor(self.actions, dtype=torch.float32),
+                exclude=("stdout", "log", "json", "csv"),
+            )
             self.logger.record(f"actions/{self.name}_mean", float(np.mean(self.actions)))
         rewards = self.model.rollout_buffer.rewards
         self.logger.record("charts/mean_reward", float(np.mean(rewards)))
@@ -431,10 +542,11 @@ class _TrainCallback(BaseCallback):
         self.logger.record("eval/validation_tokens_per_s", tps)
         if trainer.writer is not None:
             trainer.writer.add_scalar("eval/validation_tokens_per_s", tps, trainer.total_steps)
-            trainer.writer.add_scalar(f"eval/validation_tokens_per_s_{self.name}_phase", tps, trainer.total_steps)
+            trainer.writer.add_scalar(
+                f"eval/validation_tokens_per_s_{self.name}_phase", tps, trainer.total_steps
+            )
         self.log.validation.append((trainer.total_steps, tps))
         # only complete controllers (both policies learned) are export candidates
         if depth is not None and size is not None and tps > trainer.best[0]:
             trainer.best = (tps, depth, size)
         return tps
-

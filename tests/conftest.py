@@ -81,7 +81,9 @@ def check_law(samples: Iterable[Hashable], exact: Mapping[Hashable, float]) -> L
     exact = {k: float(v) for k, v in exact.items() if v > 0}
     assert abs(sum(exact.values()) - 1.0) < 1e-9, sum(exact.values())
     result = _check_law(list(samples), exact)
-    return LawCheck(result["trials"], result["pvalue"], result["tv"], result["tv_bound"], result["impossible_outcomes"])
+    return LawCheck(
+        result["trials"], result["pvalue"], result["tv"], result["tv_bound"], result["impossible_outcomes"]
+    )
 
 
 @pytest.fixture(scope="session")

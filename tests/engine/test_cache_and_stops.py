@@ -57,7 +57,9 @@ def test_caches_hold_committed_tokens_after_every_cycle(tiny_pair, prompts, name
 
 def test_cache_validation_catches_a_broken_compaction(tiny_pair, prompts, monkeypatch):
     """Negative control: a compaction that only crops (keeps the wrong entries off a tree path) is caught."""
-    monkeypatch.setattr(engine_module, "keep_entries", lambda cache, start, keep: _crop(cache, start + len(keep)))
+    monkeypatch.setattr(
+        engine_module, "keep_entries", lambda cache, start, keep: _crop(cache, start + len(keep))
+    )
     engine = SpeculativeEngine(tiny_pair, config=EngineConfig(validate_caches=True))
     with pytest.raises(AssertionError, match="differs from a fresh forward"):
         for prompt in prompts:
@@ -139,15 +141,20 @@ class PositionRecorder:
         self.max_position = max(self.max_position, int(kwargs["position_ids"].max()))
 
 
-@pytest.mark.parametrize("controller", [None, StaticController(8), StaticController(8, 40, 3), StaticController(1)],
-                         ids=["ar", "chain8", "tree8", "chain1"])
+@pytest.mark.parametrize(
+    "controller",
+    [None, StaticController(8), StaticController(8, 40, 3), StaticController(1)],
+    ids=["ar", "chain8", "tree8", "chain1"],
+)
 @pytest.mark.parametrize("room", [1, 2, 5])
 def test_context_limit(tiny_pair, prompts, controller, room):
     prompt_ids = tiny_pair.tokenizer.encode(prompts[1])
     pair = dataclasses.replace(tiny_pair, max_context=len(prompt_ids) + room)
     recorders = [PositionRecorder(), PositionRecorder()]
-    handles = [model.register_forward_pre_hook(rec, with_kwargs=True)
-               for model, rec in zip((pair.target, pair.draft), recorders)]
+    handles = [
+        model.register_forward_pre_hook(rec, with_kwargs=True)
+        for model, rec in zip((pair.target, pair.draft), recorders)
+    ]
     try:
         res = SpeculativeEngine(pair).generate(prompt_ids, 100, controller)
     finally:
@@ -188,5 +195,6 @@ def test_generate_leaves_global_rng_alone(tiny_pair, prompts):
     """Randomness is explicit (docs/design.md section 1.7): sampling must not consume the global torch RNG."""
     state = torch.get_rng_state()
     SpeculativeEngine(tiny_pair, SAMPLED, EngineConfig(draft_mode="sampled")).generate(
-        prompts[0], 10, StaticController(3), seed=5)
+        prompts[0], 10, StaticController(3), seed=5
+    )
     assert torch.equal(state, torch.get_rng_state())

@@ -7,20 +7,21 @@ from __future__ import annotations
 import json
 
 import pytest
-from tests_helpers import one_error_line
 
 from engine import generate, profile, profiler
 from engine.profile import CostProfile
+from tests_helpers import one_error_line
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
 
 
 @pytest.fixture()
 def no_models(monkeypatch):
     """Fail the test if a command line gets as far as loading models or measuring."""
+
     def refuse(*args, **kwargs):
         pytest.fail("models were loaded before the arguments were checked")
+
     monkeypatch.setattr(generate, "load_pair", refuse)
     monkeypatch.setattr(profiler, "measure_profile_cli", refuse)
 
@@ -29,27 +30,30 @@ def no_models(monkeypatch):
 PROFILE_BASE = ["--pair", "tiny", "--quick", "--reps", "1"]
 
 
-@pytest.mark.parametrize("argv, needles", [
-    (["--contexts", "0"], ["contexts", "--contexts"]),
-    (["--contexts", "5000"], ["--contexts", "context limit 1024"]),
-    (["--contexts", "16,2000"], ["--contexts"]),
-    (["--widths", "0"], ["--widths"]),
-    (["--widths", "300"], ["--widths", "vocabulary", "272"]),
-    (["--reps", "0"], ["--reps"]),
-    (["--warmup", "-1"], ["--warmup"]),
-    (["--prefill-reps", "0"], ["--prefill-reps"]),
-    (["--overhead-cycles", "0"], ["--overhead-cycles"]),
-    (["--sizes=-1,0"], ["--sizes"]),
-    (["--sizes", "0,65"], ["--sizes", "64"]),
-    (["--chunks", "0,1"], ["--chunks"]),
-    (["--contexts", "4", "--chunks", "1,8"], ["--contexts", "largest chunk"]),
-    (["--threads", "0"], ["--threads"]),
-    (["--device", "bogus"], ["--device", "bogus"]),
-    (["--device", "cuda:7"], ["--device", "cuda:7"]),
-    (["--dtype", "float8"], ["--dtype", "float8"]),
-    (["--weights", "int3"], ["--weights", "int3"]),
-    (["--draft-vocab", "100000"], ["--draft-vocab"]),
-])
+@pytest.mark.parametrize(
+    "argv, needles",
+    [
+        (["--contexts", "0"], ["contexts", "--contexts"]),
+        (["--contexts", "5000"], ["--contexts", "context limit 1024"]),
+        (["--contexts", "16,2000"], ["--contexts"]),
+        (["--widths", "0"], ["--widths"]),
+        (["--widths", "300"], ["--widths", "vocabulary", "272"]),
+        (["--reps", "0"], ["--reps"]),
+        (["--warmup", "-1"], ["--warmup"]),
+        (["--prefill-reps", "0"], ["--prefill-reps"]),
+        (["--overhead-cycles", "0"], ["--overhead-cycles"]),
+        (["--sizes=-1,0"], ["--sizes"]),
+        (["--sizes", "0,65"], ["--sizes", "64"]),
+        (["--chunks", "0,1"], ["--chunks"]),
+        (["--contexts", "4", "--chunks", "1,8"], ["--contexts", "largest chunk"]),
+        (["--threads", "0"], ["--threads"]),
+        (["--device", "bogus"], ["--device", "bogus"]),
+        (["--device", "cuda:7"], ["--device", "cuda:7"]),
+        (["--dtype", "float8"], ["--dtype", "float8"]),
+        (["--weights", "int3"], ["--weights", "int3"]),
+        (["--draft-vocab", "100000"], ["--draft-vocab"]),
+    ],
+)
 def test_profile_refuses_bad_arguments_before_measuring(argv, needles, tmp_path, capsys, no_models):
     out = tmp_path / "p.json"
     assert profile.main([*PROFILE_BASE, *argv, "--out", str(out)]) == 2
@@ -86,8 +90,13 @@ def test_profile_cli_good_arguments_still_measure(tmp_path, capsys):
 
 
 def small_profile(**overrides) -> CostProfile:
-    args = dict(contexts=[100, 300], widths=[1, 2], sizes=[0, 4], draft_step_table=[[1e-3, 2e-3], [2e-3, 3e-3]],
-                verify_table=[[1e-2, 2e-2], [2e-2, 3e-2]])
+    args = dict(
+        contexts=[100, 300],
+        widths=[1, 2],
+        sizes=[0, 4],
+        draft_step_table=[[1e-3, 2e-3], [2e-3, 3e-3]],
+        verify_table=[[1e-2, 2e-2], [2e-2, 3e-2]],
+    )
     return CostProfile(**{**args, **overrides})
 
 
@@ -114,22 +123,25 @@ def test_profile_save_is_atomic(tmp_path, monkeypatch):
 GEN_BASE = ["--pair", "tiny", "--prompt", "hi"]
 
 
-@pytest.mark.parametrize("argv, needles", [
-    (["--seed", "-1"], ["--seed"]),
-    (["--seed", str(2**64)], ["--seed"]),
-    (["--max-new-tokens", "0"], ["--max-new-tokens"]),
-    (["--tree-width", "0"], ["tree_width"]),
-    (["--tree-width", "300"], ["--tree-width", "vocabulary"]),
-    (["--depth", "-2"], ["depth"]),
-    (["--verify", "-1"], ["verify"]),
-    (["--temperature", "-1"], ["temperature"]),
-    (["--temperature", "nan"], ["temperature"]),
-    (["--top-p", "2"], ["top_p"]),
-    (["--top-k", "-1"], ["top_k"]),
-    (["--device", "bogus"], ["--device"]),
-    (["--weights", "int3"], ["--weights"]),
-    (["--target", "some/model"], ["--target and --draft"]),
-])
+@pytest.mark.parametrize(
+    "argv, needles",
+    [
+        (["--seed", "-1"], ["--seed"]),
+        (["--seed", str(2**64)], ["--seed"]),
+        (["--max-new-tokens", "0"], ["--max-new-tokens"]),
+        (["--tree-width", "0"], ["tree_width"]),
+        (["--tree-width", "300"], ["--tree-width", "vocabulary"]),
+        (["--depth", "-2"], ["depth"]),
+        (["--verify", "-1"], ["verify"]),
+        (["--temperature", "-1"], ["temperature"]),
+        (["--temperature", "nan"], ["temperature"]),
+        (["--top-p", "2"], ["top_p"]),
+        (["--top-k", "-1"], ["top_k"]),
+        (["--device", "bogus"], ["--device"]),
+        (["--weights", "int3"], ["--weights"]),
+        (["--target", "some/model"], ["--target and --draft"]),
+    ],
+)
 def test_generate_refuses_bad_arguments_before_loading(argv, needles, capsys, no_models):
     assert generate.main([*GEN_BASE, *argv]) == 2
     one_error_line(capsys, *needles)
@@ -148,4 +160,6 @@ def test_generate_reports_engine_refusals_in_one_line(capsys):
     """Errors that need the loaded pair (here: a prompt longer than the tiny pair's context) are one line too."""
     assert generate.main([*GEN_BASE[:3], "x" * 2000, "--raw", "--max-new-tokens", "2"]) == 2
     one_error_line(capsys, "context limit")
-    assert generate.main([*GEN_BASE, "--raw", "--max-new-tokens", "3", "--tree-width", "2"]) == 0  # negative control
+    assert (
+        generate.main([*GEN_BASE, "--raw", "--max-new-tokens", "3", "--tree-width", "2"]) == 0
+    )  # negative control

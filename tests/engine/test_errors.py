@@ -105,7 +105,8 @@ def test_sampled_drafts_need_chains_and_temperature(tiny_pair, prompts):
     sampled = EngineConfig(draft_mode="sampled")
     with pytest.raises(ValueError, match="tree_width=1"):
         SpeculativeEngine(tiny_pair, SamplingConfig(temperature=1.0), sampled).generate(
-            prompts[0], 5, StaticController(3, 6, 2))
+            prompts[0], 5, StaticController(3, 6, 2)
+        )
     greedy = SpeculativeEngine(tiny_pair, SamplingConfig(temperature=0.0), sampled)
     with pytest.raises(ValueError, match="temperature > 0"):
         greedy.generate(prompts[0], 5, StaticController(3))
@@ -113,10 +114,16 @@ def test_sampled_drafts_need_chains_and_temperature(tiny_pair, prompts):
 
 
 # -------------------------------------------------------------------------------------- loading pairs
-@pytest.mark.parametrize("kwargs", [
-    {"name": "no-such-pair"}, {"target": "some/model"}, {"draft": "some/model"}, {},
-    {"name": "tiny", "target": "a", "draft": "b"},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"name": "no-such-pair"},
+        {"target": "some/model"},
+        {"draft": "some/model"},
+        {},
+        {"name": "tiny", "target": "a", "draft": "b"},
+    ],
+)
 def test_load_pair_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         load_pair(**kwargs)
@@ -143,7 +150,9 @@ class ShiftedTokenizer(ByteTokenizer):
 def test_mismatched_tokenizers_are_refused(tiny_pair):
     with pytest.raises(IncompatiblePairError, match="tokenizers differ"):
         check_compatible(tiny_pair.target, tiny_pair.draft, tiny_pair.tokenizer, ShiftedTokenizer())
-    check_compatible(tiny_pair.target, tiny_pair.draft, tiny_pair.tokenizer, ByteTokenizer())  # equal vocab: ok
+    check_compatible(
+        tiny_pair.target, tiny_pair.draft, tiny_pair.tokenizer, ByteTokenizer()
+    )  # equal vocab: ok
 
 
 # ----------------------------------------------------------------------------------------- NaN logits
@@ -155,7 +164,9 @@ def with_nan_head(model):
 
 
 @pytest.mark.parametrize("side", ["target", "draft"])
-@pytest.mark.parametrize("controller", [StaticController(3), StaticController(3, 6, 2)], ids=["chain", "tree"])
+@pytest.mark.parametrize(
+    "controller", [StaticController(3), StaticController(3, 6, 2)], ids=["chain", "tree"]
+)
 def test_nan_logits_raise_a_clear_error(tiny_pair, prompts, side, controller):
     pair = dataclasses.replace(tiny_pair, **{side: with_nan_head(getattr(tiny_pair, side))})
     with pytest.raises(FloatingPointError, match=rf"non-finite logits \(NaN or inf\) from the {side} model"):

@@ -29,16 +29,26 @@ SAMPLINGS = {
 }
 MODES = {
     "chain": (EngineConfig(), lambda: StaticController(depth=2)),
-    "tree": (EngineConfig(), lambda: StaticController(depth=2, verify=8, tree_width=3)),  # 12 nodes, 8 verified
+    "tree": (
+        EngineConfig(),
+        lambda: StaticController(depth=2, verify=8, tree_width=3),
+    ),  # 12 nodes, 8 verified
     "sampled-chain": (EngineConfig(draft_mode="sampled"), lambda: StaticController(depth=2)),
     # verify only a prefix of the sampled chain (the size decision); tokens[2] is then the bonus token
-    "sampled-chain-verify1": (EngineConfig(draft_mode="sampled"), lambda: StaticController(depth=2, verify=1)),
+    "sampled-chain-verify1": (
+        EngineConfig(draft_mode="sampled"),
+        lambda: StaticController(depth=2, verify=1),
+    ),
 }
-CASES = [(mode, name) for mode in MODES for name in SAMPLINGS if mode != "sampled-chain-verify1" or name == "T0.7"]
+CASES = [
+    (mode, name) for mode in MODES for name in SAMPLINGS if mode != "sampled-chain-verify1" or name == "T0.7"
+]
 
 
 @torch.inference_mode()
-def exact_law(model, prompt_ids: list[int], sampling: SamplingConfig, eos: frozenset, length: int = 3) -> dict:
+def exact_law(
+    model, prompt_ids: list[int], sampling: SamplingConfig, eos: frozenset, length: int = 3
+) -> dict:
     """Target law of the first ``length`` generated tokens (EOS ends a sequence), by enumeration with one
     batched forward per position, then marginalised over the first token."""
     sequences = {(): 1.0}
@@ -66,13 +76,17 @@ def prompt_ids(tiny_pair):
 
 @pytest.fixture(scope="module")
 def exact_laws(tiny_pair, prompt_ids):
-    return {name: exact_law(tiny_pair.target, prompt_ids, sampling, tiny_pair.eos_token_ids)
-            for name, sampling in SAMPLINGS.items()}
+    return {
+        name: exact_law(tiny_pair.target, prompt_ids, sampling, tiny_pair.eos_token_ids)
+        for name, sampling in SAMPLINGS.items()
+    }
 
 
 def sample_outcomes(engine, prompt_ids, make_controller, seed0: int) -> list[tuple]:
-    return [tuple(engine.generate(prompt_ids, MAX_NEW, make_controller(), seed=seed0 + i).tokens[1:3])
-            for i in range(NUM_SAMPLES)]
+    return [
+        tuple(engine.generate(prompt_ids, MAX_NEW, make_controller(), seed=seed0 + i).tokens[1:3])
+        for i in range(NUM_SAMPLES)
+    ]
 
 
 def test_exact_law_is_a_distribution(exact_laws):
@@ -99,7 +113,9 @@ def verify_chain_resample_from_target(target_probs, draft_probs, draft_tokens, g
 
 
 @pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
-def test_wrong_recovery_rule_is_caught(tiny_pair, prompt_ids, exact_laws, law_check, monkeypatch, sampling_name):
+def test_wrong_recovery_rule_is_caught(
+    tiny_pair, prompt_ids, exact_laws, law_check, monkeypatch, sampling_name
+):
     """The same checker, sample size and configuration as above must reject the engine with the wrong rule."""
     monkeypatch.setattr(engine_module, "verify_chain", verify_chain_resample_from_target)
     config, make_controller = MODES["sampled-chain"]
@@ -118,4 +134,7 @@ def test_deterministic_drafts_reproduce_the_autoregressive_sample(tiny_pair, pro
     for seed in range(15):
         reference = engine.generate(prompt_ids, 20, seed=seed).tokens
         for controller in (StaticController(3), StaticController(4, 10, 3)):
-            assert engine.generate(prompt_ids, 20, controller, seed=seed).tokens == reference, (seed, controller)
+            assert engine.generate(prompt_ids, 20, controller, seed=seed).tokens == reference, (
+                seed,
+                controller,
+            )

@@ -20,8 +20,20 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 NUM_NEW = 40
 # (depth, verify, tree_width); verify=None means the default (= depth)
 CONTROLLERS = [
-    (1, None, 1), (1, 0, 1), (2, 1, 1), (3, None, 1), (5, 2, 1), (3, 100, 1), (12, None, 1),
-    (1, 3, 4), (2, 0, 3), (3, 1, 3), (3, 8, 3), (4, 16, 2), (6, 64, 4), (12, 30, 2),
+    (1, None, 1),
+    (1, 0, 1),
+    (2, 1, 1),
+    (3, None, 1),
+    (5, 2, 1),
+    (3, 100, 1),
+    (12, None, 1),
+    (1, 3, 4),
+    (2, 0, 3),
+    (3, 1, 3),
+    (3, 8, 3),
+    (4, 16, 2),
+    (6, 64, 4),
+    (12, 30, 2),
 ]
 
 
@@ -40,7 +52,9 @@ def ar_tokens(greedy_engine, prompts):
 
 
 @pytest.mark.parametrize("depth, verify, tree_width", CONTROLLERS)
-def test_greedy_speculative_equals_autoregressive(greedy_engine, ar_tokens, prompts, depth, verify, tree_width):
+def test_greedy_speculative_equals_autoregressive(
+    greedy_engine, ar_tokens, prompts, depth, verify, tree_width
+):
     for prompt in prompts:
         res = greedy_engine.generate(prompt, NUM_NEW, StaticController(depth, verify, tree_width))
         assert res.tokens == ar_tokens[prompt], (prompt, res.cycles)
@@ -51,8 +65,13 @@ def test_greedy_speculative_equals_autoregressive(greedy_engine, ar_tokens, prom
 
 
 @settings(max_examples=8, deadline=None, database=None)
-@given(depth=st.integers(1, 12), verify=st.integers(0, 40), tree_width=st.integers(1, 4),
-       prompt_index=st.integers(0, 2), num_new=st.integers(1, 20))
+@given(
+    depth=st.integers(1, 12),
+    verify=st.integers(0, 40),
+    tree_width=st.integers(1, 4),
+    prompt_index=st.integers(0, 2),
+    num_new=st.integers(1, 20),
+)
 def test_greedy_property(greedy_engine, ar_tokens, prompts, depth, verify, tree_width, prompt_index, num_new):
     prompt = prompts[prompt_index]
     res = greedy_engine.generate(prompt, num_new, StaticController(depth, verify, tree_width))

@@ -65,7 +65,9 @@ def test_huge_tree_request_is_capped_and_exact(engine, prompts, reference):
     res = engine.generate(prompts[0], NUM_NEW, StaticController(2, 10**6, tree_width=272))
     assert res.tokens == reference
     spec = [c for c in res.cycles if c.depth > 0]
-    assert spec and all(c.depth == 1 and c.num_drafted == 272 and c.num_verified == MAX_VERIFY_NODES for c in spec)
+    assert spec and all(
+        c.depth == 1 and c.num_drafted == 272 and c.num_verified == MAX_VERIFY_NODES for c in spec
+    )
 
 
 PROBE = textwrap.dedent("""
@@ -89,8 +91,9 @@ PROBE = textwrap.dedent("""
 
 def _probe(mode: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, timeout=300,
-                          cwd=REPO, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", PROBE, mode], capture_output=True, text=True, timeout=300, cwd=REPO, env=env
+    )
 
 
 def test_caps_hold_under_a_memory_limit():
@@ -98,7 +101,9 @@ def test_caps_hold_under_a_memory_limit():
     assert capped.returncode == 0, capped.stderr[-2000:]
     assert "done 272 64" in capped.stdout
     uncapped = _probe("uncapped")  # the same request without the caps cannot run in that memory
-    assert uncapped.returncode != 0 and "MemoryError" in uncapped.stderr, uncapped.stdout + uncapped.stderr[-2000:]
+    assert uncapped.returncode != 0 and "MemoryError" in uncapped.stderr, (
+        uncapped.stdout + uncapped.stderr[-2000:]
+    )
 
 
 class Recorder(StaticController):
@@ -140,21 +145,31 @@ def test_replay_applies_the_same_caps(tiny_pair, prompts):
     assert cycles(replay_generate(plain, ctrl)) != cycles(live.cycles)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"max_verify": 0}, "max_verify"), ({"max_verify": MAX_VERIFY_NODES + 1}, "max_verify"),
-    ({"max_verify": 2.5}, "max_verify"), ({"max_verify": True}, "max_verify"),
-    ({"max_tree_nodes": 0}, "max_tree_nodes"), ({"max_depth": 0}, "max_depth"), ({"draft_mode": "beam"}, "draft_mode"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_verify": 0}, "max_verify"),
+        ({"max_verify": MAX_VERIFY_NODES + 1}, "max_verify"),
+        ({"max_verify": 2.5}, "max_verify"),
+        ({"max_verify": True}, "max_verify"),
+        ({"max_tree_nodes": 0}, "max_tree_nodes"),
+        ({"max_depth": 0}, "max_depth"),
+        ({"draft_mode": "beam"}, "draft_mode"),
+    ],
+)
 def test_bad_engine_config(kwargs, match):
     with pytest.raises(InputError, match=match):
         EngineConfig(**kwargs)
 
 
-@pytest.mark.parametrize("width, config, match", [
-    (273, EngineConfig(), r"tree_width 273 exceeds the vocabulary \(272 tokens\)"),
-    (10**6, EngineConfig(), "exceeds the vocabulary"),
-    (20, EngineConfig(max_tree_nodes=16), "max_tree_nodes=16"),
-])
+@pytest.mark.parametrize(
+    "width, config, match",
+    [
+        (273, EngineConfig(), r"tree_width 273 exceeds the vocabulary \(272 tokens\)"),
+        (10**6, EngineConfig(), "exceeds the vocabulary"),
+        (20, EngineConfig(max_tree_nodes=16), "max_tree_nodes=16"),
+    ],
+)
 def test_tree_width_beyond_vocab_or_node_cap(tiny_pair, prompts, reference, width, config, match):
     engine = SpeculativeEngine(tiny_pair, config=config)
     with pytest.raises(ControllerError, match=match):
@@ -163,13 +178,26 @@ def test_tree_width_beyond_vocab_or_node_cap(tiny_pair, prompts, reference, widt
 
 
 # ---------------------------------------------------------------------------------------------- prompts
-@pytest.mark.parametrize("prompt, match", [
-    ([1.0, 2.0], "integers"), ([65, 66.7], "integers"), ([1, None], "integers"), ([[1, 2, 3]], "integers"),
-    ([True, 5], "integers"), (torch.tensor([1.0, 2.0]), "dtype"), (torch.tensor([True, False]), "dtype"),
-    (np.array([1.5, 2.0]), "dtype"), (torch.tensor([[1, 2], [3, 4]]), r"shape \(2, 2\)"),
-    (torch.ones(1, 1, 3, dtype=torch.long), "shape"), (torch.tensor(5), "shape"), (None, "NoneType"),
-    ({1: 2}, "dict"), (b"abc", "bytes"), (3, "int"),
-])
+@pytest.mark.parametrize(
+    "prompt, match",
+    [
+        ([1.0, 2.0], "integers"),
+        ([65, 66.7], "integers"),
+        ([1, None], "integers"),
+        ([[1, 2, 3]], "integers"),
+        ([True, 5], "integers"),
+        (torch.tensor([1.0, 2.0]), "dtype"),
+        (torch.tensor([True, False]), "dtype"),
+        (np.array([1.5, 2.0]), "dtype"),
+        (torch.tensor([[1, 2], [3, 4]]), r"shape \(2, 2\)"),
+        (torch.ones(1, 1, 3, dtype=torch.long), "shape"),
+        (torch.tensor(5), "shape"),
+        (None, "NoneType"),
+        ({1: 2}, "dict"),
+        (b"abc", "bytes"),
+        (3, "int"),
+    ],
+)
 def test_bad_prompts(engine, prompts, reference, prompt, match):
     with pytest.raises(InputError, match=match) as info:
         engine.generate(prompt, 5, StaticController(3))
@@ -179,8 +207,15 @@ def test_bad_prompts(engine, prompts, reference, prompt, match):
 
 def test_integer_prompt_forms_are_accepted(engine, tiny_pair, prompts, reference):
     ids = tiny_pair.tokenizer.encode(prompts[0])
-    for prompt in (ids, tuple(ids), np.asarray(ids), np.asarray([ids], dtype=np.int32), torch.tensor(ids),
-                   torch.tensor([ids], dtype=torch.int32), [np.int64(t) for t in ids]):
+    for prompt in (
+        ids,
+        tuple(ids),
+        np.asarray(ids),
+        np.asarray([ids], dtype=np.int32),
+        torch.tensor(ids),
+        torch.tensor([ids], dtype=torch.int32),
+        [np.int64(t) for t in ids],
+    ):
         assert engine.generate(prompt, NUM_NEW, StaticController(3)).tokens == reference
 
 
@@ -213,19 +248,22 @@ class Answering(Controller):
         return self.size
 
 
-@pytest.mark.parametrize("controller, match", [
-    (Answering(depth=None), r"Answering\.should_continue must return a bool, got None"),
-    (Answering(depth=math.nan), "should_continue must return a bool, got nan"),
-    (Answering(depth=np.array([True, False])), "should_continue must return a bool"),
-    (Answering(depth="yes"), "should_continue must return a bool"),
-    (Answering(depth=2), "should_continue must return a bool, got 2"),
-    (Answering(depth=None, depth_zero=True), "should_continue must return a bool"),
-    (Answering(size=None), r"Answering\.num_to_verify must return an integer, got None"),
-    (Answering(size=math.nan), "num_to_verify must return an integer, got nan"),
-    (Answering(size=2.5), "num_to_verify must return an integer"),
-    (Answering(size=np.array([3])), "num_to_verify must return an integer"),
-    (Answering(size=torch.tensor(3)), "num_to_verify must return an integer"),
-])
+@pytest.mark.parametrize(
+    "controller, match",
+    [
+        (Answering(depth=None), r"Answering\.should_continue must return a bool, got None"),
+        (Answering(depth=math.nan), "should_continue must return a bool, got nan"),
+        (Answering(depth=np.array([True, False])), "should_continue must return a bool"),
+        (Answering(depth="yes"), "should_continue must return a bool"),
+        (Answering(depth=2), "should_continue must return a bool, got 2"),
+        (Answering(depth=None, depth_zero=True), "should_continue must return a bool"),
+        (Answering(size=None), r"Answering\.num_to_verify must return an integer, got None"),
+        (Answering(size=math.nan), "num_to_verify must return an integer, got nan"),
+        (Answering(size=2.5), "num_to_verify must return an integer"),
+        (Answering(size=np.array([3])), "num_to_verify must return an integer"),
+        (Answering(size=torch.tensor(3)), "num_to_verify must return an integer"),
+    ],
+)
 def test_bad_controller_answers(engine, prompts, reference, controller, match):
     with pytest.raises(ControllerError, match=match):
         engine.generate(prompts[0], NUM_NEW, controller)
@@ -233,8 +271,11 @@ def test_bad_controller_answers(engine, prompts, reference, controller, match):
 
 
 def test_good_controller_answer_types(engine, prompts, reference):
-    for ctrl in (Answering(depth=np.bool_(True), size=np.int64(2)), Answering(depth=1, size=np.int32(1)),
-                 Answering(depth=0, size=-3)):  # negative sizes are clamped to 0, as documented
+    for ctrl in (
+        Answering(depth=np.bool_(True), size=np.int64(2)),
+        Answering(depth=1, size=np.int32(1)),
+        Answering(depth=0, size=-3),
+    ):  # negative sizes are clamped to 0, as documented
         assert engine.generate(prompts[0], NUM_NEW, ctrl).tokens == reference
 
 
@@ -267,15 +308,22 @@ def test_non_controllers_are_refused(engine, prompts, reference, controller):
 def test_replay_checks_controller_answers_like_the_engine(tiny_pair, prompts):
     ids = tiny_pair.encode(prompts[0], chat=False)
     rt = ReplayTrace(record_trace(tiny_pair, ids, "p", SamplingConfig(), 3, 1, max_new_tokens=10))
-    for ctrl, match in ((Answering(depth=None), "should_continue"), (Answering(size=math.nan), "num_to_verify")):
+    for ctrl, match in (
+        (Answering(depth=None), "should_continue"),
+        (Answering(size=math.nan), "num_to_verify"),
+    ):
         with pytest.raises(ControllerError, match=match):
             replay_generate(rt, ctrl)
 
 
 def test_every_refusal_is_a_draftpilot_error(engine, prompts):
-    for call in (lambda: engine.generate([1.5], 5), lambda: engine.generate(prompts[0], 5, seed=None),
-                 lambda: engine.generate(prompts[0], 5, Answering(size=None)),
-                 lambda: engine.generate(prompts[0], 5, DuckController()),
-                 lambda: SamplingConfig(temperature=math.inf), lambda: EngineConfig(max_verify=100)):
+    for call in (
+        lambda: engine.generate([1.5], 5),
+        lambda: engine.generate(prompts[0], 5, seed=None),
+        lambda: engine.generate(prompts[0], 5, Answering(size=None)),
+        lambda: engine.generate(prompts[0], 5, DuckController()),
+        lambda: SamplingConfig(temperature=math.inf),
+        lambda: EngineConfig(max_verify=100),
+    ):
         with pytest.raises(DraftpilotError):
             call()

@@ -11,7 +11,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from tests_helpers import assert_greedy_identity, random_q4_k, random_q6_k, write_gguf
 
 from engine import SpeculativeEngine, load_pair, native
 from engine.kquant import (
@@ -27,10 +26,13 @@ from engine.kquant import (
 )
 from engine.quant import QUANT_STAMP, ensure_quantized_gguf, gguf_linears, load_quantized, q6_k_fields
 from policies import HeuristicController, StaticController
+from tests_helpers import assert_greedy_identity, random_q4_k, random_q6_k, write_gguf
 
 pytestmark = [
     pytest.mark.usefixtures("single_thread"),
-    pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: the kquant kernels cannot be built"),
+    pytest.mark.skipif(
+        shutil.which("c++") is None, reason="no C++ compiler: the kquant kernels cannot be built"
+    ),
 ]
 
 
@@ -168,7 +170,9 @@ def test_kernel_refuses_bad_inputs():
 
 def test_unavailable_kernels_are_a_clear_error(monkeypatch):
     monkeypatch.setattr(native, "_module", None)
-    monkeypatch.setattr(native, "_error", "the compiled kquant kernels are unavailable on this machine (test)")
+    monkeypatch.setattr(
+        native, "_error", "the compiled kquant kernels are unavailable on this machine (test)"
+    )
     with pytest.raises(native.NativeUnavailable, match="unavailable"):
         _module("k4", quantize_k4(torch.randn(16, 128)), 128)
     assert not native.available()
@@ -176,12 +180,18 @@ def test_unavailable_kernels_are_a_clear_error(monkeypatch):
 
 # ------------------------------------------------------------------------------------ greedy exactness
 CONTROLLERS = [
-    StaticController(1, 1), StaticController(3, 3), StaticController(4, 2),
-    StaticController(3, 6, tree_width=2), StaticController(2, 8, tree_width=4), HeuristicController(),
+    StaticController(1, 1),
+    StaticController(3, 3),
+    StaticController(4, 2),
+    StaticController(3, 6, tree_width=2),
+    StaticController(2, 8, tree_width=4),
+    HeuristicController(),
 ]
 
 
-@pytest.mark.parametrize("formats", [("kquant", None), ("kquant", "kquant-strict"), ("kquant-strict", "float32")])
+@pytest.mark.parametrize(
+    "formats", [("kquant", None), ("kquant", "kquant-strict"), ("kquant-strict", "float32")]
+)
 def test_greedy_speculative_equals_autoregressive_on_kquant(formats, prompts):
     weights, draft_weights = formats
     pair = load_pair("tiny", weights=weights, draft_weights=draft_weights, device="cpu")
@@ -212,23 +222,35 @@ class _Model(torch.nn.Module):
         self.model.layers = torch.nn.ModuleList([layer])
 
 
-@pytest.mark.parametrize("fmt, kinds", [("kquant", ("k4", "k6", "k6")), ("kquant-strict", ("k4", "k4", "k4"))])
+@pytest.mark.parametrize(
+    "fmt, kinds", [("kquant", ("k4", "k6", "k6")), ("kquant-strict", ("k4", "k4", "k4"))]
+)
 def test_gguf_conversion_to_kquant(fmt, kinds, tmp_path):
     rng = np.random.default_rng(3)
-    q8 = gguf.quants.quantize(rng.standard_normal((64, 256)).astype(np.float32) * 0.05, gguf.GGMLQuantizationType.Q8_0)
+    q8 = gguf.quants.quantize(
+        rng.standard_normal((64, 256)).astype(np.float32) * 0.05, gguf.GGMLQuantizationType.Q8_0
+    )
     path = tmp_path / "m.gguf"
-    write_gguf(path, [
-        ("blk.0.attn_q.weight", random_q4_k(256, 256), gguf.GGMLQuantizationType.Q4_K),
-        ("blk.0.attn_v.weight", random_q6_k(64, 256), gguf.GGMLQuantizationType.Q6_K),
-        ("blk.0.ffn_down.weight", q8, gguf.GGMLQuantizationType.Q8_0),
-    ])
+    write_gguf(
+        path,
+        [
+            ("blk.0.attn_q.weight", random_q4_k(256, 256), gguf.GGMLQuantizationType.Q4_K),
+            ("blk.0.attn_v.weight", random_q6_k(64, 256), gguf.GGMLQuantizationType.Q6_K),
+            ("blk.0.ffn_down.weight", q8, gguf.GGMLQuantizationType.Q8_0),
+        ],
+    )
     cache = ensure_quantized_gguf(path, "m", "abc", fmt, tmp_path / "cache", progress=False)
     modules = json.loads((cache / QUANT_STAMP).read_text())["modules"]
-    names = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj", "model.layers.0.mlp.down_proj"]
+    names = [
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.self_attn.v_proj",
+        "model.layers.0.mlp.down_proj",
+    ]
     assert tuple(modules[n]["kind"] for n in names) == kinds
     # Q4_K (and Q6_K in kquant) moved bit for bit: only the reference's own float32 rounding differs
-    assert modules[names[0]]["max_abs_error"] < 1e-6 * float(np.abs(gguf.quants.dequantize(
-        random_q4_k(256, 256), gguf.GGMLQuantizationType.Q4_K)).max())
+    assert modules[names[0]]["max_abs_error"] < 1e-6 * float(
+        np.abs(gguf.quants.dequantize(random_q4_k(256, 256), gguf.GGMLQuantizationType.Q4_K)).max()
+    )
     if fmt == "kquant":
         assert modules[names[1]]["max_abs_error"] < 1e-7
     assert modules[names[2]]["max_abs_error"] > 1e-5  # Q8_0 re-rounded: the checks above are not vacuous

@@ -19,8 +19,14 @@ FORMATS = ["float32", "int4"] + (["kquant"] if shutil.which("c++") else [])
 
 
 def _hf(model, ids, positions, cache, mask=None, keep=0):
-    out = model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]), attention_mask=mask,
-                cache=cache, use_cache=True, logits_to_keep=keep)
+    out = model(
+        input_ids=torch.tensor([ids]),
+        position_ids=torch.tensor([positions]),
+        attention_mask=mask,
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=keep,
+    )
     return out.logits[0]
 
 
@@ -55,7 +61,9 @@ def test_lean_forward_is_bitwise_the_transformers_forward(fmt):
     for ids, positions, tree, keep in steps:
         results = []
         for cache, fn in caches.values():
-            mask = tree_attention_mask(cache.get_seq_length(), allowed, torch.float32, "cpu") if tree else None
+            mask = (
+                tree_attention_mask(cache.get_seq_length(), allowed, torch.float32, "cpu") if tree else None
+            )
             results.append(fn(model, ids, positions, cache, mask, keep))
         assert torch.equal(results[0], results[1]), (fmt, ids)
     hf_cache, lean_cache = caches["hf"][0], caches["lean"][0]

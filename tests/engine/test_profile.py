@@ -17,21 +17,39 @@ from engine.profile import PROFILE_VERSION, CostProfile, ProfileError, main, spr
 from engine.profiler import ProfileConfig, measure_profile
 from engine.random_pair import build_random_pair, parameter_count, random_pair_configs
 
-SMALL = ProfileConfig(contexts=(32, 96), widths=(1, 2), chunks=(1, 3), sizes=(0, 2, 5), reps=2, warmup=0,
-                      prefill_reps=2, overhead_cycles=2, overhead_prompt_len=8)
+SMALL = ProfileConfig(
+    contexts=(32, 96),
+    widths=(1, 2),
+    chunks=(1, 3),
+    sizes=(0, 2, 5),
+    reps=2,
+    warmup=0,
+    prefill_reps=2,
+    overhead_cycles=2,
+    overhead_prompt_len=8,
+)
 
 
 def hand_profile(**overrides) -> CostProfile:
     """Times linear in everything: draft 1 + W + ctx/100 ms, verify 10 + V + ctx/10 ms (exact to test)."""
     contexts, widths, sizes, chunks = [100, 300], [1, 2, 4], [0, 1, 4, 8], [1, 2]
     args = dict(
-        contexts=contexts, widths=widths, sizes=sizes, chunks=chunks,
+        contexts=contexts,
+        widths=widths,
+        sizes=sizes,
+        chunks=chunks,
         draft_step_table=[[1e-3 * (1 + w + c / 100) for c in contexts] for w in widths],
         verify_table=[[1e-3 * (10 + v + c / 10) for c in contexts] for v in sizes],
         draft_chunk_table=[[1e-3 * (2 + p + c / 100) for c in contexts] for p in chunks],
-        prefill_lengths=[100, 300], prefill_target_s=[0.1, 0.3], prefill_draft_s=[0.05, 0.15],
-        overhead_base_s=1e-4, overhead_per_node_s=1e-5, overhead_per_draft_row_s=2e-5, ar_overhead_s=5e-5,
-        policy_call_s=3e-6, meta={"pair": "hand"},
+        prefill_lengths=[100, 300],
+        prefill_target_s=[0.1, 0.3],
+        prefill_draft_s=[0.05, 0.15],
+        overhead_base_s=1e-4,
+        overhead_per_node_s=1e-5,
+        overhead_per_draft_row_s=2e-5,
+        ar_overhead_s=5e-5,
+        policy_call_s=3e-6,
+        meta={"pair": "hand"},
     )
     args.update(overrides)
     return CostProfile(**args)
@@ -46,8 +64,12 @@ def measured(tiny_pair_f32) -> CostProfile:
 def test_measured_profile_has_every_field_positive(measured):
     p = measured
     assert (p.contexts, p.widths, p.sizes, p.chunks) == ([32, 96], [1, 2], [0, 2, 5], [1, 3])
-    for table, rows in ((p.draft_step_table, 2), (p.verify_table, 3), (p.draft_chunk_table, 2),
-                        (p.verify_chain_table, 3)):
+    for table, rows in (
+        (p.draft_step_table, 2),
+        (p.verify_table, 3),
+        (p.draft_chunk_table, 2),
+        (p.verify_chain_table, 3),
+    ):
         arr = np.asarray(table)
         assert arr.shape == (rows, 2) and np.all(arr > 0) and np.all(np.isfinite(arr))
     for spread in (p.draft_step_spread, p.verify_spread, p.draft_chunk_spread):
@@ -65,9 +87,21 @@ def test_measured_profile_has_every_field_positive(measured):
 
 def test_measurement_leaves_the_global_rng_alone(tiny_pair_f32):
     state = torch.get_rng_state()
-    measure_profile(tiny_pair_f32, ProfileConfig(contexts=(16,), widths=(1,), chunks=(1,), sizes=(0,), reps=1,
-                                                 warmup=0, prefill_reps=1, overhead_cycles=1,
-                                                 overhead_prompt_len=4), progress=False)
+    measure_profile(
+        tiny_pair_f32,
+        ProfileConfig(
+            contexts=(16,),
+            widths=(1,),
+            chunks=(1,),
+            sizes=(0,),
+            reps=1,
+            warmup=0,
+            prefill_reps=1,
+            overhead_cycles=1,
+            overhead_prompt_len=4,
+        ),
+        progress=False,
+    )
     assert torch.equal(state, torch.get_rng_state())
 
 
@@ -80,7 +114,21 @@ def test_contexts_outside_the_pair_are_refused(tiny_pair_f32):
 
 def test_cli_quick_on_tiny_writes_a_loadable_profile(tmp_path, capsys):
     out = tmp_path / "p.json"
-    main(["--pair", "tiny", "--quick", "--contexts", "16,48", "--sizes", "0,3", "--reps", "1", "--out", str(out)])
+    main(
+        [
+            "--pair",
+            "tiny",
+            "--quick",
+            "--contexts",
+            "16,48",
+            "--sizes",
+            "0,3",
+            "--reps",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     loaded = CostProfile.load(out)
     assert loaded.contexts == [16, 48] and loaded.sizes == [0, 3] and loaded.widths == [1, 2]
     assert "verify vs verified nodes" in capsys.readouterr().out
@@ -104,7 +152,9 @@ def test_interpolation_is_bilinear_between_points():
     assert p.verify_s(6, 200) == pytest.approx(1e-3 * (10 + 6 + 20), rel=1e-12)
     assert p.verify_s(2.5, 150) == pytest.approx(1e-3 * (10 + 2.5 + 15), rel=1e-12)
     assert p.draft_step_s(3, 250) == pytest.approx(1e-3 * (1 + 3 + 2.5), rel=1e-12)
-    assert p.prefill_s(200) == pytest.approx(0.2 + 0.1) and p.prefill_s(200, with_draft=False) == pytest.approx(0.2)
+    assert p.prefill_s(200) == pytest.approx(0.2 + 0.1) and p.prefill_s(
+        200, with_draft=False
+    ) == pytest.approx(0.2)
 
 
 def test_extrapolation_linear_above_clamped_below():
@@ -129,14 +179,26 @@ def test_chunk_falls_back_to_width_table():
 def test_cycle_is_the_sum_of_its_parts():
     p = hand_profile()
     depth, verified, ctx, width, pending = 4, 6, 200, 2, 2
-    expected = (p.draft_chunk_s(pending, ctx) + (depth - 1) * p.draft_step_s(width, ctx) + p.verify_s(verified, ctx)
-                + p.overhead_base_s + verified * p.overhead_per_node_s + (depth - 1) * width * p.overhead_per_draft_row_s)
+    expected = (
+        p.draft_chunk_s(pending, ctx)
+        + (depth - 1) * p.draft_step_s(width, ctx)
+        + p.verify_s(verified, ctx)
+        + p.overhead_base_s
+        + verified * p.overhead_per_node_s
+        + (depth - 1) * width * p.overhead_per_draft_row_s
+    )
     assert p.cycle_s(depth, verified, ctx, width, num_pending=pending) == pytest.approx(expected, rel=1e-12)
-    assert sum(p.cycle_parts(depth, verified, ctx, width, pending).values()) == pytest.approx(expected, rel=1e-12)
-    assert p.cycle_s(depth, verified, ctx, width, pending, controller_calls=5) == pytest.approx(expected + 5 * 3e-6)
+    assert sum(p.cycle_parts(depth, verified, ctx, width, pending).values()) == pytest.approx(
+        expected, rel=1e-12
+    )
+    assert p.cycle_s(depth, verified, ctx, width, pending, controller_calls=5) == pytest.approx(
+        expected + 5 * 3e-6
+    )
     assert p.cycle_s(0, 0, ctx) == pytest.approx(p.verify_s(0, ctx) + p.ar_overhead_s)
     assert p.overhead_s(3) == pytest.approx(1e-4 + 3e-5) and p.overhead_s(3, depth=0) == p.ar_overhead_s
-    assert cycle_time(p, depth, verified, ctx, width) == pytest.approx(p.cycle_s(depth, verified, ctx, width, 1))
+    assert cycle_time(p, depth, verified, ctx, width) == pytest.approx(
+        p.cycle_s(depth, verified, ctx, width, 1)
+    )
 
 
 def test_article_ratios():
@@ -148,10 +210,16 @@ def test_article_ratios():
 def test_sampled_cycles_follow_the_measured_spread():
     quiet = hand_profile()
     rng = np.random.default_rng(0)
-    assert quiet.sample_cycle_s(3, 4, 200, 2, rng=rng) == pytest.approx(quiet.cycle_s(3, 4, 200, 2), rel=1e-12)
+    assert quiet.sample_cycle_s(3, 4, 200, 2, rng=rng) == pytest.approx(
+        quiet.cycle_s(3, 4, 200, 2), rel=1e-12
+    )
     spread = 0.2
-    noisy = hand_profile(verify_spread=[[spread] * 2] * 4, draft_step_spread=[[spread] * 2] * 3,
-                         draft_chunk_spread=[[spread] * 2] * 2, overhead_spread=spread)
+    noisy = hand_profile(
+        verify_spread=[[spread] * 2] * 4,
+        draft_step_spread=[[spread] * 2] * 3,
+        draft_chunk_spread=[[spread] * 2] * 2,
+        overhead_spread=spread,
+    )
     draws = np.array([noisy.sample_cycle_s(1, 0, 100, rng=rng) for _ in range(4000)])
     assert np.median(draws) == pytest.approx(noisy.cycle_s(1, 0, 100), rel=0.02)
     assert 0.05 < (np.percentile(draws, 75) - np.percentile(draws, 25)) / np.median(draws) < 0.2
@@ -179,8 +247,11 @@ def test_load_errors_are_clear(tmp_path):
     with pytest.raises(ProfileError, match="invalid JSON"):
         CostProfile.load(bad)
     data = hand_profile().to_dict()
-    for change, message in (({"version": PROFILE_VERSION + 1}, "version"), ({"verify_table": [[1.0]]}, "verify_table"),
-                            ({"contexts": [300, 100]}, "ascending")):
+    for change, message in (
+        ({"version": PROFILE_VERSION + 1}, "version"),
+        ({"verify_table": [[1.0]]}, "verify_table"),
+        ({"contexts": [300, 100]}, "ascending"),
+    ):
         bad.write_text(json.dumps({**data, **change}))
         with pytest.raises(ProfileError, match=message):
             CostProfile.load(bad)
@@ -218,8 +289,17 @@ def test_random_pair_small_override_runs_the_engine():
     from engine import SpeculativeEngine
     from engine.profiler import _FixedController
 
-    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                 num_key_value_heads=1, vocab_size=512, pad_token_id=0, bos_token_id=0, eos_token_id=511)
+    small = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=512,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=511,
+    )
     state = torch.get_rng_state()
     pair = build_random_pair("qwen2.5-coder", dtype=torch.float32, overrides=small, seed=1)
     again = build_random_pair("qwen2.5-coder", dtype=torch.float32, overrides=small, seed=1)
@@ -245,7 +325,11 @@ def test_chains_are_charged_from_the_chain_table_when_there_is_one():
     chain_table = [[1e-3 * (5 + v + c / 10) for c in plain.contexts] for v in plain.sizes]
     with_chain = hand_profile(verify_chain_table=chain_table)
     assert with_chain.verify_s(4, 100, chain=True) == pytest.approx(1e-3 * (5 + 4 + 10))
-    assert with_chain.verify_s(4, 100) == pytest.approx(1e-3 * (10 + 4 + 10)) == plain.verify_s(4, 100, chain=True)
+    assert (
+        with_chain.verify_s(4, 100)
+        == pytest.approx(1e-3 * (10 + 4 + 10))
+        == plain.verify_s(4, 100, chain=True)
+    )
     # a chain cycle (width 1) uses the chain table; a tree cycle the tree table
     assert with_chain.cycle_s(3, 4, 100, tree_width=1) < with_chain.cycle_s(3, 4, 100, tree_width=2) - 4e-3
     with pytest.raises(ProfileError):

@@ -9,7 +9,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from tests_helpers import assert_greedy_identity, random_q4_k, write_gguf
 
 from engine import SpeculativeEngine, load_pair
 from engine.engine import forward_logits
@@ -31,6 +30,7 @@ from engine.quant import (
 )
 from engine.tree import tree_attention_mask
 from policies import HeuristicController, StaticController
+from tests_helpers import assert_greedy_identity, random_q4_k, write_gguf
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -57,7 +57,9 @@ def test_q4_k_decode_negative_control_nibble_order():
 
 def test_q4_k_to_int4_kernel_weight_within_bfloat16_rounding():
     blocks = random_q4_k(32, 256, seed=2)
-    reference = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K).reshape(32, 256))
+    reference = torch.from_numpy(
+        gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K).reshape(32, 256)
+    )
     codes, scales_zeros = q4_k_to_int4(blocks, 32, 256)
     got = effective_weight(Int4Linear(codes, scales_zeros, None))
     # scale and zero are rounded to bfloat16 (relative 2^-9 each; codes - 8 in [-8, 7]), and the kernel
@@ -82,7 +84,11 @@ def test_quantized_linear_matches_its_effective_weight_and_is_batch_invariant(ki
     torch.manual_seed(0)
     weight = torch.randn(48, 128) * 0.05
     bias = torch.randn(48)
-    module = Int4Linear(*quantize_int4(weight), bias) if kind == "int4" else Int8Linear(*quantize_int8(weight), bias)
+    module = (
+        Int4Linear(*quantize_int4(weight), bias)
+        if kind == "int4"
+        else Int8Linear(*quantize_int8(weight), bias)
+    )
     w = effective_weight(module)
     rel = (w - weight).abs().max() / weight.abs().max()
     assert rel < (0.1 if kind == "int4" else 0.01)
@@ -157,16 +163,21 @@ def test_rowwise_attention_is_row_exact_and_sdpa_is_the_negative_control(masked)
     key, value = torch.randn(1, 2, kv, 64), torch.randn(1, 2, kv, 64)
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 2, True
-    seen = [list(range(kv - 8)) + [kv - 8 + a for a in range(j + 1) if not masked or a % 2 == j % 2]
-            for j in range(8)]
+    seen = [
+        list(range(kv - 8)) + [kv - 8 + a for a in range(j + 1) if not masked or a % 2 == j % 2]
+        for j in range(8)
+    ]
     allowed = torch.zeros(8, kv, dtype=torch.bool)
     for j, keys in enumerate(seen):
         allowed[j, keys] = True
     mask = torch.zeros(1, 1, 8, kv).masked_fill_(~allowed, torch.finfo(torch.float32).min)
-    one_row = torch.cat([
-        rowwise_attention(module, q[:, :, j : j + 1], key[:, :, keys], value[:, :, keys], None)[0]
-        for j, keys in enumerate(seen)
-    ], dim=1)
+    one_row = torch.cat(
+        [
+            rowwise_attention(module, q[:, :, j : j + 1], key[:, :, keys], value[:, :, keys], None)[0]
+            for j, keys in enumerate(seen)
+        ],
+        dim=1,
+    )
     rowwise = rowwise_attention(module, q, key, value, mask if masked else None)[0]
     assert torch.equal(rowwise, one_row)
     sdpa = sdpa_attention_forward(module, q, key, value, mask)[0]
@@ -176,12 +187,18 @@ def test_rowwise_attention_is_row_exact_and_sdpa_is_the_negative_control(masked)
 
 # ------------------------------------------------------------------------------------ greedy exactness
 CONTROLLERS = [
-    StaticController(1, 1), StaticController(3, 3), StaticController(4, 2),
-    StaticController(3, 6, tree_width=2), StaticController(2, 8, tree_width=4), HeuristicController(),
+    StaticController(1, 1),
+    StaticController(3, 3),
+    StaticController(4, 2),
+    StaticController(3, 6, tree_width=2),
+    StaticController(2, 8, tree_width=4),
+    HeuristicController(),
 ]
 
 
-@pytest.mark.parametrize("formats", [("int4", None), ("int8", None), ("int4", "int4-strict"), ("int8", "float32")])
+@pytest.mark.parametrize(
+    "formats", [("int4", None), ("int8", None), ("int4", "int4-strict"), ("int8", "float32")]
+)
 def test_greedy_speculative_equals_autoregressive_on_integer_formats(formats, prompts):
     weights, draft_weights = formats
     pair = load_pair("tiny", weights=weights, draft_weights=draft_weights, device="cpu")
@@ -195,11 +212,14 @@ def test_precision_labels_the_pair():
     assert load_pair("tiny", dtype=torch.float64, device="cpu").precision == "float64"
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(weights="int3"), "unknown weight format 'int3'"),
-    (dict(weights="int4", draft_weights="q4"), "unknown weight format 'q4'"),
-    (dict(weights="int4", device="cuda"), "CPU only"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(weights="int3"), "unknown weight format 'int3'"),
+        (dict(weights="int4", draft_weights="q4"), "unknown weight format 'q4'"),
+        (dict(weights="int4", device="cuda"), "CPU only"),
+    ],
+)
 def test_bad_weight_formats_are_refused(kwargs, match):
     kwargs = {"device": "cpu", **kwargs}
     with pytest.raises(ValueError, match=match):
@@ -213,13 +233,22 @@ def test_bad_weight_formats_are_refused(kwargs, match):
 def small_gguf(tmp_path):
     """A GGUF with one layer's worth of linears in three types (Q4_K, Q8_0, F32)."""
     rng = np.random.default_rng(3)
-    q8 = gguf.quants.quantize(rng.standard_normal((64, 256)).astype(np.float32) * 0.05, gguf.GGMLQuantizationType.Q8_0)
+    q8 = gguf.quants.quantize(
+        rng.standard_normal((64, 256)).astype(np.float32) * 0.05, gguf.GGMLQuantizationType.Q8_0
+    )
     path = tmp_path / "m.gguf"
-    write_gguf(path, [
-        ("blk.0.attn_q.weight", random_q4_k(256, 256), gguf.GGMLQuantizationType.Q4_K),
-        ("blk.0.ffn_down.weight", q8, gguf.GGMLQuantizationType.Q8_0),
-        ("blk.0.attn_norm.weight", rng.standard_normal(256).astype(np.float32), gguf.GGMLQuantizationType.F32),
-    ])
+    write_gguf(
+        path,
+        [
+            ("blk.0.attn_q.weight", random_q4_k(256, 256), gguf.GGMLQuantizationType.Q4_K),
+            ("blk.0.ffn_down.weight", q8, gguf.GGMLQuantizationType.Q8_0),
+            (
+                "blk.0.attn_norm.weight",
+                rng.standard_normal(256).astype(np.float32),
+                gguf.GGMLQuantizationType.F32,
+            ),
+        ],
+    )
     return path
 
 
@@ -282,8 +311,10 @@ def test_integer_formats_listed():
 
 
 # ------------------------------------------------------------------------------- restricted draft head
-@pytest.mark.parametrize("formats", [dict(weights="int4"), dict(weights="int4", draft_weights="float32"),
-                                     dict(dtype=torch.float64)])
+@pytest.mark.parametrize(
+    "formats",
+    [dict(weights="int4"), dict(weights="int4", draft_weights="float32"), dict(dtype=torch.float64)],
+)
 def test_restricted_draft_head_keeps_greedy_exactness(formats, prompts):
     pair = load_pair("tiny", device="cpu", draft_vocab=160, **formats)
     head = pair.draft.lm_head
@@ -295,7 +326,9 @@ def test_restricted_draft_head_keeps_greedy_exactness(formats, prompts):
         ids = pair.encode(prompt)
         ar = engine.generate(ids, max_new_tokens=24)
         for controller in CONTROLLERS[:4]:
-            assert engine.generate(ids, max_new_tokens=24, controller=controller).tokens == ar.tokens, controller
+            assert engine.generate(ids, max_new_tokens=24, controller=controller).tokens == ar.tokens, (
+                controller
+            )
     with torch.inference_mode():
         logits = pair.draft(torch.tensor([pair.encode("abc")])).logits[0]
     outside = torch.ones(272, dtype=torch.bool)
@@ -312,16 +345,35 @@ def test_bad_draft_vocab_is_refused():
 def test_generate_cli_takes_weight_formats_and_depth_zero(capsys):
     from engine.generate import main
 
-    rc = main(["--pair", "tiny", "--prompt", "hi", "--weights", "int4", "--draft-weights", "int8",
-               "--draft-vocab", "200", "--depth", "0", "--max-new-tokens", "6"])
+    rc = main(
+        [
+            "--pair",
+            "tiny",
+            "--prompt",
+            "hi",
+            "--weights",
+            "int4",
+            "--draft-weights",
+            "int8",
+            "--draft-vocab",
+            "200",
+            "--depth",
+            "0",
+            "--max-new-tokens",
+            "6",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "weights=int4+int8-dv200" in out
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--weights", "int3"], "unknown weight format 'int3'"),
-    (["--draft-vocab", "100000"], "draft vocabulary size"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--weights", "int3"], "unknown weight format 'int3'"),
+        (["--draft-vocab", "100000"], "draft vocabulary size"),
+    ],
+)
 def test_generate_cli_refuses_bad_formats_with_one_error_line(argv, match, capsys):
     from engine.generate import main
 

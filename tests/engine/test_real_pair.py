@@ -34,7 +34,9 @@ def test_real_pair_greedy_speculative_equals_autoregressive(real_pair):
     prompt = real_pair.encode("Write a Python function that adds two numbers.")
     ar = engine.generate(prompt, max_new_tokens=24, controller=None)
     chain = engine.generate(prompt, max_new_tokens=24, controller=StaticController(depth=4))
-    tree = engine.generate(prompt, max_new_tokens=24, controller=StaticController(depth=3, verify=6, tree_width=2))
+    tree = engine.generate(
+        prompt, max_new_tokens=24, controller=StaticController(depth=3, verify=6, tree_width=2)
+    )
     assert len(ar.tokens) > 0
     assert chain.tokens == ar.tokens
     assert tree.tokens == ar.tokens
@@ -62,11 +64,20 @@ def test_default_formats_are_quantized_and_exact(real_pair_default):
     engine = SpeculativeEngine(pair, SamplingConfig(temperature=0.0))
     prompt = pair.encode("Scrivi una funzione Python che restituisce il massimo di una lista.")
     ar = engine.generate(prompt, max_new_tokens=32, controller=None)
-    for controller in (StaticController(depth=3), StaticController(depth=4, verify=2),
-                       StaticController(depth=2, verify=6, tree_width=3), StaticController(depth=0)):
+    for controller in (
+        StaticController(depth=3),
+        StaticController(depth=4, verify=2),
+        StaticController(depth=2, verify=6, tree_width=3),
+        StaticController(depth=0),
+    ):
         res = engine.generate(prompt, max_new_tokens=32, controller=controller)
         assert res.tokens == ar.tokens, controller
-    assert engine.generate(prompt, max_new_tokens=32, controller=StaticController(depth=3)).stats["mean_accepted"] > 0.5
+    assert (
+        engine.generate(prompt, max_new_tokens=32, controller=StaticController(depth=3)).stats[
+            "mean_accepted"
+        ]
+        > 0.5
+    )
 
 
 def test_default_target_is_batch_invariant(real_pair_default):
@@ -83,6 +94,7 @@ def test_default_target_is_batch_invariant(real_pair_default):
         forward_logits(model, ids[:ctx], range(ctx), cache, "cpu", keep=1)
         block = forward_logits(model, ids[ctx:], range(ctx, ctx + 6), cache, "cpu")
         keep_entries(cache, ctx, [])
-        single = torch.stack([forward_logits(model, ids[ctx + j : ctx + j + 1], [ctx + j], cache, "cpu")[0]
-                              for j in range(6)])
+        single = torch.stack(
+            [forward_logits(model, ids[ctx + j : ctx + j + 1], [ctx + j], cache, "cpu")[0] for j in range(6)]
+        )
     assert torch.equal(block, single)

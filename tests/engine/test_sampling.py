@@ -140,13 +140,22 @@ def two_token_law(target_table) -> dict:
 
 
 WRONG = verify_chain_resample_from_target
-CHAIN_RUNS = [(verify_chain, "generic", 3), (verify_chain, "draft_zeros", 3), (verify_chain, "draft_is_target", 3),
-              (verify_chain, "draft_is_target", 1), (verify_chain, "generic", 1), (WRONG, "generic", 3),
-              (WRONG, "generic", 1)]
+CHAIN_RUNS = [
+    (verify_chain, "generic", 3),
+    (verify_chain, "draft_zeros", 3),
+    (verify_chain, "draft_is_target", 3),
+    (verify_chain, "draft_is_target", 1),
+    (verify_chain, "generic", 1),
+    (WRONG, "generic", 3),
+    (WRONG, "generic", 1),
+]
 
 
-@pytest.mark.parametrize("verify, case, num_draft_tokens", CHAIN_RUNS,
-                         ids=[f"{'ok' if v is verify_chain else 'wrong'}-{c}-K{k}" for v, c, k in CHAIN_RUNS])
+@pytest.mark.parametrize(
+    "verify, case, num_draft_tokens",
+    CHAIN_RUNS,
+    ids=[f"{'ok' if v is verify_chain else 'wrong'}-{c}-K{k}" for v, c, k in CHAIN_RUNS],
+)
 def test_chain_two_token_law(law_check, verify, case, num_draft_tokens):
     target_table, draft_table = chain_tables(case, num_positions=num_draft_tokens + 2)
     if case != "draft_is_target":  # the edge cases this table must contain
@@ -154,14 +163,18 @@ def test_chain_two_token_law(law_check, verify, case, num_draft_tokens):
         assert ((draft_table == 0) & (target_table > 0)).any()  # tokens only the residual can give
     generator = torch.Generator().manual_seed(7)
     accepted: list[int] = []
-    samples = [decode_two_tokens(verify, target_table, draft_table, num_draft_tokens, generator, accepted)
-               for _ in range(8_000)]
+    samples = [
+        decode_two_tokens(verify, target_table, draft_table, num_draft_tokens, generator, accepted)
+        for _ in range(8_000)
+    ]
     result = law_check(samples, two_token_law(target_table))
     if verify is not verify_chain:
         assert result.pvalue < 1e-6, result
         return
     assert result.agrees, result
-    if case == "draft_is_target":  # draft == target: every draft accepted (the residual is never formed), bonus taken
+    if (
+        case == "draft_is_target"
+    ):  # draft == target: every draft accepted (the residual is never formed), bonus taken
         assert set(accepted) == {num_draft_tokens}
     else:
         assert 0 < np.mean(accepted) < num_draft_tokens
@@ -170,7 +183,9 @@ def test_chain_two_token_law(law_check, verify, case, num_draft_tokens):
 def test_chain_edge_cases():
     generator = torch.Generator().manual_seed(0)
     # no drafts: a plain target draw from row 0 (target_probs is [K+1, V] with K = 0)
-    no_drafts = verify_chain(torch.tensor([[0.0, 1.0, 0.0]]), torch.zeros(0, 3), torch.zeros(0, dtype=torch.long), generator)
+    no_drafts = verify_chain(
+        torch.tensor([[0.0, 1.0, 0.0]]), torch.zeros(0, 3), torch.zeros(0, dtype=torch.long), generator
+    )
     assert no_drafts == (0, 1)
     # a draft the target gives no mass is always rejected, and recovered from the target's own tokens
     target_probs = torch.tensor([[0.0, 0.6, 0.4], [1 / 3, 1 / 3, 1 / 3]], dtype=torch.float64)
@@ -215,8 +230,14 @@ def wrong_tree_walk(rows, generator):
     while True:
         target_probs = rows[node + 1]
         children = [i for i, parent in enumerate(TREE_PARENTS) if parent == node]
-        accepted = next((c for c in children if float(torch.rand(1, generator=generator)) <
-                         float(target_probs[TREE_TOKENS[c]])), None)
+        accepted = next(
+            (
+                c
+                for c in children
+                if float(torch.rand(1, generator=generator)) < float(target_probs[TREE_TOKENS[c]])
+            ),
+            None,
+        )
         if accepted is None:
             return path, int(torch.multinomial(target_probs, 1, generator=generator))
         path.append(accepted)
@@ -231,8 +252,9 @@ def decode_two_tokens_tree(walk, generator) -> tuple[int, int]:
     return tuple(emitted[:2])
 
 
-@pytest.mark.parametrize("walk, agrees", [(engine_tree_walk, True), (wrong_tree_walk, False)],
-                         ids=["verify_tree", "wrong_walk"])
+@pytest.mark.parametrize(
+    "walk, agrees", [(engine_tree_walk, True), (wrong_tree_walk, False)], ids=["verify_tree", "wrong_walk"]
+)
 def test_tree_two_token_law(law_check, walk, agrees):
     first = context_law(())
     exact = {(a, b): float(first[a] * context_law((a,))[b]) for a in range(VOCAB) for b in range(VOCAB)}
@@ -299,8 +321,10 @@ def test_top_p_keeps_the_smallest_prefix_reaching_top_p():
     np.testing.assert_allclose(probs.numpy(), [2 / 3, 1 / 3, 0, 0], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.5, 0, 1.0), (2.0, 0, 1.0),
-                                                       (0.7, 8, 0.9), (1.3, 0, 0.6), (1.0, 20, 0.3)])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [(1.0, 0, 1.0), (0.5, 0, 1.0), (2.0, 0, 1.0), (0.7, 8, 0.9), (1.3, 0, 0.6), (1.0, 20, 0.3)],
+)
 def test_matches_reference(temperature, top_k, top_p):
     cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     logits = 3 * torch.randn(6, 40, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
@@ -314,11 +338,23 @@ def test_matches_reference(temperature, top_k, top_p):
         np.testing.assert_allclose(probs.numpy(), manual.numpy(), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"temperature": -0.1}, {"temperature": math.nan}, {"temperature": math.inf}, {"temperature": "1"},
-    {"top_k": -1}, {"top_k": 1.5}, {"top_k": True}, {"top_k": "3"},
-    {"top_p": 0.0}, {"top_p": -0.5}, {"top_p": 1.01}, {"top_p": math.nan},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": -0.1},
+        {"temperature": math.nan},
+        {"temperature": math.inf},
+        {"temperature": "1"},
+        {"top_k": -1},
+        {"top_k": 1.5},
+        {"top_k": True},
+        {"top_k": "3"},
+        {"top_p": 0.0},
+        {"top_p": -0.5},
+        {"top_p": 1.01},
+        {"top_p": math.nan},
+    ],
+)
 def test_sampling_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
         SamplingConfig(**kwargs)

@@ -22,19 +22,27 @@ def live_backend_factory(tiny_pair):
     prompts = [tiny_pair.encode(p, chat=False) for p in ("def main():", "The quick brown fox", "Hello")]
 
     def make(timing="wall", width=2):
-        return LiveBackend(engine, prompts, tree_width=width, max_new_tokens=24, profile=LinearProfile(),
-                           timing=timing)
+        return LiveBackend(
+            engine, prompts, tree_width=width, max_new_tokens=24, profile=LinearProfile(), timing=timing
+        )
+
     return make
 
 
-@pytest.mark.parametrize("env_id,kw", [("draftpilot/LiveDepth-v0", "size_controller"),
-                                       ("draftpilot/LiveSize-v0", "depth_controller")])
+@pytest.mark.parametrize(
+    "env_id,kw",
+    [("draftpilot/LiveDepth-v0", "size_controller"), ("draftpilot/LiveSize-v0", "depth_controller")],
+)
 def test_live_env_checkers_pass_without_warnings(live_backend_factory, env_id, kw):
     # profile timing makes rewards deterministic, which gymnasium's determinism check requires
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        env = gym.make(env_id, backend=live_backend_factory("profile"), config=EnvConfig(rho=10.0),
-                       **{kw: StaticController(4, 6, tree_width=2)})
+        env = gym.make(
+            env_id,
+            backend=live_backend_factory("profile"),
+            config=EnvConfig(rho=10.0),
+            **{kw: StaticController(4, 6, tree_width=2)},
+        )
         check_env(env.unwrapped)
         sb3_check_env(env.unwrapped)
         env.close()
@@ -45,8 +53,12 @@ def test_live_episode_matches_engine_run(live_backend_factory, tiny_pair):
     """Driving the size decision with a fixed action through the env reproduces a plain engine run with
     the equivalent static controller: same cycles, same tokens (greedy)."""
     backend = live_backend_factory("wall", width=1)
-    env = gym.make("draftpilot/LiveSize-v0", backend=backend, depth_controller=StaticController(3, 3),
-                   config=EnvConfig(rho=10.0)).unwrapped
+    env = gym.make(
+        "draftpilot/LiveSize-v0",
+        backend=backend,
+        depth_controller=StaticController(3, 3),
+        config=EnvConfig(rho=10.0),
+    ).unwrapped
     env.reset(seed=0, options={"episode": 1})
     cycles, term = [], False
     while not term:
@@ -61,8 +73,12 @@ def test_live_episode_matches_engine_run(live_backend_factory, tiny_pair):
 
 
 def test_abandoned_live_episode_releases_the_engine(live_backend_factory):
-    env = gym.make("draftpilot/LiveDepth-v0", backend=live_backend_factory("wall"),
-                   size_controller=StaticController(4, 6, tree_width=2), config=EnvConfig(rho=10.0)).unwrapped
+    env = gym.make(
+        "draftpilot/LiveDepth-v0",
+        backend=live_backend_factory("wall"),
+        size_controller=StaticController(4, 6, tree_width=2),
+        config=EnvConfig(rho=10.0),
+    ).unwrapped
     env.reset(seed=0)
     env.step(1)
     loop = env._loop

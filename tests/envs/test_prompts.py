@@ -51,8 +51,11 @@ def test_suite_shape(suite):
 
 def test_languages_are_parallel(suite):
     def base(lang):
-        return {(item["id"].rsplit("-", 1)[1], item["task"], item["split"])
-                for item in suite if item["language"] == lang}
+        return {
+            (item["id"].rsplit("-", 1)[1], item["task"], item["split"])
+            for item in suite
+            if item["language"] == lang
+        }
 
     reference = base("en")
     assert {nn for nn, _, _ in reference} == {f"{i:02d}" for i in range(1, 41)}
@@ -67,8 +70,10 @@ def test_languages_are_parallel(suite):
 def test_scripts_and_lengths(suite):
     for item in suite:
         assert bool(CJK.search(item["prompt"])) == (item["language"] == "zh"), item["id"]
-    median = {lang: statistics.median(len(item["prompt"]) for item in suite if item["language"] == lang)
-              for lang in LANGUAGES}
+    median = {
+        lang: statistics.median(len(item["prompt"]) for item in suite if item["language"] == lang)
+        for lang in LANGUAGES
+    }
     latin = [median[lang] for lang in ("it", "en", "es")]
     assert max(latin) <= 1.6 * min(latin), median
     assert median["zh"] >= 0.2 * median["en"], median
@@ -81,11 +86,17 @@ def test_load_suite_filters(suite):
     assert len(load_suite(split="test")) == 48
     zh_es = load_suite(languages=["zh", "es"], split="train")
     assert len(zh_es) == 40 and {item["language"] for item in zh_es} == {"zh", "es"}
-    assert [item["id"] for item in load_suite(languages="it", split="tune")][:2] == ["it-code-21", "it-explanation-22"]
+    assert [item["id"] for item in load_suite(languages="it", split="tune")][:2] == [
+        "it-code-21",
+        "it-explanation-22",
+    ]
     quick = load_suite(split="test", limit_per_language=3)
     assert Counter(item["language"] for item in quick) == {lang: 3 for lang in LANGUAGES}
-    assert [item["id"] for item in quick if item["language"] == "en"] == ["en-code-29", "en-explanation-30",
-                                                                          "en-math-31"]
+    assert [item["id"] for item in quick if item["language"] == "en"] == [
+        "en-code-29",
+        "en-explanation-30",
+        "en-math-31",
+    ]
     with pytest.raises(ValueError, match="unknown split"):
         load_suite(split="valid")
     with pytest.raises(ValueError, match="no prompts selected"):
@@ -96,8 +107,11 @@ def test_load_suite_filters(suite):
 
 def test_user_file_without_splits(tmp_path):
     path = tmp_path / "mine.jsonl"
-    rows = [{"id": "a", "prompt": "Hello"}, {"id": "b", "prompt": "Ciao", "language": "it"},
-            {"id": "c", "prompt": "Hi again"}]
+    rows = [
+        {"id": "a", "prompt": "Hello"},
+        {"id": "b", "prompt": "Ciao", "language": "it"},
+        {"id": "c", "prompt": "Hi again"},
+    ]
     path.write_text("\n".join(json.dumps(row) for row in rows) + "\n", encoding="utf-8")
     assert [item["id"] for item in load_suite(path)] == ["a", "b", "c"]
     assert [item["id"] for item in load_suite(str(path), languages=["unknown"])] == ["a", "c"]
@@ -111,17 +125,31 @@ def test_user_file_without_splits(tmp_path):
 
 
 def test_interleave_languages():
-    items = ([{"id": f"es{i}", "language": "es"} for i in range(3)] + [{"id": "x0"}]
-             + [{"id": f"it{i}", "language": "it"} for i in range(2)] + [{"id": "en0", "language": "en"}]
-             + [{"id": "zh0", "language": "zh"}])
+    items = (
+        [{"id": f"es{i}", "language": "es"} for i in range(3)]
+        + [{"id": "x0"}]
+        + [{"id": f"it{i}", "language": "it"} for i in range(2)]
+        + [{"id": "en0", "language": "en"}]
+        + [{"id": "zh0", "language": "zh"}]
+    )
     assert [item["id"] for item in interleave_languages(items)] == [
-        "it0", "en0", "zh0", "es0", "x0", "it1", "es1", "es2"]
+        "it0",
+        "en0",
+        "zh0",
+        "es0",
+        "x0",
+        "it1",
+        "es1",
+        "es2",
+    ]
     assert interleave_languages([]) == []
 
 
 def test_interleaved_suite_prefixes_are_balanced(suite):
     mixed = interleave_languages(load_suite(split="tune"))
-    assert sorted(item["id"] for item in mixed) == sorted(item["id"] for item in suite if item["split"] == "tune")
+    assert sorted(item["id"] for item in mixed) == sorted(
+        item["id"] for item in suite if item["split"] == "tune"
+    )
     for n in (4, 8, 12):
         assert Counter(item["language"] for item in mixed[:n]) == {lang: n // 4 for lang in LANGUAGES}
     assert [item["language"] for item in mixed[:4]] == list(LANGUAGES)

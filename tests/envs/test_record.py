@@ -78,8 +78,18 @@ def test_sharing_nodes_across_positions_changes_nothing(tiny_pair):
 
 
 def test_trace_meta(tiny_pair):
-    trace = record_trace(tiny_pair, [1, 2, 3], "m", SamplingConfig(0.5, 0, 0.9), 2, 2, 5, seed=7, sample=2,
-                         extra_meta={"language": "it"})
+    trace = record_trace(
+        tiny_pair,
+        [1, 2, 3],
+        "m",
+        SamplingConfig(0.5, 0, 0.9),
+        2,
+        2,
+        5,
+        seed=7,
+        sample=2,
+        extra_meta={"language": "it"},
+    )
     meta = trace.meta
     assert meta["pair"] == "tiny" and meta["dtype"] == "float64" and meta["draft_mode"] == "deterministic"
     assert meta["sampling"] == {"temperature": 0.5, "top_k": 0, "top_p": 0.9}
@@ -105,10 +115,16 @@ def test_resume_skips_matching_traces_and_rerecords_others(tiny_pair, tmp_path):
     assert (third.recorded, third.skipped) == (2, 0)  # other meta: both recorded again
     assert [t.meta["tree_width"] for t in load_traces(tmp_path)] == [3, 3]
 
-    fourth = record_prompts(tiny_pair, prompts, tmp_path, SamplingConfig(), samples_per_prompt=2,
-                            **{**SMALL, "tree_width": 3})
+    fourth = record_prompts(
+        tiny_pair, prompts, tmp_path, SamplingConfig(), samples_per_prompt=2, **{**SMALL, "tree_width": 3}
+    )
     assert (fourth.recorded, fourth.skipped) == (2, 2)
-    assert sorted(p.name for p in tmp_path.glob("*.npz")) == ["a__s0.npz", "a__s1.npz", "b__s0.npz", "b__s1.npz"]
+    assert sorted(p.name for p in tmp_path.glob("*.npz")) == [
+        "a__s0.npz",
+        "a__s1.npz",
+        "b__s0.npz",
+        "b__s1.npz",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -119,9 +135,14 @@ def good_trace(tiny_pair) -> Trace:
 def _resave(path, trace: Trace, **changes):
     """Write ``trace`` with raw field changes (bypassing Trace.save, which always writes a valid version)."""
     fields = {
-        "prompt_id": np.asarray(trace.prompt_id), "prompt_len": np.asarray(trace.prompt_len),
-        "tokens": trace.tokens, "node_offsets": trace.node_offsets, "node_tokens": trace.node_tokens,
-        "node_parents": trace.node_parents, "node_depths": trace.node_depths, "node_scores": trace.node_scores,
+        "prompt_id": np.asarray(trace.prompt_id),
+        "prompt_len": np.asarray(trace.prompt_len),
+        "tokens": trace.tokens,
+        "node_offsets": trace.node_offsets,
+        "node_tokens": trace.node_tokens,
+        "node_parents": trace.node_parents,
+        "node_depths": trace.node_depths,
+        "node_scores": trace.node_scores,
         "meta": np.asarray(json.dumps({**trace.meta, "format_version": FORMAT_VERSION})),
     }
     np.savez_compressed(path, **{**fields, **changes})
@@ -143,8 +164,10 @@ def test_bad_trace_files_raise_trace_error(good_trace, tmp_path):
         "truncated": (lambda p: p.write_bytes(blob[: len(blob) // 2]), "truncated or corrupt"),
         "empty": (lambda p: p.write_bytes(b""), "truncated or corrupt"),
         "garbage": (lambda p: p.write_bytes(b"\x00garbage" * 50), "not a readable trace"),
-        "version": (lambda p: _resave(p, good_trace, meta=np.asarray(json.dumps({"format_version": 99}))),
-                    "format version 99"),
+        "version": (
+            lambda p: _resave(p, good_trace, meta=np.asarray(json.dumps({"format_version": 99}))),
+            "format version 99",
+        ),
         "offsets": (lambda p: _resave(p, good_trace, node_offsets=offsets), "node_offsets"),
         "parents": (lambda p: _resave(p, good_trace, node_parents=parents), "parent does not precede"),
         "missing_field": (lambda p: np.savez(p, tokens=good_trace.tokens), "not a readable trace"),
@@ -159,9 +182,13 @@ def test_bad_trace_files_raise_trace_error(good_trace, tmp_path):
 
 def test_read_prompts_rejects_bad_lines(tmp_path):
     path = tmp_path / "p.jsonl"
-    for text, message in (("", "no prompts"), ("{oops", "not JSON"), ('{"id": "a"}', "needs an 'id'"),
-                          ('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}', "duplicate"),
-                          ('{"id": "a/b", "prompt": "x"}', "file name")):
+    for text, message in (
+        ("", "no prompts"),
+        ("{oops", "not JSON"),
+        ('{"id": "a"}', "needs an 'id'"),
+        ('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}', "duplicate"),
+        ('{"id": "a/b", "prompt": "x"}', "file name"),
+    ):
         path.write_text(text)
         with pytest.raises(ValueError, match=message):
             read_prompts(path)
@@ -169,18 +196,56 @@ def test_read_prompts_rejects_bad_lines(tmp_path):
 
 def test_command_line_end_to_end(tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"id": "en1", "prompt": "def add(a, b):", "language": "en", "task": "code"})
-                       + "\n\n" + json.dumps({"id": "it1", "prompt": "Ciao"}) + "\n")
+    prompts.write_text(
+        json.dumps({"id": "en1", "prompt": "def add(a, b):", "language": "en", "task": "code"})
+        + "\n\n"
+        + json.dumps({"id": "it1", "prompt": "Ciao"})
+        + "\n"
+    )
     out = tmp_path / "traces"
-    argv = ["--pair", "tiny", "--prompts", str(prompts), "--out", str(out), "--dtype", "float64", "--device", "cpu",
-            "--max-new-tokens", "10", "--max-depth", "3", "--tree-width", "2", "--temperature", "0.7",
-            "--top-k", "30", "--samples-per-prompt", "2", "--raw", "--no-progress", "--threads", "1"]
+    argv = [
+        "--pair",
+        "tiny",
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--dtype",
+        "float64",
+        "--device",
+        "cpu",
+        "--max-new-tokens",
+        "10",
+        "--max-depth",
+        "3",
+        "--tree-width",
+        "2",
+        "--temperature",
+        "0.7",
+        "--top-k",
+        "30",
+        "--samples-per-prompt",
+        "2",
+        "--raw",
+        "--no-progress",
+        "--threads",
+        "1",
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "recorded=4" in printed and "positions/min=" in printed
     traces = load_traces(out)
-    assert [(t.prompt_id, t.meta["sample"]) for t in traces] == [("en1", 0), ("en1", 1), ("it1", 0), ("it1", 1)]
-    assert traces[0].meta["language"] == "en" and traces[0].meta["task"] == "code" and "language" not in traces[2].meta
+    assert [(t.prompt_id, t.meta["sample"]) for t in traces] == [
+        ("en1", 0),
+        ("en1", 1),
+        ("it1", 0),
+        ("it1", 1),
+    ]
+    assert (
+        traces[0].meta["language"] == "en"
+        and traces[0].meta["task"] == "code"
+        and "language" not in traces[2].meta
+    )
     assert traces[0].meta["prompt_ids"] == list(b"def add(a, b):")  # --raw: no chat template
     assert main(argv) == 0 and "recorded=0 kept=4" in capsys.readouterr().out
     assert main([*argv[:3], str(tmp_path / "nope.jsonl"), *argv[4:]]) == 2

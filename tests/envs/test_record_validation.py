@@ -7,27 +7,47 @@ from __future__ import annotations
 import json
 
 import pytest
-from tests_helpers import one_error_line
 
 from engine import SamplingConfig
 from engine.errors import InputError
 from envs import record
 from envs.record import RecordError, draft_trees, load_traces, main, read_prompts, record_prompts
+from tests_helpers import one_error_line
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
 
 
 @pytest.fixture()
 def prompts_file(tmp_path):
     path = tmp_path / "prompts.jsonl"
-    path.write_text(json.dumps({"id": "a", "prompt": "def f():"}) + "\n" + json.dumps({"id": 7, "prompt": "x"}) + "\n")
+    path.write_text(
+        json.dumps({"id": "a", "prompt": "def f():"}) + "\n" + json.dumps({"id": 7, "prompt": "x"}) + "\n"
+    )
     return path
 
 
 def argv(prompts, out, *extra):
-    return ["--pair", "tiny", "--prompts", str(prompts), "--out", str(out), "--dtype", "float64", "--device", "cpu",
-            "--max-new-tokens", "8", "--max-depth", "2", "--tree-width", "2", "--raw", "--no-progress", *extra]
+    return [
+        "--pair",
+        "tiny",
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--dtype",
+        "float64",
+        "--device",
+        "cpu",
+        "--max-new-tokens",
+        "8",
+        "--max-depth",
+        "2",
+        "--tree-width",
+        "2",
+        "--raw",
+        "--no-progress",
+        *extra,
+    ]
 
 
 @pytest.fixture()
@@ -35,20 +55,23 @@ def no_models(monkeypatch):
     monkeypatch.setattr(record, "load_pair", lambda *a, **k: pytest.fail("models loaded before the checks"))
 
 
-@pytest.mark.parametrize("extra, needles", [
-    (["--samples-per-prompt", "0"], ["--samples-per-prompt"]),
-    (["--chunk", "0"], ["--chunk"]),
-    (["--max-depth", "0"], ["--max-depth"]),
-    (["--max-depth", "200"], ["trace format"]),
-    (["--tree-width", "0"], ["--tree-width"]),
-    (["--tree-width", "200"], ["trace format"]),
-    (["--max-new-tokens", "0"], ["--max-new-tokens"]),
-    (["--seed", "-1"], ["--seed"]),
-    (["--threads", "-1"], ["--threads"]),
-    (["--temperature", "-0.5"], ["temperature"]),
-    (["--device", "bogus"], ["--device"]),
-    (["--draft-weights", "int2"], ["--draft-weights"]),
-])
+@pytest.mark.parametrize(
+    "extra, needles",
+    [
+        (["--samples-per-prompt", "0"], ["--samples-per-prompt"]),
+        (["--chunk", "0"], ["--chunk"]),
+        (["--max-depth", "0"], ["--max-depth"]),
+        (["--max-depth", "200"], ["trace format"]),
+        (["--tree-width", "0"], ["--tree-width"]),
+        (["--tree-width", "200"], ["trace format"]),
+        (["--max-new-tokens", "0"], ["--max-new-tokens"]),
+        (["--seed", "-1"], ["--seed"]),
+        (["--threads", "-1"], ["--threads"]),
+        (["--temperature", "-0.5"], ["temperature"]),
+        (["--device", "bogus"], ["--device"]),
+        (["--draft-weights", "int2"], ["--draft-weights"]),
+    ],
+)
 def test_bad_arguments_fail_before_the_models_load(prompts_file, tmp_path, capsys, no_models, extra, needles):
     out = tmp_path / "traces"
     assert main(argv(prompts_file, out, *extra)) == 2
@@ -57,18 +80,23 @@ def test_bad_arguments_fail_before_the_models_load(prompts_file, tmp_path, capsy
 
 
 def test_unknown_pair_fails_before_the_models_load(prompts_file, tmp_path, capsys, no_models):
-    assert main([*argv(prompts_file, tmp_path / "t")[:1], "nope", *argv(prompts_file, tmp_path / "t")[2:]]) == 2
+    assert (
+        main([*argv(prompts_file, tmp_path / "t")[:1], "nope", *argv(prompts_file, tmp_path / "t")[2:]]) == 2
+    )
     one_error_line(capsys, "--pair", "'nope'")
 
 
-@pytest.mark.parametrize("line, needles", [
-    ({"id": None, "prompt": "x"}, ["prompt id must be a string or an integer, got None"]),
-    ({"id": 1.5, "prompt": "x"}, ["got 1.5"]),
-    ({"id": True, "prompt": "x"}, ["got True"]),
-    ({"id": ["a"], "prompt": "x"}, ["got ['a']"]),
-    ({"id": -1, "prompt": "x"}, ["'-1'", "file name"]),
-    ({"id": "a", "prompt": None}, ["string 'prompt'"]),
-])
+@pytest.mark.parametrize(
+    "line, needles",
+    [
+        ({"id": None, "prompt": "x"}, ["prompt id must be a string or an integer, got None"]),
+        ({"id": 1.5, "prompt": "x"}, ["got 1.5"]),
+        ({"id": True, "prompt": "x"}, ["got True"]),
+        ({"id": ["a"], "prompt": "x"}, ["got ['a']"]),
+        ({"id": -1, "prompt": "x"}, ["'-1'", "file name"]),
+        ({"id": "a", "prompt": None}, ["string 'prompt'"]),
+    ],
+)
 def test_bad_prompt_ids_fail_before_the_models_load(tmp_path, capsys, no_models, line, needles):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps(line) + "\n")
@@ -90,8 +118,12 @@ def test_unusable_files_are_one_error_line(prompts_file, tmp_path, capsys, no_mo
 
 def test_library_refuses_what_the_command_line_refuses(tiny_pair, tmp_path):
     sampling = SamplingConfig()
-    for kwargs, match in (({"samples_per_prompt": 0}, "samples_per_prompt"), ({"chunk": 0}, "chunk"),
-                          ({"max_depth": 0}, "max_depth"), ({"seed": 1.5}, "seed")):
+    for kwargs, match in (
+        ({"samples_per_prompt": 0}, "samples_per_prompt"),
+        ({"chunk": 0}, "chunk"),
+        ({"max_depth": 0}, "max_depth"),
+        ({"seed": 1.5}, "seed"),
+    ):
         with pytest.raises(InputError, match=match):
             record_prompts(tiny_pair, [{"id": "a", "prompt": "x"}], tmp_path / "lib", sampling, **kwargs)
     with pytest.raises(InputError, match="chunk"):  # was an AssertionError
@@ -144,8 +176,16 @@ def test_library_refusal_of_other_settings(tiny_pair, tmp_path):
     record_prompts(tiny_pair, prompts, tmp_path, SamplingConfig(), **small)
     before = (tmp_path / "a__s0.npz").read_bytes()
     with pytest.raises(RecordError, match="other settings"):
-        record_prompts(tiny_pair, prompts, tmp_path, SamplingConfig(), replace_mismatched=False,
-                       **{**small, "max_depth": 3})
+        record_prompts(
+            tiny_pair,
+            prompts,
+            tmp_path,
+            SamplingConfig(),
+            replace_mismatched=False,
+            **{**small, "max_depth": 3},
+        )
     assert (tmp_path / "a__s0.npz").read_bytes() == before
-    summary = record_prompts(tiny_pair, prompts, tmp_path, SamplingConfig(), replace_mismatched=False, **small)
+    summary = record_prompts(
+        tiny_pair, prompts, tmp_path, SamplingConfig(), replace_mismatched=False, **small
+    )
     assert (summary.recorded, summary.skipped) == (0, 1)  # same settings: resumed, not refused

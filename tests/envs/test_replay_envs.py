@@ -33,7 +33,7 @@ def reference_accepted(rt: ReplayTrace, t: int, depth: int, num_verify: int) -> 
     selected = tree.select(num_verify)
     local = {node: j for j, node in enumerate(selected)}
     sel_parents = [local.get(tree.parents[n], -1) for n in selected]
-    future = rt.trace.tokens[t + 1:].tolist() + [-1] * (depth + 2)  # -1: past the end, matches nothing
+    future = rt.trace.tokens[t + 1 :].tolist() + [-1] * (depth + 2)  # -1: past the end, matches nothing
     path, _ = verify_tree([tree.tokens[n] for n in selected], sel_parents, lambda row: future.pop(0))
     return len(path)
 
@@ -57,7 +57,9 @@ def test_replay_generate_commits_the_whole_trajectory(linear_profile):
     for ctrl in (StaticController(3, 4, tree_width=2), StaticController(6, 64, tree_width=2), None):
         recs = replay_generate(rt, ctrl, linear_profile)
         assert sum(r.emitted for r in recs) == len(rt.trace.tokens) - 1
-        assert all(r.accepted <= r.num_verified <= r.num_drafted and r.emitted <= r.accepted + 1 for r in recs)
+        assert all(
+            r.accepted <= r.num_verified <= r.num_drafted and r.emitted <= r.accepted + 1 for r in recs
+        )
         assert all(r.total_s > 0 for r in recs)
     with pytest.raises(ValueError, match="tree_width"):
         replay_generate(rt, StaticController(3, 4, tree_width=1), linear_profile)
@@ -88,18 +90,23 @@ def test_oracle_bounds_every_static_setting(linear_profile):
 
 
 def _backend(linear_profile, width=2):
-    return ReplayBackend([ReplayTrace(make_synthetic_trace(s, length=40, width=width)) for s in range(3)],
-                         linear_profile)
+    return ReplayBackend(
+        [ReplayTrace(make_synthetic_trace(s, length=40, width=width)) for s in range(3)], linear_profile
+    )
 
 
-@pytest.mark.parametrize("env_id,kw", [("draftpilot/ReplayDepth-v0", "size_controller"),
-                                       ("draftpilot/ReplaySize-v0", "depth_controller")])
+@pytest.mark.parametrize(
+    "env_id,kw",
+    [("draftpilot/ReplayDepth-v0", "size_controller"), ("draftpilot/ReplaySize-v0", "depth_controller")],
+)
 @pytest.mark.parametrize("reward", ["average", "throughput"])
 def test_env_checkers_pass_without_warnings(linear_profile, env_id, kw, reward):
     other = StaticController(4, 8, tree_width=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        env = gym.make(env_id, backend=_backend(linear_profile), config=EnvConfig(reward=reward), **{kw: other})
+        env = gym.make(
+            env_id, backend=_backend(linear_profile), config=EnvConfig(reward=reward), **{kw: other}
+        )
         check_env(env.unwrapped)
         sb3_check_env(env.unwrapped)
     assert [str(w.message) for w in caught] == []
@@ -117,10 +124,16 @@ def _rollout(env, seed, actions):
 
 
 def test_seeded_reset_is_reproducible(linear_profile):
-    env = gym.make("draftpilot/ReplaySize-v0", backend=_backend(linear_profile, width=1),
-                   depth_controller=HeuristicController(3, 6))
-    env2 = gym.make("draftpilot/ReplaySize-v0", backend=_backend(linear_profile, width=1),
-                    depth_controller=HeuristicController(3, 6))
+    env = gym.make(
+        "draftpilot/ReplaySize-v0",
+        backend=_backend(linear_profile, width=1),
+        depth_controller=HeuristicController(3, 6),
+    )
+    env2 = gym.make(
+        "draftpilot/ReplaySize-v0",
+        backend=_backend(linear_profile, width=1),
+        depth_controller=HeuristicController(3, 6),
+    )
     actions = np.random.default_rng(0).integers(len(SIZE_LADDER), size=30).tolist()
     a, b = _rollout(env.unwrapped, 5, actions), _rollout(env2.unwrapped, 5, actions)
     assert np.array_equal(a[0], b[0])
@@ -129,8 +142,12 @@ def test_seeded_reset_is_reproducible(linear_profile):
 
 
 def test_average_reward_sums_to_tokens_minus_rho_time(linear_profile):
-    env = gym.make("draftpilot/ReplayDepth-v0", backend=_backend(linear_profile),
-                   size_controller=StaticController(6, 8, tree_width=2), config=EnvConfig(rho=20.0)).unwrapped
+    env = gym.make(
+        "draftpilot/ReplayDepth-v0",
+        backend=_backend(linear_profile),
+        size_controller=StaticController(6, 8, tree_width=2),
+        config=EnvConfig(rho=20.0),
+    ).unwrapped
     env.reset(seed=1)
     total, rng, term = 0.0, np.random.default_rng(1), False
     while not term:
@@ -145,14 +162,21 @@ def test_bad_inputs(linear_profile):
     with pytest.raises(ValueError, match="no traces"):
         ReplayBackend([], linear_profile)
     with pytest.raises(ValueError, match="tree width"):
-        ReplayBackend([ReplayTrace(make_synthetic_trace(0, width=1)), ReplayTrace(make_synthetic_trace(1, width=2))],
-                      linear_profile)
+        ReplayBackend(
+            [ReplayTrace(make_synthetic_trace(0, width=1)), ReplayTrace(make_synthetic_trace(1, width=2))],
+            linear_profile,
+        )
     with pytest.raises(ValueError, match="tree_width"):
-        gym.make("draftpilot/ReplayDepth-v0", backend=_backend(linear_profile), size_controller=StaticController(4))
+        gym.make(
+            "draftpilot/ReplayDepth-v0", backend=_backend(linear_profile), size_controller=StaticController(4)
+        )
     with pytest.raises(ValueError, match="reward"):
         EnvConfig(reward="tokens")
-    env = gym.make("draftpilot/ReplaySize-v0", backend=_backend(linear_profile),
-                   depth_controller=StaticController(4, 8, tree_width=2)).unwrapped
+    env = gym.make(
+        "draftpilot/ReplaySize-v0",
+        backend=_backend(linear_profile),
+        depth_controller=StaticController(4, 8, tree_width=2),
+    ).unwrapped
     with pytest.raises(RuntimeError, match="reset"):
         env.step(0)
 
@@ -161,9 +185,12 @@ def test_depth_zero_decisions_in_the_depth_env(linear_profile):
     """With ``depth_zero`` the depth agent is asked before the first draft step; "stop" there is a
     depth-0 (autoregressive) cycle. Always stopping at depth 0 decodes the trace autoregressively, and
     the average reward still sums to tokens - rho * time."""
-    env = gym.make("draftpilot/ReplayDepth-v0", backend=_backend(linear_profile),
-                   size_controller=StaticController(6, 8, tree_width=2),
-                   config=EnvConfig(rho=20.0, depth_zero=True)).unwrapped
+    env = gym.make(
+        "draftpilot/ReplayDepth-v0",
+        backend=_backend(linear_profile),
+        size_controller=StaticController(6, 8, tree_width=2),
+        config=EnvConfig(rho=20.0, depth_zero=True),
+    ).unwrapped
     obs, _ = env.reset(seed=3)
     assert env._state.depth == 0 and obs.shape == env.observation_space.shape
     total, term, depths = 0.0, False, []
@@ -182,13 +209,21 @@ def test_depth_zero_in_the_size_env_asks_only_controllers_that_decide_it(linear_
     """The size env forwards depth-0 questions to its depth controller only if that controller decides
     depth 0 (StaticController(0) then never drafts: no size decision is ever asked); others always draft."""
     backend = _backend(linear_profile)
-    env = gym.make("draftpilot/ReplaySize-v0", backend=backend, depth_controller=StaticController(0, tree_width=2),
-                   config=EnvConfig(depth_zero=True)).unwrapped
+    env = gym.make(
+        "draftpilot/ReplaySize-v0",
+        backend=backend,
+        depth_controller=StaticController(0, tree_width=2),
+        config=EnvConfig(depth_zero=True),
+    ).unwrapped
     with pytest.raises(ValueError, match="no episode of this backend has a size decision"):
         env.reset(seed=0)  # every episode runs to its end without drafting, so without a size decision
     confidence = ConfidenceController(0.0, max_depth=3, tree_width=2)  # never decides depth 0
     assert not confidence.decides_depth_zero
-    env = gym.make("draftpilot/ReplaySize-v0", backend=backend, depth_controller=confidence,
-                   config=EnvConfig(depth_zero=True)).unwrapped
+    env = gym.make(
+        "draftpilot/ReplaySize-v0",
+        backend=backend,
+        depth_controller=confidence,
+        config=EnvConfig(depth_zero=True),
+    ).unwrapped
     env.reset(seed=0)
     assert env._state.depth == 3

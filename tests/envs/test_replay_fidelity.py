@@ -24,7 +24,9 @@ def recorded(tiny_pair):
     for width in (1, 3):
         for prompt in PROMPTS:
             ids = tiny_pair.encode(prompt, chat=False)
-            trace = record_trace(tiny_pair, ids, prompt, SamplingConfig(), MAX_DEPTH, width, max_new_tokens=40)
+            trace = record_trace(
+                tiny_pair, ids, prompt, SamplingConfig(), MAX_DEPTH, width, max_new_tokens=40
+            )
             out[(width, prompt)] = (ids, ReplayTrace(trace, engine_max_depth=MAX_DEPTH))
     return out
 

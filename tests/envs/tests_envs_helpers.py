@@ -26,8 +26,15 @@ class LinearProfile:
         return self.e
 
 
-def make_synthetic_trace(seed: int, length: int = 60, width: int = 2, max_depth: int = 6,
-                         vocab: int = 50, follow: float = 0.75, max_new_tokens: int | None = None) -> Trace:
+def make_synthetic_trace(
+    seed: int,
+    length: int = 60,
+    width: int = 2,
+    max_depth: int = 6,
+    vocab: int = 50,
+    follow: float = 0.75,
+    max_new_tokens: int | None = None,
+) -> Trace:
     """A structurally valid trace whose trees contain the trajectory's next tokens often (so accepted
     lengths vary), built like the engine builds trees: each level expands the top-``width`` frontier."""
     rng = np.random.default_rng(seed)
@@ -62,9 +69,21 @@ def make_synthetic_trace(seed: int, length: int = 60, width: int = 2, max_depth:
         n_par += pars
         n_dep += deps
         n_sc += scs
-    meta = {"tree_width": width, "max_depth": max_depth, "max_new_tokens": max_new_tokens or length,
-            "max_context": 10_000, "pair": "synthetic"}
-    return Trace(f"synthetic-{seed}", 10, tokens, np.asarray(offsets, np.int64), np.asarray(n_tok, np.int32),
-                 np.asarray(n_par, np.int16), np.asarray(n_dep, np.int8), np.asarray(n_sc, np.float32), meta)
-
-
+    meta = {
+        "tree_width": width,
+        "max_depth": max_depth,
+        "max_new_tokens": max_new_tokens or length,
+        "max_context": 10_000,
+        "pair": "synthetic",
+    }
+    return Trace(
+        f"synthetic-{seed}",
+        10,
+        tokens,
+        np.asarray(offsets, np.int64),
+        np.asarray(n_tok, np.int32),
+        np.asarray(n_par, np.int16),
+        np.asarray(n_dep, np.int8),
+        np.asarray(n_sc, np.float32),
+        meta,
+    )

@@ -35,9 +35,26 @@ def tiny_policy(workdir) -> Path:
     """A policy trained by ``train.py --pair tiny --quick`` (seconds); its traces and profile stay cached."""
     import train
 
-    rc = train.main(["--pair", "tiny", "--quick", "--no-progress", "--cache-dir", str(workdir / CACHE),
-                     "--run-dir", str(workdir / "runs"), "--run-name", "p", "--languages", "it,en",
-                     "--threads", "1", "--tree-width", "4"])  # a tree policy (the chain: test_evaluate_cli)
+    rc = train.main(
+        [
+            "--pair",
+            "tiny",
+            "--quick",
+            "--no-progress",
+            "--cache-dir",
+            str(workdir / CACHE),
+            "--run-dir",
+            str(workdir / "runs"),
+            "--run-name",
+            "p",
+            "--languages",
+            "it,en",
+            "--threads",
+            "1",
+            "--tree-width",
+            "4",
+        ]
+    )  # a tree policy (the chain: test_evaluate_cli)
     assert rc == 0
     path = workdir / "runs" / "p" / "policy.pt"
     assert path.is_file()
@@ -48,9 +65,25 @@ def tiny_policy(workdir) -> Path:
 def evaluated(workdir, tiny_policy) -> dict:
     """The full CLI on the tiny pair: every controller including transformers' peers, the oracle, load with
     2 concurrent requests, the exactness audit with small budgets."""
-    argv = tiny_args(workdir, tiny_policy, "eval", "--prompts-per-language", "2", "--max-new-tokens", "32",
-                     "--tune-max-new-tokens", "24", "--concurrency", "2", "--samples", "30", "--law-trials", "1500",
-                     "--bootstrap", "300")
+    argv = tiny_args(
+        workdir,
+        tiny_policy,
+        "eval",
+        "--prompts-per-language",
+        "2",
+        "--max-new-tokens",
+        "32",
+        "--tune-max-new-tokens",
+        "24",
+        "--concurrency",
+        "2",
+        "--samples",
+        "30",
+        "--law-trials",
+        "1500",
+        "--bootstrap",
+        "300",
+    )
     rc, stdout, stderr = run_cli(argv)
     out = workdir / "eval"
     results = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else None

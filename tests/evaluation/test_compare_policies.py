@@ -16,9 +16,29 @@ def load_script():
 
 def test_compare_policies_runs_every_controller(workdir, tiny_policy, capsys):
     out = workdir / "compare.json"
-    rc = load_script().main(["--policy", str(tiny_policy), "--static", "2,2,1", "1,2,2", "--pair", "tiny",
-                             "--threads", "1", "--prompts-per-language", "1", "--max-new-tokens", "12",
-                             "--bootstrap", "50", "--cache-dir", str(workdir / CACHE), "--out", str(out)])
+    rc = load_script().main(
+        [
+            "--policy",
+            str(tiny_policy),
+            "--static",
+            "2,2,1",
+            "1,2,2",
+            "--pair",
+            "tiny",
+            "--threads",
+            "1",
+            "--prompts-per-language",
+            "1",
+            "--max-new-tokens",
+            "12",
+            "--bootstrap",
+            "50",
+            "--cache-dir",
+            str(workdir / CACHE),
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     data = json.loads(out.read_text())
     names = list(data["tokens_per_s"])

@@ -27,8 +27,16 @@ def prompts():
 
 
 def audit(pair, prompts):
-    return sampled_test(pair, lambda: StaticController(2, 6, tree_width=2), prompts, temperature=TEMPERATURE,
-                        samples=100, k=3, budget=5, seed=0)
+    return sampled_test(
+        pair,
+        lambda: StaticController(2, 6, tree_width=2),
+        prompts,
+        temperature=TEMPERATURE,
+        samples=100,
+        k=3,
+        budget=5,
+        seed=0,
+    )
 
 
 def test_sampled_test_does_not_reject_the_engine(pair, prompts):

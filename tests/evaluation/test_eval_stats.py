@@ -71,13 +71,25 @@ def test_fisher_combination():
 
 
 def _run(controller, pid, lang, total, tokens=10, rep=0):
-    return {"controller": controller, "prompt_id": pid, "language": lang, "rep": rep, "num_tokens": tokens,
-            "first_chunk": 1, "total_s": total, "ttft_s": 0.1, "decode_s": total - 0.1, "peak_memory_mb": 1.0,
-            "cycles": [[3, 0.3, 2, 2, 2], [1, 0.1, -1, -1, 0]]}
+    return {
+        "controller": controller,
+        "prompt_id": pid,
+        "language": lang,
+        "rep": rep,
+        "num_tokens": tokens,
+        "first_chunk": 1,
+        "total_s": total,
+        "ttft_s": 0.1,
+        "decode_s": total - 0.1,
+        "peak_memory_mb": 1.0,
+        "cycles": [[3, 0.3, 2, 2, 2], [1, 0.1, -1, -1, 0]],
+    }
 
 
 def test_reduction_takes_the_median_over_repetitions():
-    runs = [_run("x", "p1", "it", t, rep=i) for i, t in enumerate((1.0, 5.0, 2.0))] + [_run("x", "p2", "en", 4.0)]
+    runs = [_run("x", "p1", "it", t, rep=i) for i, t in enumerate((1.0, 5.0, 2.0))] + [
+        _run("x", "p2", "en", 4.0)
+    ]
     rows = per_prompt(runs)["x"]
     assert rows["p1"]["total_s"] == 2.0 and rows["p1"]["reps"] == 3
     agg = aggregate(list(rows.values()))
@@ -89,10 +101,14 @@ def test_reduction_takes_the_median_over_repetitions():
 def test_replay_vs_live_separates_machine_drift_from_prediction_error():
     from evaluation.summary import replay_vs_live, targets
 
-    replay = {"predicted": {"autoregressive": {"tokens_per_s": 4.4}, "learned": {"tokens_per_s": 5.5}},
-              "oracle_tokens_per_s": 6.0}
-    table = {"autoregressive": {"all": {"decode_tokens_per_s": 4.4 / 1.08}},
-             "learned": {"all": {"decode_tokens_per_s": 5.5 / 1.08}}}
+    replay = {
+        "predicted": {"autoregressive": {"tokens_per_s": 4.4}, "learned": {"tokens_per_s": 5.5}},
+        "oracle_tokens_per_s": 6.0,
+    }
+    table = {
+        "autoregressive": {"all": {"decode_tokens_per_s": 4.4 / 1.08}},
+        "learned": {"all": {"decode_tokens_per_s": 5.5 / 1.08}},
+    }
     fid = replay_vs_live(replay, table)
     # the machine ran 8% slower than when profiled: both are 1.08, and relative to autoregressive 1.0
     assert fid["learned"]["replay_over_live"] == pytest.approx(1.08)

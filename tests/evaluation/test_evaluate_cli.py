@@ -11,18 +11,35 @@ import pytest
 from evaluation.config import CONTROLLERS, PEERS
 from tests_evaluation_helpers import CACHE, run_cli, tiny_args
 
-SECTIONS = ("## Targets", "## Results (all measured prompts)", "### Per language", "## Learned policy ratios",
-            "## Conditions", "## Static grid search (tune split)", "## Replay: hindsight oracle",
-            "## Load: 2 concurrent requests", "## Exactness audit", "Sampled two-sample test",
-            "Sampler law checks", "## Figures", "## Method notes")
+SECTIONS = (
+    "## Targets",
+    "## Results (all measured prompts)",
+    "### Per language",
+    "## Learned policy ratios",
+    "## Conditions",
+    "## Static grid search (tune split)",
+    "## Replay: hindsight oracle",
+    "## Load: 2 concurrent requests",
+    "## Exactness audit",
+    "Sampled two-sample test",
+    "Sampler law checks",
+    "## Figures",
+    "## Method notes",
+)
 MEASURED = [n for n in CONTROLLERS if n != "oracle"]
 
 
 def test_end_to_end_writes_report_results_and_figures(evaluated):
     assert evaluated["rc"] == 0, evaluated["stderr"]
     out = evaluated["out"]
-    for name in ("report.md", "results.json", "config.json", "speedup.png", "accepted_hist.png",
-                 "learned_actions.png"):
+    for name in (
+        "report.md",
+        "results.json",
+        "config.json",
+        "speedup.png",
+        "accepted_hist.png",
+        "learned_actions.png",
+    ):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     report = (out / "report.md").read_text()
     for section in SECTIONS:
@@ -33,17 +50,46 @@ def test_end_to_end_writes_report_results_and_figures(evaluated):
     assert f"report: {out / 'report.md'}" in stdout
     assert all(name in stdout for name in MEASURED)
     config = json.loads((out / "config.json").read_text())
-    assert config["concurrency"] == 2 and config["max_new_tokens"] == 32 and config["prompts_per_language"] == 2
+    assert (
+        config["concurrency"] == 2 and config["max_new_tokens"] == 32 and config["prompts_per_language"] == 2
+    )
 
 
 def test_results_json_holds_every_measurement(evaluated):
     res = evaluated["results"]
-    for key in ("config", "conditions", "warnings", "tuning", "best_static", "runs", "replay", "concurrency",
-                "exactness", "learned_actions", "summary", "wall_s"):
+    for key in (
+        "config",
+        "conditions",
+        "warnings",
+        "tuning",
+        "best_static",
+        "runs",
+        "replay",
+        "concurrency",
+        "exactness",
+        "learned_actions",
+        "summary",
+        "wall_s",
+    ):
         assert key in res, key
     cond = res["conditions"]
-    for key in ("pair", "dtype", "device", "torch", "transformers", "cpu", "threads", "sampling", "split", "prompts",
-                "policy", "policy_metrics", "max_new_tokens", "reps", "date"):
+    for key in (
+        "pair",
+        "dtype",
+        "device",
+        "torch",
+        "transformers",
+        "cpu",
+        "threads",
+        "sampling",
+        "split",
+        "prompts",
+        "policy",
+        "policy_metrics",
+        "max_new_tokens",
+        "reps",
+        "date",
+    ):
         assert key in cond, key
     assert cond["pair"] == "tiny" and cond["prompts"] == {"it": 2, "en": 2} and cond["threads"] == 1
     runs = res["runs"]
@@ -56,8 +102,17 @@ def test_results_json_holds_every_measurement(evaluated):
     for name in MEASURED:
         assert set(table[name]) == {"it", "en", "all"}
         row = table[name]["all"]
-        for key in ("tokens_per_s", "speedup", "mean_accepted", "ttft_s", "itl_p50_s", "itl_p90_s", "itl_p99_s",
-                    "total_s", "peak_memory_mb"):
+        for key in (
+            "tokens_per_s",
+            "speedup",
+            "mean_accepted",
+            "ttft_s",
+            "itl_p50_s",
+            "itl_p90_s",
+            "itl_p99_s",
+            "total_s",
+            "peak_memory_mb",
+        ):
             assert key in row, key
         assert row["tokens_per_s"] > 0
     assert table["autoregressive"]["all"]["speedup"] == pytest.approx(1.0)
@@ -113,9 +168,24 @@ def test_concurrency_reports_aggregate_numbers(evaluated):
 
 
 def test_exactness_subcommand(workdir, tiny_policy):
-    rc, stdout, stderr = run_cli(["exactness"] + tiny_args(
-        workdir, tiny_policy, "audit", "--controllers", "learned,static_tree,heuristic", "--prompts-per-language",
-        "1", "--max-new-tokens", "24", "--samples", "20", "--law-trials", "500"))
+    rc, stdout, stderr = run_cli(
+        ["exactness"]
+        + tiny_args(
+            workdir,
+            tiny_policy,
+            "audit",
+            "--controllers",
+            "learned,static_tree,heuristic",
+            "--prompts-per-language",
+            "1",
+            "--max-new-tokens",
+            "24",
+            "--samples",
+            "20",
+            "--law-trials",
+            "500",
+        )
+    )
     assert rc == 0, stderr
     out = workdir / "audit"
     report = (out / "exactness.md").read_text()
@@ -128,11 +198,26 @@ def test_exactness_subcommand(workdir, tiny_policy):
 
 def test_user_prompt_file_without_splits_is_the_test_set_with_a_warning(workdir, tiny_policy):
     path = workdir / "mine.jsonl"
-    items = [{"id": "a1", "language": "it", "task": "qa", "prompt": "Ciao, come stai?"},
-             {"id": "b1", "language": "en", "task": "qa", "prompt": "Hello there."}]
+    items = [
+        {"id": "a1", "language": "it", "task": "qa", "prompt": "Ciao, come stai?"},
+        {"id": "b1", "language": "en", "task": "qa", "prompt": "Hello there."},
+    ]
     path.write_text("".join(json.dumps(x) + "\n" for x in items))
-    rc, _, stderr = run_cli(tiny_args(workdir, tiny_policy, "mine", "--prompts", str(path), "--controllers",
-                                      "heuristic", "--no-replay", "--no-exactness", "--max-new-tokens", "16"))
+    rc, _, stderr = run_cli(
+        tiny_args(
+            workdir,
+            tiny_policy,
+            "mine",
+            "--prompts",
+            str(path),
+            "--controllers",
+            "heuristic",
+            "--no-replay",
+            "--no-exactness",
+            "--max-new-tokens",
+            "16",
+        )
+    )
     assert rc == 0, stderr
     res = json.loads((workdir / "mine" / "results.json").read_text())
     assert {r["prompt_id"] for r in res["runs"]} == {"a1", "b1"}
@@ -140,13 +225,17 @@ def test_user_prompt_file_without_splits_is_the_test_set_with_a_warning(workdir,
     assert res["summary"]["targets"][0]["pass"] is None  # no learned policy run: not measured, not failed
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--policy", "/nonexistent/policy.pt"], "train one with `python train.py`"),
-    (["--controllers", "learned,warp_drive"], "unknown controller(s) ['warp_drive']"),
-    (["--languages", "xx"], "no prompts selected"),
-    (["--split", "tune"], "never tune on the measured prompts"),
-    (["--reps", "0"], "reps must be >= 1"),
-], ids=["missing-policy", "unknown-controller", "empty-split", "tune-on-test", "zero-reps"])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--policy", "/nonexistent/policy.pt"], "train one with `python train.py`"),
+        (["--controllers", "learned,warp_drive"], "unknown controller(s) ['warp_drive']"),
+        (["--languages", "xx"], "no prompts selected"),
+        (["--split", "tune"], "never tune on the measured prompts"),
+        (["--reps", "0"], "reps must be >= 1"),
+    ],
+    ids=["missing-policy", "unknown-controller", "empty-split", "tune-on-test", "zero-reps"],
+)
 def test_bad_inputs_give_clear_errors(workdir, tiny_policy, extra, message):
     rc, _, stderr = run_cli(tiny_args(workdir, tiny_policy, "bad") + extra)
     assert rc == 2 and message in stderr, stderr
@@ -159,9 +248,22 @@ def test_no_policy_anywhere_says_how_to_train_one(workdir, monkeypatch, tmp_path
 
 
 def test_sampled_mode(workdir, tiny_policy):
-    rc, _, stderr = run_cli(tiny_args(workdir, tiny_policy, "sampled", "--temperature", "0.5", "--controllers",
-                                      "learned,hf_assisted_default", "--prompts-per-language", "1",
-                                      "--max-new-tokens", "16", "--no-exactness"))
+    rc, _, stderr = run_cli(
+        tiny_args(
+            workdir,
+            tiny_policy,
+            "sampled",
+            "--temperature",
+            "0.5",
+            "--controllers",
+            "learned,hf_assisted_default",
+            "--prompts-per-language",
+            "1",
+            "--max-new-tokens",
+            "16",
+            "--no-exactness",
+        )
+    )
     assert rc == 0, stderr
     res = json.loads((workdir / "sampled" / "results.json").read_text())
     assert res["conditions"]["sampling"].startswith("temperature 0.5")
@@ -176,16 +278,47 @@ def test_chain_policy_is_still_compared_with_a_static_tree(workdir):
     traces follow the policy's width so replay still predicts the learned policy; --tree-width 1 drops the tree."""
     import train
 
-    rc = train.main(["--pair", "tiny", "--quick", "--no-progress", "--cache-dir", str(workdir / CACHE), "--run-dir",
-                     str(workdir / "runs"), "--run-name", "chain", "--languages", "it,en", "--threads", "1",
-                     "--tree-width", "1"])
+    rc = train.main(
+        [
+            "--pair",
+            "tiny",
+            "--quick",
+            "--no-progress",
+            "--cache-dir",
+            str(workdir / CACHE),
+            "--run-dir",
+            str(workdir / "runs"),
+            "--run-name",
+            "chain",
+            "--languages",
+            "it,en",
+            "--threads",
+            "1",
+            "--tree-width",
+            "1",
+        ]
+    )
     assert rc == 0
     policy = workdir / "runs" / "chain" / "policy.pt"
-    rc, _, stderr = run_cli(tiny_args(workdir, policy, "chain-eval", "--controllers", "static_tree,analytic,learned",
-                                      "--prompts-per-language", "1", "--max-new-tokens", "16", "--no-exactness"))
+    rc, _, stderr = run_cli(
+        tiny_args(
+            workdir,
+            policy,
+            "chain-eval",
+            "--controllers",
+            "static_tree,analytic,learned",
+            "--prompts-per-language",
+            "1",
+            "--max-new-tokens",
+            "16",
+            "--no-exactness",
+        )
+    )
     assert rc == 0, stderr
     res = json.loads((workdir / "chain-eval" / "results.json").read_text())
-    assert res["tuning"]["static_tree"]["width"] == 4 and res["tuning"]["static_tree"]["best"]["tree_width"] == 4
+    assert (
+        res["tuning"]["static_tree"]["width"] == 4 and res["tuning"]["static_tree"]["best"]["tree_width"] == 4
+    )
     assert res["conditions"]["tree_width"] == 1 and res["conditions"]["static_tree_width"] == 4
     assert {r["controller"] for r in res["runs"]} == {"autoregressive", "static_tree", "analytic", "learned"}
     assert res["replay"]["width"] == 1
@@ -193,9 +326,23 @@ def test_chain_policy_is_still_compared_with_a_static_tree(workdir):
     assert "static_tree" not in res["replay"]["predicted"]  # width 4: not predictable from width-1 traces
     assert not res["warnings"]
 
-    rc, _, stderr = run_cli(tiny_args(workdir, policy, "chain-eval-1", "--controllers", "static_tree,learned",
-                                      "--prompts-per-language", "1", "--max-new-tokens", "16", "--no-exactness",
-                                      "--no-replay", "--tree-width", "1"))
+    rc, _, stderr = run_cli(
+        tiny_args(
+            workdir,
+            policy,
+            "chain-eval-1",
+            "--controllers",
+            "static_tree,learned",
+            "--prompts-per-language",
+            "1",
+            "--max-new-tokens",
+            "16",
+            "--no-exactness",
+            "--no-replay",
+            "--tree-width",
+            "1",
+        )
+    )
     assert rc == 0, stderr
     res = json.loads((workdir / "chain-eval-1" / "results.json").read_text())
     assert "static_tree" not in {r["controller"] for r in res["runs"]}

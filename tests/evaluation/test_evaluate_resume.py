@@ -16,8 +16,22 @@ PARTIAL = "live_runs.partial.json"
 
 
 def _argv(workdir, policy, out, *extra):
-    return tiny_args(workdir, policy, out, "--controllers", ",".join(CONTROLLERS), "--prompts-per-language", "2",
-                     "--max-new-tokens", "16", "--tune-max-new-tokens", "16", "--no-replay", "--no-exactness", *extra)
+    return tiny_args(
+        workdir,
+        policy,
+        out,
+        "--controllers",
+        ",".join(CONTROLLERS),
+        "--prompts-per-language",
+        "2",
+        "--max-new-tokens",
+        "16",
+        "--tune-max-new-tokens",
+        "16",
+        "--no-replay",
+        "--no-exactness",
+        *extra,
+    )
 
 
 class _Counting:
@@ -55,11 +69,14 @@ def test_interrupted_evaluation_resumes_with_the_measured_prompts_kept(workdir, 
     assert rc == 0, stderr
     assert "resuming the partial evaluation" in stdout
     prompts = 4  # 2 per language, it and en
-    assert second.calls == warmups + (prompts - 1) * len(CONTROLLERS)  # the first prompt was not measured again
+    assert second.calls == warmups + (prompts - 1) * len(
+        CONTROLLERS
+    )  # the first prompt was not measured again
     res = json.loads((out / "results.json").read_text())
     assert len(res["runs"]) == prompts * len(CONTROLLERS)
     assert {(r["prompt_id"], r["controller"]) for r in res["runs"]} == {
-        (p, c) for p in {r["prompt_id"] for r in res["runs"]} for c in CONTROLLERS}
+        (p, c) for p in {r["prompt_id"] for r in res["runs"]} for c in CONTROLLERS
+    }
     for run in res["runs"]:  # the kept runs are the first sitting's measurements, untouched
         if run["prompt_id"] == partial["runs"][0]["prompt_id"]:
             assert run["total_s"] == kept[run["controller"]]["total_s"]
@@ -69,7 +86,8 @@ def test_interrupted_evaluation_resumes_with_the_measured_prompts_kept(workdir, 
     assert not (out / PARTIAL).exists()
     # the learned policy's action log spans both sittings
     assert len(res["learned_actions"]["size"]) >= sum(
-        1 for r in res["runs"] if r["controller"] == "learned" for c in r["cycles"] if c[3] >= 0)
+        1 for r in res["runs"] if r["controller"] == "learned" for c in r["cycles"] if c[3] >= 0
+    )
 
 
 def test_partial_run_with_another_config_is_refused_and_restart_discards_it(workdir, tiny_policy):
@@ -77,16 +95,26 @@ def test_partial_run_with_another_config_is_refused_and_restart_discards_it(work
     out.mkdir(parents=True, exist_ok=True)
     saved = {"config": {"max_new_tokens": 999}, "tuning": None, "runs": [{"x": 1}], "sittings": []}
     (out / PARTIAL).write_text(json.dumps(saved))
-    rc, _, stderr = run_cli(_argv(workdir, tiny_policy, "other", "--languages", "it", "--prompts-per-language", "1"))
-    assert rc == 2 and "different config" in stderr and "max_new_tokens: 999 -> 16" in stderr and "--restart" in stderr
+    rc, _, stderr = run_cli(
+        _argv(workdir, tiny_policy, "other", "--languages", "it", "--prompts-per-language", "1")
+    )
+    assert (
+        rc == 2
+        and "different config" in stderr
+        and "max_new_tokens: 999 -> 16" in stderr
+        and "--restart" in stderr
+    )
     assert json.loads((out / PARTIAL).read_text()) == saved  # nothing lost
 
     (out / PARTIAL).write_text("{not json")
-    rc, _, stderr = run_cli(_argv(workdir, tiny_policy, "other", "--languages", "it", "--prompts-per-language", "1"))
+    rc, _, stderr = run_cli(
+        _argv(workdir, tiny_policy, "other", "--languages", "it", "--prompts-per-language", "1")
+    )
     assert rc == 2 and "not a readable partial evaluation" in stderr
 
-    rc, _, stderr = run_cli(_argv(workdir, tiny_policy, "other", "--languages", "it", "--prompts-per-language", "1",
-                                  "--restart"))
+    rc, _, stderr = run_cli(
+        _argv(workdir, tiny_policy, "other", "--languages", "it", "--prompts-per-language", "1", "--restart")
+    )
     assert rc == 0, stderr
     res = json.loads((out / "results.json").read_text())
     assert len(res["sittings"]) == 1 and len(res["runs"]) == len(CONTROLLERS)
@@ -128,10 +156,32 @@ def test_the_same_out_given_relative_or_absolute_resumes(workdir, tiny_policy, m
     assert json.loads((out / PARTIAL).read_text())["runs"]
     monkeypatch.setattr(runner, "run_engine", first.inner)
     monkeypatch.chdir(workdir)
-    relative = ["--pair", "tiny", "--quick", "--threads", "1", "--policy", str(tiny_policy.relative_to(workdir)),
-                "--cache-dir", "cache", "--out", "relative", "--no-progress", "--languages", "it,en",
-                "--controllers", ",".join(CONTROLLERS), "--prompts-per-language", "2", "--max-new-tokens", "16",
-                "--tune-max-new-tokens", "16", "--no-replay", "--no-exactness"]
+    relative = [
+        "--pair",
+        "tiny",
+        "--quick",
+        "--threads",
+        "1",
+        "--policy",
+        str(tiny_policy.relative_to(workdir)),
+        "--cache-dir",
+        "cache",
+        "--out",
+        "relative",
+        "--no-progress",
+        "--languages",
+        "it,en",
+        "--controllers",
+        ",".join(CONTROLLERS),
+        "--prompts-per-language",
+        "2",
+        "--max-new-tokens",
+        "16",
+        "--tune-max-new-tokens",
+        "16",
+        "--no-replay",
+        "--no-exactness",
+    ]
     rc, stdout, stderr = run_cli(relative)
     assert rc == 0 and "resuming the partial evaluation" in stdout, stderr
     config = json.loads((out / "config.json").read_text())
@@ -153,11 +203,17 @@ def test_resume_with_a_replaced_policy_file_is_refused(workdir, tiny_policy, tmp
     payload = torch.load(policy, weights_only=True)
     torch.save({**payload, "metrics": json.dumps({"retrained": True})}, policy)  # same path, other bytes
     rc, _, stderr = run_cli(argv)
-    assert rc == 2 and "policy_sha256" in _lines(stderr)[0] and f"the policy file {policy} was replaced" in stderr
+    assert (
+        rc == 2
+        and "policy_sha256" in _lines(stderr)[0]
+        and f"the policy file {policy} was replaced" in stderr
+    )
     assert json.loads((workdir / "replaced" / "config.json").read_text()) == {"from": "the first sitting"}
 
 
-def test_resume_without_policy_after_a_newer_policy_appeared_is_refused(workdir, tiny_policy, tmp_path, monkeypatch):
+def test_resume_without_policy_after_a_newer_policy_appeared_is_refused(
+    workdir, tiny_policy, tmp_path, monkeypatch
+):
     import os
 
     monkeypatch.chdir(tmp_path)
@@ -180,16 +236,34 @@ def test_resume_without_policy_after_a_newer_policy_appeared_is_refused(workdir,
 def test_a_finished_out_is_kept_unless_restart(workdir, tiny_policy):
     out = workdir / "finished"
     out.mkdir()
-    old = {"report.md": "# old report\n", "results.json": "{}\n", "config.json": '{"old": 1}\n',
-           "learned_actions.png": "old figure"}
+    old = {
+        "report.md": "# old report\n",
+        "results.json": "{}\n",
+        "config.json": '{"old": 1}\n',
+        "learned_actions.png": "old figure",
+    }
     for name, text in old.items():
         (out / name).write_text(text)
-    cheap = ["--controllers", "autoregressive", "--prompts-per-language", "1", "--max-new-tokens", "8",
-             "--tune-max-new-tokens", "8", "--no-replay", "--no-exactness"]
-    for argv in (tiny_args(workdir, tiny_policy, "finished", *cheap),
-                 ["exactness"] + tiny_args(workdir, tiny_policy, "finished", *cheap)):
+    cheap = [
+        "--controllers",
+        "autoregressive",
+        "--prompts-per-language",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--tune-max-new-tokens",
+        "8",
+        "--no-replay",
+        "--no-exactness",
+    ]
+    for argv in (
+        tiny_args(workdir, tiny_policy, "finished", *cheap),
+        ["exactness"] + tiny_args(workdir, tiny_policy, "finished", *cheap),
+    ):
         rc, _, stderr = run_cli(argv)
-        assert rc == 2 and "already holds a finished evaluation" in _lines(stderr)[0] and "--restart" in stderr
+        assert (
+            rc == 2 and "already holds a finished evaluation" in _lines(stderr)[0] and "--restart" in stderr
+        )
         assert {name: (out / name).read_text() for name in old} == old  # nothing touched
     rc, _, stderr = run_cli(tiny_args(workdir, tiny_policy, "finished", *cheap, "--restart"))
     assert rc == 0, stderr
@@ -204,11 +278,18 @@ def test_two_evaluations_into_one_out_cannot_run_at_once(workdir, tiny_policy):
     from pathlib import Path
 
     out = workdir / "busy"
-    code = ("import sys; from engine.files import DirectoryLock; DirectoryLock(sys.argv[1]).acquire(); "
-            "print('locked', flush=True); sys.stdin.read()")
+    code = (
+        "import sys; from engine.files import DirectoryLock; DirectoryLock(sys.argv[1]).acquire(); "
+        "print('locked', flush=True); sys.stdin.read()"
+    )
     root = Path(runner.__file__).resolve().parents[1]
-    proc = subprocess.Popen([sys.executable, "-c", code, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, cwd=root)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(out)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=root,
+    )
     try:
         assert proc.stdout.readline().strip() == "locked"
         rc, _, stderr = run_cli(_argv(workdir, tiny_policy, "busy"))

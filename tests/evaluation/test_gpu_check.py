@@ -17,9 +17,29 @@ def load_script():
 
 
 def test_gpu_check_runs_on_cpu_small(tmp_path, capsys):
-    rc = load_script().main(["--device", "cpu", "--small", "--dtype", "float32", "--out", str(tmp_path),
-                             "--prompts", "2", "--samples", "40", "--law-trials", "400", "--timing-prompts", "1",
-                             "--prompt-len", "32", "--tokens", "6"])
+    rc = load_script().main(
+        [
+            "--device",
+            "cpu",
+            "--small",
+            "--dtype",
+            "float32",
+            "--out",
+            str(tmp_path),
+            "--prompts",
+            "2",
+            "--samples",
+            "40",
+            "--law-trials",
+            "400",
+            "--timing-prompts",
+            "1",
+            "--prompt-len",
+            "32",
+            "--tokens",
+            "6",
+        ]
+    )
     assert rc == 0, capsys.readouterr().out
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     check = report["correctness"]

@@ -82,7 +82,9 @@ def test_parses_completion_timings(script):
     got = script.parse_completion_output(COMPLETION_STDERR)
     assert got["decode_runs"] == 31 and got["tokens"] == 32
     assert got["decode_s"] == pytest.approx(7.63336)
-    assert got["tok_s"] == pytest.approx(31 / 7.63336) and round(got["tok_s"], 2) == 4.06  # llama.cpp's figure
+    assert (
+        got["tok_s"] == pytest.approx(31 / 7.63336) and round(got["tok_s"], 2) == 4.06
+    )  # llama.cpp's figure
     assert got["prompt_tokens"] == 39 and got["prompt_s"] == pytest.approx(3.11351)
     assert got["total_s"] == pytest.approx(10.76409)
 
@@ -104,8 +106,9 @@ def test_parsers_refuse_output_without_timings(script):
 
 
 def test_prompt_eval_line_is_not_read_as_decoding(script):
-    only_prompt = "\n".join(line for line in COMPLETION_STDERR.splitlines() if " eval time" not in line
-                            or "prompt eval" in line)
+    only_prompt = "\n".join(
+        line for line in COMPLETION_STDERR.splitlines() if " eval time" not in line or "prompt eval" in line
+    )
     with pytest.raises(script.LlamaCppRunError):
         script.parse_completion_output(only_prompt)
 
@@ -146,9 +149,15 @@ else:
 @pytest.fixture
 def fake_bin(tmp_path) -> Path:
     prompt = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    _fake_binary(tmp_path / "llama-completion", COMPLETION_HELP, COMPLETION_STDERR, "Hello there. [end of text]\n")
-    _fake_binary(tmp_path / "llama-speculative-simple", SPECULATIVE_HELP, SPECULATIVE_STDERR,
-                 f"\n\n{prompt}Hello there.\n\n")
+    _fake_binary(
+        tmp_path / "llama-completion", COMPLETION_HELP, COMPLETION_STDERR, "Hello there. [end of text]\n"
+    )
+    _fake_binary(
+        tmp_path / "llama-speculative-simple",
+        SPECULATIVE_HELP,
+        SPECULATIVE_STDERR,
+        f"\n\n{prompt}Hello there.\n\n",
+    )
     return tmp_path
 
 
@@ -170,14 +179,21 @@ def test_probes_flags_and_runs_through_fake_binaries(script, fake_bin):
         assert args[args.index(flag) + 1] == value
     assert "-no-cnv" in args and args[args.index("-p") + 1] == prompt
 
-    spec = script.run_llama_cpp(binaries, script.LlamaSetting(8, 0.75), prompt, "t.gguf", "d.gguf",
-                                max_new_tokens=32, threads=2)
+    spec = script.run_llama_cpp(
+        binaries, script.LlamaSetting(8, 0.75), prompt, "t.gguf", "d.gguf", max_new_tokens=32, threads=2
+    )
     assert spec["setting"] == "spec n=8 p=0.75" and spec["n_max"] == 8 and spec["p_min"] == 0.75
     assert spec["tokens"] == 41 and spec["accept"] == pytest.approx(31 / 34)
     assert spec["output"] == "Hello there."  # the prompt echo is removed
     args = json.loads((fake_bin / "llama-speculative-simple.data" / "args").read_text())
-    for flag, value in (("-md", "d.gguf"), ("--spec-draft-n-max", "8"), ("--spec-draft-p-min", "0.75"),
-                        ("--spec-type", "draft-simple"), ("-td", "2"), ("-tbd", "2")):
+    for flag, value in (
+        ("-md", "d.gguf"),
+        ("--spec-draft-n-max", "8"),
+        ("--spec-draft-p-min", "0.75"),
+        ("--spec-type", "draft-simple"),
+        ("-td", "2"),
+        ("-tbd", "2"),
+    ):
         assert args[args.index(flag) + 1] == value
     assert "--ignore-eos" not in args
 
@@ -196,8 +212,17 @@ def test_skips_without_binaries_when_building_is_off(script, tmp_path, capsys):
     assert out.count("\n") == 1 and out.startswith("llama.cpp benchmark skipped:") and str(tmp_path) in out
 
 
-@pytest.mark.parametrize("extra", [["--draft-max", "0,4"], ["--draft-max", "4,x"], ["--draft-p-min", "1.5"],
-                                   ["--draft-p-min", ""], ["--threads", "0"], ["--languages", "fr"]])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--draft-max", "0,4"],
+        ["--draft-max", "4,x"],
+        ["--draft-p-min", "1.5"],
+        ["--draft-p-min", ""],
+        ["--threads", "0"],
+        ["--languages", "fr"],
+    ],
+)
 def test_refuses_bad_arguments(script, tmp_path, extra, capsys):
     with pytest.raises(SystemExit) as err:
         script.main(["--no-build", "--llama-bin", str(tmp_path), *extra])
@@ -207,7 +232,10 @@ def test_refuses_bad_arguments(script, tmp_path, extra, capsys):
 def test_grid_lists_parse(script):
     assert script._int_list("4, 8,16,8") == [4, 8, 16]
     assert script._prob_list("0,0.75") == [0.0, 0.75]
-    assert script.LlamaSetting(16, 0.0).name == "spec n=16 p=0" and script.AUTOREGRESSIVE.name == "autoregressive"
+    assert (
+        script.LlamaSetting(16, 0.0).name == "spec n=16 p=0"
+        and script.AUTOREGRESSIVE.name == "autoregressive"
+    )
 
 
 # ------------------------------------------------------------------------- the evaluation's llama.cpp rows

@@ -21,8 +21,23 @@ def run_cli(argv: list[str]) -> tuple[int, str, str]:
 
 
 def tiny_args(workdir: Path, policy: Path, out: str, *extra: str) -> list[str]:
-    return ["--pair", "tiny", "--quick", "--threads", "1", "--policy", str(policy), "--cache-dir",
-            str(workdir / CACHE), "--out", str(workdir / out), "--no-progress", "--languages", "it,en", *extra]
+    return [
+        "--pair",
+        "tiny",
+        "--quick",
+        "--threads",
+        "1",
+        "--policy",
+        str(policy),
+        "--cache-dir",
+        str(workdir / CACHE),
+        "--out",
+        str(workdir / out),
+        "--no-progress",
+        "--languages",
+        "it,en",
+        *extra,
+    ]
 
 
 def load_benchmark(name: str):

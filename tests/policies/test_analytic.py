@@ -27,8 +27,15 @@ class FlatProfile:
 
 def depth0(history) -> DraftState:
     empty = np.zeros(0, np.float32)
-    return DraftState(depth=0, frontier_scores=empty, step_probs=empty, node_scores=empty, context_len=100,
-                      max_depth=8, history=history)
+    return DraftState(
+        depth=0,
+        frontier_scores=empty,
+        step_probs=empty,
+        node_scores=empty,
+        context_len=100,
+        max_depth=8,
+        history=history,
+    )
 
 
 def cycles(accepted: int, verified: int, n: int = 10) -> list[CycleRecord]:

@@ -10,9 +10,15 @@ from policies import ConfidenceController, HeuristicController
 
 
 def _state(depth, step_probs, n_nodes=4):
-    return DraftState(depth=depth, frontier_scores=np.zeros(len(step_probs), np.float32),
-                      step_probs=np.asarray(step_probs, np.float32), node_scores=np.zeros(n_nodes, np.float32),
-                      context_len=10, max_depth=32, history=())
+    return DraftState(
+        depth=depth,
+        frontier_scores=np.zeros(len(step_probs), np.float32),
+        step_probs=np.asarray(step_probs, np.float32),
+        node_scores=np.zeros(n_nodes, np.float32),
+        context_len=10,
+        max_depth=32,
+        history=(),
+    )
 
 
 def test_heuristic_schedule_plus_two_minus_one():
@@ -28,7 +34,11 @@ def test_heuristic_schedule_plus_two_minus_one():
     assert ctrl.depth == 1
     assert ctrl.should_continue(_state(1, [0.9])) is False
     ctrl.reset()
-    assert ctrl.depth == 5 and ctrl.should_continue(_state(4, [0.9])) and not ctrl.should_continue(_state(5, [0.9]))
+    assert (
+        ctrl.depth == 5
+        and ctrl.should_continue(_state(4, [0.9]))
+        and not ctrl.should_continue(_state(5, [0.9]))
+    )
     with pytest.raises(ValueError):
         HeuristicController(initial_depth=0)
 
@@ -43,8 +53,14 @@ def test_confidence_stops_below_threshold():
         ConfidenceController(threshold=1.5)
 
 
-@pytest.mark.parametrize("ctrl", [HeuristicController(3, 10), ConfidenceController(0.3, 8),
-                                  ConfidenceController(0.2, 5, tree_width=2, max_verify=6)])
+@pytest.mark.parametrize(
+    "ctrl",
+    [
+        HeuristicController(3, 10),
+        ConfidenceController(0.3, 8),
+        ConfidenceController(0.2, 5, tree_width=2, max_verify=6),
+    ],
+)
 def test_practitioner_controllers_keep_greedy_output(tiny_pair, ctrl):
     engine = SpeculativeEngine(tiny_pair)
     ar = engine.generate("The quick brown fox", max_new_tokens=40)

@@ -23,9 +23,16 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def quick_config(tmp: Path, **kw) -> train.TrainConfig:
-    values = {**train.QUICK, "pair": "tiny", "cache_dir": str(tmp / "cache"), "run_dir": str(tmp / "runs"),
-              "progress": False, "languages": "it,en", "run_name": "smoke",
-              "tree_width": 4}  # trees: the default chain (W 1) is covered by the evaluation tests
+    values = {
+        **train.QUICK,
+        "pair": "tiny",
+        "cache_dir": str(tmp / "cache"),
+        "run_dir": str(tmp / "runs"),
+        "progress": False,
+        "languages": "it,en",
+        "run_name": "smoke",
+        "tree_width": 4,
+    }  # trees: the default chain (W 1) is covered by the evaluation tests
     values.update(kw)
     ppo = train.PPOConfig(**train.QUICK_PPO)
     return train.TrainConfig(**values, ppo=ppo)
@@ -39,9 +46,13 @@ def tiny_data(tmp_path_factory):
     pair = train.load_models(config)
     profile = train.ensure_profile(config, pair)
     train_prompts, val_prompts = train.select_prompts(config)
-    return {"config": config, "pair": pair, "profile": profile,
-            "train": train.ensure_traces(config, pair, train_prompts, "train"),
-            "val": train.ensure_traces(config, pair, val_prompts, "val")}
+    return {
+        "config": config,
+        "pair": pair,
+        "profile": profile,
+        "train": train.ensure_traces(config, pair, train_prompts, "train"),
+        "val": train.ensure_traces(config, pair, val_prompts, "val"),
+    }
 
 
 def make_trainer(data, seed=0, steps=(256, 256)):
@@ -49,9 +60,17 @@ def make_trainer(data, seed=0, steps=(256, 256)):
 
     config = data["config"]
     backend = ReplayBackend(data["train"], data["profile"])
-    trainer = CoTrainer(backend, config.ppo, EnvConfig(), lambda: StaticController(2, 2, tree_width=config.tree_width),
-                        train.replay_eval(data["val"], data["profile"]), max_depth=config.max_depth,
-                        device_feats=np.zeros(3, np.float32), seed=seed, eval_every=128)
+    trainer = CoTrainer(
+        backend,
+        config.ppo,
+        EnvConfig(),
+        lambda: StaticController(2, 2, tree_width=config.tree_width),
+        train.replay_eval(data["val"], data["profile"]),
+        max_depth=config.max_depth,
+        device_feats=np.zeros(3, np.float32),
+        seed=seed,
+        eval_every=128,
+    )
     trainer.run_phase("size", steps[0], 0)
     trainer.run_phase("depth", steps[1], 0)
     return trainer
@@ -63,10 +82,17 @@ def test_training_smoke_exports_a_loadable_policy(tmp_path, tiny_pair):
     path = Path(metrics["policy"])
     # the same run name and config again: the trained run is reused, not retrained
     stamp = path.stat().st_mtime_ns
-    assert train.train(config)["learned_on_val"] == metrics["learned_on_val"] and path.stat().st_mtime_ns == stamp
+    assert (
+        train.train(config)["learned_on_val"] == metrics["learned_on_val"]
+        and path.stat().st_mtime_ns == stamp
+    )
     with pytest.raises(ValueError, match="another config"):
         train.train(quick_config(tmp_path, seed=7))
-    assert path.is_file() and (path.parent / "config.json").is_file() and (path.parent / "metrics.json").is_file()
+    assert (
+        path.is_file()
+        and (path.parent / "config.json").is_file()
+        and (path.parent / "metrics.json").is_file()
+    )
     assert any((path.parent / "tb").rglob("events.out.tfevents*"))
     ctrl = load_policy(path)
     assert isinstance(ctrl, LearnedController) and ctrl.tree_width == config.tree_width
@@ -94,8 +120,10 @@ def test_export_load_round_trip_matches_sb3_actions(tiny_data):
     trainer = make_trainer(tiny_data)
     config = tiny_data["config"]
     backend = ReplayBackend(tiny_data["train"], tiny_data["profile"])
-    for name, env in (("size", SizeEnv(backend, StaticController(2, 2, tree_width=config.tree_width))),
-                      ("depth", DepthEnv(backend, StaticController(2, 2, tree_width=config.tree_width)))):
+    for name, env in (
+        ("size", SizeEnv(backend, StaticController(2, 2, tree_width=config.tree_width))),
+        ("depth", DepthEnv(backend, StaticController(2, 2, tree_width=config.tree_width))),
+    ):
         model, rms = trainer.models[name], trainer.obs_rms[name]
         actor = trainer.actor(name)
         obs, _ = env.reset(seed=3)
@@ -116,12 +144,31 @@ def test_export_load_round_trip_matches_sb3_actions(tiny_data):
 def test_policy_file_round_trip_is_exact(tiny_data, tmp_path):
     trainer = make_trainer(tiny_data, steps=(128, 128))
     depth, size = trainer.actor("depth"), trainer.actor("size")
-    path = save_policy(tmp_path / "p.pt", depth, size, size_ladder=trainer.env_config.size_ladder, tree_width=2,
-                       max_depth=4, device_feats=np.zeros(3), pair="tiny", profile=None)
+    path = save_policy(
+        tmp_path / "p.pt",
+        depth,
+        size,
+        size_ladder=trainer.env_config.size_ladder,
+        tree_width=2,
+        max_depth=4,
+        device_feats=np.zeros(3),
+        pair="tiny",
+        profile=None,
+    )
     loaded = load_policy(path)
     assert not loaded.decides_depth_zero  # trained without depth-0 decisions: it always drafts
-    path0 = save_policy(tmp_path / "p0.pt", depth, size, size_ladder=trainer.env_config.size_ladder, tree_width=2,
-                        max_depth=4, device_feats=np.zeros(3), pair="tiny", profile=None, depth_zero=True)
+    path0 = save_policy(
+        tmp_path / "p0.pt",
+        depth,
+        size,
+        size_ladder=trainer.env_config.size_ladder,
+        tree_width=2,
+        max_depth=4,
+        device_feats=np.zeros(3),
+        pair="tiny",
+        profile=None,
+        depth_zero=True,
+    )
     assert load_policy(path0).decides_depth_zero
     obs = np.random.default_rng(1).uniform(0, 2, (50, depth.weights[0].shape[1])).astype(np.float32)
     assert [depth.act(o) for o in obs] == [loaded.depth_actor.act(o) for o in obs]
@@ -129,7 +176,11 @@ def test_policy_file_round_trip_is_exact(tiny_data, tmp_path):
 
 
 def test_training_is_deterministic_given_the_seed(tiny_data):
-    a, b, c = make_trainer(tiny_data, 0, (128, 128)), make_trainer(tiny_data, 0, (128, 128)), make_trainer(tiny_data, 5, (128, 128))
+    a, b, c = (
+        make_trainer(tiny_data, 0, (128, 128)),
+        make_trainer(tiny_data, 0, (128, 128)),
+        make_trainer(tiny_data, 5, (128, 128)),
+    )
     for name in ("size", "depth"):
         wa, wb, wc = (t.actor(name).weights[0] for t in (a, b, c))
         assert torch.equal(wa, wb)
@@ -143,9 +194,15 @@ def test_checkpoint_resume_restores_the_trainer(tiny_data, tmp_path):
     from policies.ppo import CoTrainer
 
     config = tiny_data["config"]
-    fresh = CoTrainer(ReplayBackend(tiny_data["train"], tiny_data["profile"]), config.ppo, EnvConfig(),
-                      lambda: StaticController(2, 2, tree_width=config.tree_width), None,
-                      max_depth=config.max_depth, device_feats=np.zeros(3, np.float32))
+    fresh = CoTrainer(
+        ReplayBackend(tiny_data["train"], tiny_data["profile"]),
+        config.ppo,
+        EnvConfig(),
+        lambda: StaticController(2, 2, tree_width=config.tree_width),
+        None,
+        max_depth=config.max_depth,
+        device_feats=np.zeros(3, np.float32),
+    )
     fresh.load(tmp_path / "ckpt")
     assert len(fresh.history) == 2 and fresh.rho == trainer.rho and fresh.total_steps == trainer.total_steps
     for name in ("size", "depth"):
@@ -168,9 +225,17 @@ def _write(path: Path, payload) -> Path:
 
 def test_load_errors_are_clear(tiny_data, tmp_path):
     trainer = make_trainer(tiny_data, steps=(64, 64))
-    good = save_policy(tmp_path / "good.pt", trainer.actor("depth"), trainer.actor("size"),
-                       size_ladder=trainer.env_config.size_ladder, tree_width=2, max_depth=4,
-                       device_feats=np.zeros(3), pair="tiny", profile=None)
+    good = save_policy(
+        tmp_path / "good.pt",
+        trainer.actor("depth"),
+        trainer.actor("size"),
+        size_ladder=trainer.env_config.size_ladder,
+        tree_width=2,
+        max_depth=4,
+        device_feats=np.zeros(3),
+        pair="tiny",
+        profile=None,
+    )
     payload = torch.load(good, weights_only=True)
     with pytest.raises(FileNotFoundError, match="train one"):
         load_policy(tmp_path / "missing.pt")
@@ -186,7 +251,10 @@ def test_load_errors_are_clear(tiny_data, tmp_path):
         load_policy(_write(tmp_path / "features.pt", {**payload, "feature_version": FEATURE_VERSION + 1}))
     with pytest.raises(PolicyFileError, match="format version"):
         load_policy(_write(tmp_path / "format.pt", {**payload, "format_version": 99}))
-    bad_size = {**payload, "size_ladder": payload["size_ladder"][:-1]}  # action count no longer fits the actor
+    bad_size = {
+        **payload,
+        "size_ladder": payload["size_ladder"][:-1],
+    }  # action count no longer fits the actor
     with pytest.raises(PolicyFileError, match="actions"):
         load_policy(_write(tmp_path / "ladder.pt", bad_size))
     bad_depth = {**payload, "depth": {**payload["depth"], "weights": payload["depth"]["weights"][:1]}}
@@ -200,13 +268,23 @@ def test_load_errors_are_clear(tiny_data, tmp_path):
 
 def test_inference_path_does_not_import_stable_baselines3(tiny_data, tmp_path):
     trainer = make_trainer(tiny_data, steps=(64, 64))
-    path = save_policy(tmp_path / "p.pt", trainer.actor("depth"), trainer.actor("size"),
-                       size_ladder=trainer.env_config.size_ladder, tree_width=2, max_depth=4,
-                       device_feats=np.zeros(3), pair="tiny", profile=None)
-    code = ("import sys; from policies import load_policy; from engine import load_pair, SpeculativeEngine; "
-            f"c = load_policy({str(path)!r}); p = load_pair('tiny'); "
-            "SpeculativeEngine(p).generate('abc', max_new_tokens=8, controller=c); "
-            "assert 'stable_baselines3' not in sys.modules, 'SB3 imported'; print('ok')")
+    path = save_policy(
+        tmp_path / "p.pt",
+        trainer.actor("depth"),
+        trainer.actor("size"),
+        size_ladder=trainer.env_config.size_ladder,
+        tree_width=2,
+        max_depth=4,
+        device_feats=np.zeros(3),
+        pair="tiny",
+        profile=None,
+    )
+    code = (
+        "import sys; from policies import load_policy; from engine import load_pair, SpeculativeEngine; "
+        f"c = load_policy({str(path)!r}); p = load_pair('tiny'); "
+        "SpeculativeEngine(p).generate('abc', max_new_tokens=8, controller=c); "
+        "assert 'stable_baselines3' not in sys.modules, 'SB3 imported'; print('ok')"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 
@@ -215,18 +293,45 @@ def test_generate_cli_uses_the_policy(tiny_data, tmp_path, capsys):
     from engine.generate import main
 
     trainer = make_trainer(tiny_data, steps=(64, 64))
-    path = save_policy(tmp_path / "p.pt", trainer.actor("depth"), trainer.actor("size"),
-                       size_ladder=trainer.env_config.size_ladder, tree_width=2, max_depth=4,
-                       device_feats=np.zeros(3), pair="tiny", profile=None)
-    assert main(["--pair", "tiny", "--raw", "--prompt", "hello", "--policy", str(path), "--max-new-tokens", "12"]) == 0
+    path = save_policy(
+        tmp_path / "p.pt",
+        trainer.actor("depth"),
+        trainer.actor("size"),
+        size_ladder=trainer.env_config.size_ladder,
+        tree_width=2,
+        max_depth=4,
+        device_feats=np.zeros(3),
+        pair="tiny",
+        profile=None,
+    )
+    assert (
+        main(
+            ["--pair", "tiny", "--raw", "--prompt", "hello", "--policy", str(path), "--max-new-tokens", "12"]
+        )
+        == 0
+    )
     assert "LearnedController" in capsys.readouterr().out
     assert main(["--pair", "tiny", "--prompt", "x", "--policy", str(tmp_path / "nope.pt")]) == 2
 
 
 def test_train_command_line_config(tmp_path):
-    config, resume, retrain = train.config_from_argv(["--pair", "tiny", "--quick", "--rounds", "3", "--n-envs", "3",
-                                                      "--no-progress", "--run-dir", str(tmp_path)])
-    assert resume is None and not retrain and config.rounds == 3 and config.ppo.n_envs == 3  # explicit flags beat --quick
+    config, resume, retrain = train.config_from_argv(
+        [
+            "--pair",
+            "tiny",
+            "--quick",
+            "--rounds",
+            "3",
+            "--n-envs",
+            "3",
+            "--no-progress",
+            "--run-dir",
+            str(tmp_path),
+        ]
+    )
+    assert (
+        resume is None and not retrain and config.rounds == 3 and config.ppo.n_envs == 3
+    )  # explicit flags beat --quick
     assert config.size_steps == train.QUICK["size_steps"] and config.ppo.n_steps == train.QUICK_PPO["n_steps"]
     assert config.progress is False
     from policies.cli import load_config, save_config
@@ -255,9 +360,16 @@ def test_a_size_phase_with_no_size_decision_is_skipped(tiny_data):
 
     config = tiny_data["config"]
     backend = ReplayBackend(tiny_data["train"], tiny_data["profile"])
-    trainer = CoTrainer(backend, config.ppo, EnvConfig(depth_zero=True),
-                        lambda: StaticController(0, tree_width=config.tree_width),
-                        train.replay_eval(tiny_data["val"], tiny_data["profile"]), max_depth=config.max_depth,
-                        device_feats=np.zeros(3, np.float32), seed=0, eval_every=128)
+    trainer = CoTrainer(
+        backend,
+        config.ppo,
+        EnvConfig(depth_zero=True),
+        lambda: StaticController(0, tree_width=config.tree_width),
+        train.replay_eval(tiny_data["val"], tiny_data["profile"]),
+        max_depth=config.max_depth,
+        device_feats=np.zeros(3, np.float32),
+        seed=0,
+        eval_every=128,
+    )
     log = trainer.run_phase("size", 256, 0)
     assert log.steps == 0 and trainer.history == [log] and "size" not in trainer.models

@@ -24,19 +24,31 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 def random_actor(obs_dim: int, actions: int, seed: int) -> Actor:
     gen = torch.Generator().manual_seed(seed)
-    spec = {"weights": [torch.randn(16, obs_dim, generator=gen), torch.randn(actions, 16, generator=gen)],
-            "biases": [torch.randn(16, generator=gen), torch.randn(actions, generator=gen)],
-            "activation": "tanh", "obs_mean": torch.randn(obs_dim, generator=gen),
-            "obs_var": torch.rand(obs_dim, generator=gen) + 0.5, "clip_obs": 10.0, "epsilon": 1e-8}
+    spec = {
+        "weights": [torch.randn(16, obs_dim, generator=gen), torch.randn(actions, 16, generator=gen)],
+        "biases": [torch.randn(16, generator=gen), torch.randn(actions, generator=gen)],
+        "activation": "tanh",
+        "obs_mean": torch.randn(obs_dim, generator=gen),
+        "obs_var": torch.rand(obs_dim, generator=gen) + 0.5,
+        "clip_obs": 10.0,
+        "epsilon": 1e-8,
+    }
     return Actor(spec, obs_dim, actions)
 
 
 def make_policy(path: Path, pair: str = "tiny", profile: dict | None = None, **kw) -> Path:
-    args = {"size_ladder": SIZE_LADDER, "tree_width": 2, "max_depth": 4, "device_feats": np.zeros(3), "pair": pair,
-            "profile": profile}
+    args = {
+        "size_ladder": SIZE_LADDER,
+        "tree_width": 2,
+        "max_depth": 4,
+        "device_feats": np.zeros(3),
+        "pair": pair,
+        "profile": profile,
+    }
     args.update(kw)
-    return save_policy(path, random_actor(DEPTH_OBS_DIM, 2, 0), random_actor(SIZE_OBS_DIM, len(SIZE_LADDER), 1),
-                       **args)
+    return save_policy(
+        path, random_actor(DEPTH_OBS_DIM, 2, 0), random_actor(SIZE_OBS_DIM, len(SIZE_LADDER), 1), **args
+    )
 
 
 @pytest.fixture()
@@ -68,12 +80,15 @@ def test_a_saved_policy_carries_its_hash_and_loads_cleanly(good, tmp_path):
     assert payload[HASH_KEY] == payload_digest(payload) and len(payload[HASH_KEY]) == 64
     ctrl = load_quietly(good)
     assert ctrl.size_ladder == SIZE_LADDER and ctrl.max_depth == 4 and ctrl.tree_width == 2
-    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*"))  # atomic save left nothing behind
+    assert not list(tmp_path.glob("*.tmp")) and not list(
+        tmp_path.glob(".*")
+    )  # atomic save left nothing behind
 
 
 def _actor_edit(part: str, key: str, value):
     def edit(payload):
         return {**payload, part: {**payload[part], key: value}}
+
     return edit
 
 
@@ -82,6 +97,7 @@ def _weights_with(value):
         weights = [w.clone() for w in payload["depth"]["weights"]]
         weights[0][0, 0] = value
         return {**payload, "depth": {**payload["depth"], "weights": weights}}
+
     return edit
 
 
@@ -90,13 +106,19 @@ BAD_EDITS = {
     "inf weight": (_weights_with(math.inf), "NaN or infinite"),
     "nan mean": (_actor_edit("size", "obs_mean", torch.full((SIZE_OBS_DIM,), math.nan)), "observation mean"),
     "negative variance": (_actor_edit("size", "obs_var", -torch.ones(SIZE_OBS_DIM)), "variance"),
-    "zero scale": (lambda p: _actor_edit("size", "epsilon", 0.0)(_actor_edit("size", "obs_var",
-                                                                           torch.zeros(SIZE_OBS_DIM))(p)), "variance"),
+    "zero scale": (
+        lambda p: _actor_edit("size", "epsilon", 0.0)(
+            _actor_edit("size", "obs_var", torch.zeros(SIZE_OBS_DIM))(p)
+        ),
+        "variance",
+    ),
     "nan epsilon": (_actor_edit("depth", "epsilon", math.nan), "epsilon"),
     "nan clip": (_actor_edit("depth", "clip_obs", math.nan), "clip_obs"),
     "zero clip": (_actor_edit("depth", "clip_obs", 0.0), "clip_obs"),
-    "int weights": (_actor_edit("depth", "weights", [torch.ones(16, DEPTH_OBS_DIM, dtype=torch.long)]),
-                    "floating-point"),
+    "int weights": (
+        _actor_edit("depth", "weights", [torch.ones(16, DEPTH_OBS_DIM, dtype=torch.long)]),
+        "floating-point",
+    ),
     "issue ladder": (lambda p: {**p, "size_ladder": [-3, 0, 1e9]}, "size_ladder"),
     "negative size": (lambda p: {**p, "size_ladder": [-3] + list(SIZE_LADDER[1:])}, "size_ladder"),
     "size above cap": (lambda p: {**p, "size_ladder": list(SIZE_LADDER[:-1]) + [65]}, "size_ladder"),
@@ -132,7 +154,10 @@ def test_edits_without_the_hash_are_refused_by_validation_too(good, tmp_path):
     """Files from before the hash: every check above still applies (they load with a warning only when valid)."""
     edit, _ = BAD_EDITS["issue ladder"]
     payload = {k: v for k, v in edit(payload_of(good)).items() if k != HASH_KEY}
-    with pytest.warns(PolicyFileWarning, match="no payload hash"), pytest.raises(PolicyFileError, match="size_ladder"):
+    with (
+        pytest.warns(PolicyFileWarning, match="no payload hash"),
+        pytest.raises(PolicyFileError, match="size_ladder"),
+    ):
         load_policy(write(tmp_path / "old-bad.pt", payload))
 
 
@@ -144,17 +169,22 @@ def test_a_file_without_hash_loads_with_a_warning(good, tmp_path):
     assert ctrl.size_ladder == SIZE_LADDER
 
 
-@pytest.mark.parametrize("edit", [
-    lambda p: {**p, "max_depth": 5},  # a valid value, changed after saving
-    lambda p: {**p, "pair": "qwen2.5-coder"},
-    _weights_with(0.123),
-    lambda p: {**p, "metrics": '{"learned_on_val": 1e9}'},
-])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda p: {**p, "max_depth": 5},  # a valid value, changed after saving
+        lambda p: {**p, "pair": "qwen2.5-coder"},
+        _weights_with(0.123),
+        lambda p: {**p, "metrics": '{"learned_on_val": 1e9}'},
+    ],
+)
 def test_any_change_after_saving_fails_the_integrity_check(good, tmp_path, edit):
     path = write(tmp_path / "tampered.pt", edit(payload_of(good)), rehash=False)
     with pytest.raises(PolicyFileError, match="integrity check"):
         load_quietly(path)
-    load_quietly(write(tmp_path / "control.pt", edit(payload_of(good))))  # negative control: re-hashed, it loads
+    load_quietly(
+        write(tmp_path / "control.pt", edit(payload_of(good)))
+    )  # negative control: re-hashed, it loads
 
 
 def test_a_flipped_byte_in_the_weights_is_caught(good, tmp_path):
@@ -171,8 +201,11 @@ def test_a_flipped_byte_in_the_weights_is_caught(good, tmp_path):
 
 
 def test_save_refuses_values_load_would_refuse(tmp_path):
-    for kw, match in (({"max_depth": 0}, "max_depth"), ({"size_ladder": (1, 2, 128)}, "size_ladder"),
-                      ({"device_feats": np.array([0.0, np.nan, 0.0])}, "device_features")):
+    for kw, match in (
+        ({"max_depth": 0}, "max_depth"),
+        ({"size_ladder": (1, 2, 128)}, "size_ladder"),
+        ({"device_feats": np.array([0.0, np.nan, 0.0])}, "device_features"),
+    ):
         target = tmp_path / f"{match}.pt"
         with pytest.raises(PolicyFileError, match=match):
             make_policy(target, **kw)
@@ -184,8 +217,9 @@ def test_policy_for_another_pair_is_reported(tmp_path, tiny_pair):
     assert "trained for pair 'qwen2.5-coder' and runs on 'tiny'" in other.pair_warning(tiny_pair)
     with pytest.warns(PolicyFileWarning, match="qwen2.5-coder"):
         load_policy(tmp_path / "qwen.pt", pair=tiny_pair)
-    same = load_quietly(make_policy(tmp_path / "tiny.pt", pair="tiny", profile={"meta": {"dtype": "float64"}}),
-                        pair=tiny_pair)
+    same = load_quietly(
+        make_policy(tmp_path / "tiny.pt", pair="tiny", profile={"meta": {"dtype": "float64"}}), pair=tiny_pair
+    )
     assert same.pair_warning(tiny_pair) is None  # negative control: the pair it was trained for
     fmt = load_quietly(make_policy(tmp_path / "int4.pt", pair="tiny", profile={"meta": {"dtype": "int4"}}))
     assert "trained with int4 weights and runs with float64" in fmt.pair_warning(tiny_pair)
@@ -195,18 +229,37 @@ def test_generate_warns_about_a_policy_for_another_pair(tmp_path, capsys):
     from engine.generate import main
 
     path = make_policy(tmp_path / "qwen.pt", pair="qwen2.5-coder")
-    assert main(["--pair", "tiny", "--raw", "--prompt", "hi", "--policy", str(path), "--max-new-tokens", "4"]) == 0
+    assert (
+        main(["--pair", "tiny", "--raw", "--prompt", "hi", "--policy", str(path), "--max-new-tokens", "4"])
+        == 0
+    )
     err = capsys.readouterr().err
     assert err.startswith("warning: ") and "qwen2.5-coder" in err and len(err.strip().splitlines()) == 1
-    assert main(["--pair", "tiny", "--raw", "--prompt", "hi", "--policy", str(make_policy(tmp_path / "t.pt")),
-                 "--max-new-tokens", "4"]) == 0
+    assert (
+        main(
+            [
+                "--pair",
+                "tiny",
+                "--raw",
+                "--prompt",
+                "hi",
+                "--policy",
+                str(make_policy(tmp_path / "t.pt")),
+                "--max-new-tokens",
+                "4",
+            ]
+        )
+        == 0
+    )
     assert "warning" not in capsys.readouterr().err  # negative control
 
 
 def test_generate_reports_a_bad_policy_in_one_line(good, tmp_path, capsys, monkeypatch):
     from engine import generate
 
-    monkeypatch.setattr(generate, "load_pair", lambda *a, **k: pytest.fail("models loaded before the policy was checked"))
+    monkeypatch.setattr(
+        generate, "load_pair", lambda *a, **k: pytest.fail("models loaded before the policy was checked")
+    )
     bad = write(tmp_path / "bad.pt", BAD_EDITS["max_depth -1"][0](payload_of(good)))
     assert generate.main(["--pair", "tiny", "--prompt", "hi", "--policy", str(bad)]) == 2
     err = capsys.readouterr().err

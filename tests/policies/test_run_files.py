@@ -27,8 +27,15 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def quick_config(tmp: Path, **kw) -> train.TrainConfig:
-    values = {**train.QUICK, "pair": "tiny", "cache_dir": str(tmp / "cache"), "run_dir": str(tmp / "runs"),
-              "progress": False, "languages": "it,en", "run_name": "base"}
+    values = {
+        **train.QUICK,
+        "pair": "tiny",
+        "cache_dir": str(tmp / "cache"),
+        "run_dir": str(tmp / "runs"),
+        "progress": False,
+        "languages": "it,en",
+        "run_name": "base",
+    }
     values.update(kw)
     return train.TrainConfig(**values, ppo=train.PPOConfig(**train.QUICK_PPO))
 
@@ -64,10 +71,17 @@ def one_error_line(stderr: str) -> str:
 @contextlib.contextmanager
 def locked_by_another_process(directory: Path):
     """A second process that holds ``directory``'s lock until the block ends."""
-    code = ("import sys; from engine.files import DirectoryLock; DirectoryLock(sys.argv[1]).acquire(); "
-            "print('locked', flush=True); sys.stdin.read()")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(directory)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, cwd=Path(train.__file__).parent)
+    code = (
+        "import sys; from engine.files import DirectoryLock; DirectoryLock(sys.argv[1]).acquire(); "
+        "print('locked', flush=True); sys.stdin.read()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(directory)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(train.__file__).parent,
+    )
     try:
         assert proc.stdout.readline().strip() == "locked"
         yield
@@ -109,9 +123,16 @@ def test_planted_trainer_state_never_executes_on_resume(base, tmp_path):
     rc, _, stderr = run_main(["--resume", str(run)])
     assert rc == 2 and MANIFEST in one_error_line(stderr) and not marker.exists()
     # a forged manifest that vouches for the planted file: the weights-only reader still refuses it unexecuted
-    (run / "checkpoint" / MANIFEST).write_text(json.dumps({
-        "format": "draftpilot-checkpoint", "version": 1, "phases": 1,
-        "files": {"trainer.pt": {"file": "trainer.pt", "sha256": sha256_file(planted)}}}))
+    (run / "checkpoint" / MANIFEST).write_text(
+        json.dumps(
+            {
+                "format": "draftpilot-checkpoint",
+                "version": 1,
+                "phases": 1,
+                "files": {"trainer.pt": {"file": "trainer.pt", "sha256": sha256_file(planted)}},
+            }
+        )
+    )
     assert verify_checkpoint(run / "checkpoint") == {"trainer.pt": planted}
     with pytest.raises(CheckpointError, match="not a plain trainer state"):
         read_trainer_state(planted)
@@ -153,9 +174,15 @@ def test_a_kill_while_checkpointing_keeps_the_previous_checkpoint(base, monkeypa
     traces = train.ensure_traces(config, pair, train_prompts, "train")
 
     def trainer():
-        return CoTrainer(ReplayBackend(traces, profile), config.ppo, EnvConfig(),
-                         lambda: StaticController(2, 2, tree_width=1), None, max_depth=config.max_depth,
-                         device_feats=np.zeros(3, np.float32))
+        return CoTrainer(
+            ReplayBackend(traces, profile),
+            config.ppo,
+            EnvConfig(),
+            lambda: StaticController(2, 2, tree_width=1),
+            None,
+            max_depth=config.max_depth,
+            device_feats=np.zeros(3, np.float32),
+        )
 
     first = trainer()
     first.load(run / "checkpoint")
@@ -182,6 +209,7 @@ def test_a_kill_while_checkpointing_keeps_the_previous_checkpoint(base, monkeypa
 # ---------------------------------------------------------------------------------------- atomic writes
 def _half_then_die(monkeypatch, target, name):
     """Replace ``target.name`` with a writer that writes half of its output to the file, then dies."""
+
     def dying(*args, **kwargs):
         path = next(a for a in args if isinstance(a, (str, Path)) or hasattr(a, "write"))
         if hasattr(path, "write"):
@@ -210,8 +238,16 @@ def _writers(tmp_path):
     from evaluation.config import EvalConfig
     from evaluation.report import write_json
 
-    trace = Trace("p", 3, np.array([1, 2], np.int32), np.array([0, 1, 1]), np.array([5], np.int32),
-                  np.array([-1], np.int16), np.array([1], np.int8), np.array([-0.5], np.float32))
+    trace = Trace(
+        "p",
+        3,
+        np.array([1, 2], np.int32),
+        np.array([0, 1, 1]),
+        np.array([5], np.int32),
+        np.array([-1], np.int16),
+        np.array([1], np.int8),
+        np.array([-0.5], np.float32),
+    )
 
     def figure(path):
         import matplotlib.pyplot as plt
@@ -226,7 +262,10 @@ def _writers(tmp_path):
         "results.json": (lambda p: write_json({"x": [1.0, float("nan")]}, p), _write_text_dies),
         "partial evaluation": (lambda p: Checkpoint(p, eval_config).save(), _write_text_dies),
         "trace": (trace.save, lambda mp: _half_then_die(mp, np, "savez_compressed")),
-        "figure": (figure, lambda mp: _half_then_die(mp, __import__("matplotlib.figure").figure.Figure, "savefig")),
+        "figure": (
+            figure,
+            lambda mp: _half_then_die(mp, __import__("matplotlib.figure").figure.Figure, "savefig"),
+        ),
     }
 
 
@@ -249,8 +288,16 @@ def test_a_write_killed_midway_leaves_the_old_file_intact(kind, tmp_path, monkey
 def test_a_killed_trace_write_leaves_nothing_the_reader_picks_up(tmp_path, monkeypatch):
     from envs.trace import Trace
 
-    trace = Trace("p", 3, np.array([1], np.int32), np.array([0, 0]), np.zeros(0, np.int32), np.zeros(0, np.int16),
-                  np.zeros(0, np.int8), np.zeros(0, np.float32))
+    trace = Trace(
+        "p",
+        3,
+        np.array([1], np.int32),
+        np.array([0, 0]),
+        np.zeros(0, np.int32),
+        np.zeros(0, np.int16),
+        np.zeros(0, np.int8),
+        np.zeros(0, np.float32),
+    )
     _half_then_die(monkeypatch, np, "savez_compressed")
     with pytest.raises(KeyboardInterrupt):
         trace.save(tmp_path / "a__s0.npz")
@@ -300,9 +347,22 @@ def test_an_interrupted_run_needs_resume_or_retrain(base):
     run = copy_run(base, "interrupted")
     (run / "policy.pt").unlink()
     (run / "metrics.json").unlink()
-    rc, _, stderr = run_main(["--pair", "tiny", "--quick", "--languages", "it,en", "--no-progress",
-                              "--cache-dir", str(base["tmp"] / "cache"), "--run-dir", str(run.parent),
-                              "--run-name", run.name])
+    rc, _, stderr = run_main(
+        [
+            "--pair",
+            "tiny",
+            "--quick",
+            "--languages",
+            "it,en",
+            "--no-progress",
+            "--cache-dir",
+            str(base["tmp"] / "cache"),
+            "--run-dir",
+            str(run.parent),
+            "--run-name",
+            run.name,
+        ]
+    )
     line = one_error_line(stderr)
     assert rc == 2 and f"--resume {run}" in line and "--retrain" in line
     assert verify_checkpoint(run / "checkpoint") is not None  # nothing was removed
@@ -333,8 +393,18 @@ def test_resume_refuses_flags_that_differ_from_the_run(base):
     with pytest.raises(train.RunDirectoryError, match="--retrain"):
         train.config_from_argv(["--resume", str(run), "--retrain"])
     # flags that agree with the run (paths given relative or absolute alike) and --progress are accepted
-    config, resume, _ = train.config_from_argv(["--resume", str(run), "--seed", "0", "--quick", "--progress",
-                                                "--cache-dir", str(base["tmp"] / "cache" / ".." / "cache")])
+    config, resume, _ = train.config_from_argv(
+        [
+            "--resume",
+            str(run),
+            "--seed",
+            "0",
+            "--quick",
+            "--progress",
+            "--cache-dir",
+            str(base["tmp"] / "cache" / ".." / "cache"),
+        ]
+    )
     assert resume == run and config.progress and config.seed == 0
     rc, _, stderr = run_main(["--resume", str(run), "--rounds", "5"])
     assert rc == 2 and "--rounds: 1 -> 5" in one_error_line(stderr)
@@ -344,10 +414,13 @@ def test_resume_refuses_flags_that_differ_from_the_run(base):
 
 def test_unusable_run_directories_give_one_error_line(tmp_path):
     (tmp_path / "file").write_text("not a directory")
-    rc, _, stderr = run_main(["--pair", "tiny", "--quick", "--no-progress", "--run-dir", str(tmp_path / "file"),
-                              "--run-name", "x"])
+    rc, _, stderr = run_main(
+        ["--pair", "tiny", "--quick", "--no-progress", "--run-dir", str(tmp_path / "file"), "--run-name", "x"]
+    )
     assert rc == 2 and str(tmp_path / "file") in one_error_line(stderr)
     rc, _, stderr = run_main(["--pair", "tiny", "--quick", "--n-envs", "0", "--run-dir", str(tmp_path)])
     assert rc == 2 and "n_envs must be >= 1" in one_error_line(stderr)
-    rc, _, stderr = run_main(["--pair", "tiny", "--quick", "--activation", "bogus", "--run-dir", str(tmp_path)])
+    rc, _, stderr = run_main(
+        ["--pair", "tiny", "--quick", "--activation", "bogus", "--run-dir", str(tmp_path)]
+    )
     assert rc == 2 and "activation" in one_error_line(stderr)

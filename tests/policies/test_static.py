@@ -12,15 +12,32 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def state(depth: int) -> DraftState:
-    return DraftState(depth=depth, frontier_scores=np.zeros(1), step_probs=np.ones(1), node_scores=np.zeros(depth),
-                      context_len=10, max_depth=32, history=[])
+    return DraftState(
+        depth=depth,
+        frontier_scores=np.zeros(1),
+        step_probs=np.ones(1),
+        node_scores=np.zeros(depth),
+        context_len=10,
+        max_depth=32,
+        history=[],
+    )
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"depth": -1}, {"depth": 1.5}, {"depth": True}, {"depth": "4"},
-    {"tree_width": 0}, {"tree_width": 2.0}, {"tree_width": False},
-    {"verify": -1}, {"verify": 1.5}, {"verify": True},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"depth": -1},
+        {"depth": 1.5},
+        {"depth": True},
+        {"depth": "4"},
+        {"tree_width": 0},
+        {"tree_width": 2.0},
+        {"tree_width": False},
+        {"verify": -1},
+        {"verify": 1.5},
+        {"verify": True},
+    ],
+)
 def test_rejects_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         StaticController(**kwargs)
@@ -38,15 +55,21 @@ def test_defaults_and_edges():
 @pytest.mark.parametrize("depth", [1, 3, 8])
 def test_should_continue_stops_at_depth(depth):
     ctrl = StaticController(depth=depth, verify=2)
-    assert [ctrl.should_continue(state(d)) for d in range(1, depth + 3)] == [d < depth for d in range(1, depth + 3)]
+    assert [ctrl.should_continue(state(d)) for d in range(1, depth + 3)] == [
+        d < depth for d in range(1, depth + 3)
+    ]
     assert all(ctrl.num_to_verify(state(d)) == 2 for d in range(1, depth + 1))
     ctrl.reset()  # the protocol's optional hooks exist and are no-ops
     ctrl.observe(None)
     assert ctrl.should_continue(state(1)) == (depth > 1)
 
 
-@pytest.mark.parametrize("depth, verify, tree_width", [(1, None, 1), (3, None, 1), (5, 2, 1), (3, 9, 3), (4, 100, 2)])
-def test_engine_drafts_exactly_depth_and_verifies_min_of_verify_and_nodes(tiny_pair, prompts, depth, verify, tree_width):
+@pytest.mark.parametrize(
+    "depth, verify, tree_width", [(1, None, 1), (3, None, 1), (5, 2, 1), (3, 9, 3), (4, 100, 2)]
+)
+def test_engine_drafts_exactly_depth_and_verifies_min_of_verify_and_nodes(
+    tiny_pair, prompts, depth, verify, tree_width
+):
     ctrl = StaticController(depth, verify, tree_width)
     res = SpeculativeEngine(tiny_pair).generate(prompts[0], 30, ctrl)
     for cycle in res.cycles:
