@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from engine.attention import use_rowwise_attention
-from engine.errors import DraftpilotError
+from engine.errors import DraftpilotError, InputError
 from engine.quant import INTEGER_FORMATS, WEIGHT_FORMATS
 
 
@@ -125,7 +125,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         "float64": torch.float64,
     }
     if dtype not in names:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(names)}")
+        raise InputError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(names)}")
     return names[dtype]
 
 
@@ -137,9 +137,9 @@ def resolve_weights(weights: str | None, dtype: str | torch.dtype, device: torch
             return str(resolve_dtype(dtype, device)).removeprefix("torch.")
         weights = DEFAULT_CUDA_WEIGHTS if device.type == "cuda" else default_cpu_weights()[0]
     if weights not in WEIGHT_FORMATS:
-        raise ValueError(f"unknown weight format {weights!r}; use one of auto, {', '.join(WEIGHT_FORMATS)}")
+        raise InputError(f"unknown weight format {weights!r}; use one of auto, {', '.join(WEIGHT_FORMATS)}")
     if weights in INTEGER_FORMATS and device.type != "cpu":
-        raise ValueError(
+        raise InputError(
             f"weight format {weights!r} runs on the CPU only (CPU integer kernels); "
             f"use bfloat16 or float32 on {device.type}"
         )
@@ -185,7 +185,7 @@ def load_pair(
     else:
         draft_fmt = fmt
     if (name is None) == (target is None and draft is None) or (target is None) != (draft is None):
-        raise ValueError("give either a pair name, or both target= and draft=")
+        raise InputError("give either a pair name, or both target= and draft=")
     if name == "tiny":
         from engine.tiny import build_tiny_pair
 
@@ -199,7 +199,7 @@ def load_pair(
         from engine.random_pair import build_random_pair
 
         if name is None:
-            raise ValueError("random_weights=True needs a pair name (the architecture to build)")
+            raise InputError("random_weights=True needs a pair name (the architecture to build)")
         pair = build_random_pair(name, dtype=_dense_dtype(fmt, dtype, dev), device=dev)
         rows = _head_rows(pair.draft, pair.tokenizer, draft_vocab)
         info = _convert(pair.target, fmt), _convert(pair.draft, draft_fmt, head_rows=rows)
@@ -219,7 +219,7 @@ def load_pair(
         from engine.weights import DEFAULT_PAIRS, ensure_default_pair
 
         if name not in DEFAULT_PAIRS:
-            raise ValueError(f"unknown pair {name!r}; known: tiny, {', '.join(DEFAULT_PAIRS)}")
+            raise InputError(f"unknown pair {name!r}; known: tiny, {', '.join(DEFAULT_PAIRS)}")
         target, draft = ensure_default_pair(name, progress=progress)
         specs = DEFAULT_PAIRS[name]
     from transformers import AutoModelForCausalLM, AutoTokenizer

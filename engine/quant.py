@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.errors import DraftpilotError
+from engine.errors import DraftpilotError, InputError
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4", "int4-strict", "kquant", "kquant-strict")
 INTEGER_FORMATS = ("int8", "int4", "int4-strict", "kquant", "kquant-strict")
@@ -511,7 +511,7 @@ def draft_vocab_ids(
     tokenizer's own training corpus) plus ``always`` (end-of-sequence and other special tokens), topped up
     with the next ids to a multiple of 16 rows (the int4 packing's granularity); sorted."""
     if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= vocab_size:
-        raise ValueError(f"draft vocabulary size must be an integer in [1, {vocab_size}], got {size!r}")
+        raise InputError(f"draft vocabulary size must be an integer in [1, {vocab_size}], got {size!r}")
     ids = set(range(size)) | {int(i) for i in always if 0 <= int(i) < vocab_size}
     extra = size
     while len(ids) % 16 and extra < vocab_size:  # the int4 packing needs a multiple of 16 output rows
