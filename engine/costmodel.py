@@ -1,4 +1,4 @@
-"""The article's cost model (sections 6-7): expected tokens per cycle and speedup.
+"""The speculative decoding cost model (docs/design.md section 6.1): expected tokens per cycle and speedup.
 
 Letters follow the article: alpha = per-token acceptance probability, gamma = draft length, c = cost of
 one draft step relative to one target step, g(gamma) = cost of verifying gamma tokens relative to one

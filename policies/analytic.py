@@ -1,4 +1,4 @@
-"""The article's cost model (sections 6-7) made operational with online acceptance estimates and a
+"""The cost model (docs/design.md section 6.1) made operational with online acceptance estimates and a
 measured cost profile: the baseline a learned policy must beat to be worth its complexity.
 
 Expected accepted tokens when verifying the top-V nodes: sum of their calibrated path probabilities
