@@ -3,7 +3,7 @@
 The engine knows nothing of environments or policies; controllers plug in through ``engine.control``.
 """
 
-from engine.control import Controller, DraftState
+from engine.control import Controller, DraftState, StaticController
 from engine.engine import EngineConfig, SpeculativeEngine
 from engine.models import IncompatiblePairError, ModelPair, load_pair
 from engine.records import CycleRecord, GenerationResult
@@ -19,5 +19,6 @@ __all__ = [
     "ModelPair",
     "SamplingConfig",
     "SpeculativeEngine",
+    "StaticController",
     "load_pair",
 ]

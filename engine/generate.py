@@ -99,7 +99,7 @@ def _controller(args, limits):
         from policies import load_policy
 
         return load_policy(args.policy, device=args.device if args.device != "auto" else "cpu")
-    from policies import StaticController
+    from engine.control import StaticController
 
     if limits is not None and args.tree_width > limits.vocab_size:
         raise InputError(

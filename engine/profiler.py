@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.attention import MAX_VERIFY_NODES
-from engine.control import Controller, DraftState
+from engine.control import StaticController
 from engine.engine import SpeculativeEngine
 from engine.errors import InputError, is_int
 from engine.kvcache import keep_entries, new_cache
@@ -127,19 +127,6 @@ class ProfileConfig:
             overhead_cycles=3,
             overhead_prompt_len=16,
         )
-
-
-class _FixedController(Controller):
-    """Fixed depth and size (``policies.StaticController``'s behaviour; the engine may not import policies)."""
-
-    def __init__(self, depth: int, verify: int, tree_width: int):
-        self.depth, self.verify, self.tree_width = depth, verify, tree_width
-
-    def should_continue(self, state: DraftState) -> bool:
-        return state.depth < self.depth
-
-    def num_to_verify(self, state: DraftState) -> int:
-        return self.verify
 
 
 def _stats(samples: list[float]) -> tuple[float, float]:
@@ -293,7 +280,9 @@ class _Profiler:
         ar: list[float] = []  # autoregressive steps (no controller): total - forward
         rows, ctrl_calls = [], []
         prompt = self.ids(self.config.overhead_prompt_len)
-        self.engine.generate(prompt, max_new_tokens=3, controller=_FixedController(2, 2, 1))  # warm-up
+        self.engine.generate(
+            prompt, max_new_tokens=3, controller=StaticController(2, 2, tree_width=1)
+        )  # warm-up
         for attempt in range(4):  # EOS can end a request early: top up with other prompts
             ids = prompt if attempt == 0 else self.ids(len(prompt))
             if len(ar) < need:
@@ -306,7 +295,7 @@ class _Profiler:
                 res = self.engine.generate(
                     ids,
                     max_new_tokens=need * (depth + 1) + 2,
-                    controller=_FixedController(depth, verify, width),
+                    controller=StaticController(depth, verify, tree_width=width),
                 )
                 for rec in res.cycles[1:]:  # the first cycle of a request warms the new shapes up
                     if rec.depth == 0:

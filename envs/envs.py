@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import gymnasium as gym
 import numpy as np
 
-from engine.control import Controller
+from engine.control import Controller, StaticController
 from engine.errors import DraftpilotError
 from engine.features import (
     DEPTH_OBS_DIM,
@@ -56,8 +56,6 @@ class EnvConfig:
 
 def reference_rho(backend) -> float:
     """Throughput of a middle-of-the-road static setting on the backend: the starting point for rho."""
-    from policies.static import StaticController
-
     width = backend.width
     return backend.throughput_of(StaticController(depth=4, verify=4 if width == 1 else 8, tree_width=width))
 

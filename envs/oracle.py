@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm.auto import tqdm
 
-from engine.control import Controller, DraftState
+from engine.control import Controller, DraftState, StaticController
 from engine.records import CycleRecord
 from envs.replay import SIZE_LADDER, ReplayTrace, replay_generate, throughput
 
@@ -110,8 +110,6 @@ def static_grid(
     progress: bool = False,
 ) -> dict[tuple[int, int], float]:
     """Replay throughput (sum tokens / sum time) of every static (depth, size) on the traces."""
-    from policies.static import StaticController  # replay-side tool: envs may use policies for baselines
-
     width = traces[0].width
     depths = list(depths or range(1, traces[0].max_depth + 1))
     grid = [(d, s) for d in depths for s in sizes]

@@ -35,6 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.cli import CLI_ERRORS, check_output_dir, check_pair_args, report_error
+from engine.control import StaticController
 from engine.engine import MAX_SEED, SpeculativeEngine, forward_logits
 from engine.errors import DraftpilotError, InputError, is_int
 from engine.kvcache import keep_entries, new_cache
@@ -252,8 +253,6 @@ def record_trace(
     progress: Callable[[int], None] | None = None,
 ) -> Trace:
     """Generate one trajectory (engine, ``seed``) and record the tree at each of its positions."""
-    from policies import StaticController  # lazily: policies may import envs for training
-
     check_record_settings(
         max_depth=max_depth, tree_width=tree_width, max_new_tokens=max_new_tokens, seed=seed, chunk=chunk
     )

@@ -287,7 +287,7 @@ def test_random_qwen_pair_on_meta_has_the_right_shapes():
 
 def test_random_pair_small_override_runs_the_engine():
     from engine import SpeculativeEngine
-    from engine.profiler import _FixedController
+    from engine.control import StaticController
 
     small = dict(
         hidden_size=32,
@@ -307,7 +307,9 @@ def test_random_pair_small_override_runs_the_engine():
     assert torch.equal(pair.target.lm_head.weight, again.target.lm_head.weight)
     assert pair.target.lm_head.weight.shape == (512, 32) and pair.draft.lm_head.weight.shape == (512, 32)
     assert pair.target.model.rotary_emb.inv_freq.dtype == torch.float32
-    res = SpeculativeEngine(pair).generate([1, 2, 3], max_new_tokens=6, controller=_FixedController(2, 2, 2))
+    res = SpeculativeEngine(pair).generate(
+        [1, 2, 3], max_new_tokens=6, controller=StaticController(2, 2, tree_width=2)
+    )
     assert len(res.tokens) == 6 or res.finish_reason == "eos"
 
 
