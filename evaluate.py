@@ -32,6 +32,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from engine.cli import ArgumentParser
 from engine.errors import DraftpilotError
 from engine.files import DirectoryLock, atomic_write_json
 from evaluation.checkpoint import prepare_output, stored_config
@@ -40,9 +41,7 @@ from policies.cli import add_dataclass_args, apply_preset, from_args
 
 
 def build_parser(prog: str = "python evaluate.py") -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_dataclass_args(ap, EvalConfig)
     ap.add_argument(
         "--quick",

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from engine.cli import ArgumentParser
 from engine.errors import DraftpilotError
 from engine.features import device_features
 from engine.files import DirectoryLock, atomic_write_json
@@ -283,6 +284,9 @@ def baselines(train_traces, val_traces, profile, config: TrainConfig) -> dict:
 
 def run_directory(config: TrainConfig) -> Path:
     """``run_dir/run_name``, or ``run_dir/<pair>-<reward>-s<seed>-<timestamp>`` without a name."""
+    name = config.run_name
+    if name and (Path(name).name != name or name in (".", "..")):
+        raise RunDirectoryError(f"--run-name must be a plain directory name inside --run-dir, got {name!r}")
     return Path(config.run_dir) / (
         config.run_name
         or f"{config.pair.replace('/', '_').replace('::', '+')}-"
@@ -333,6 +337,9 @@ def _reuse_or_clear(run: Path, config: TrainConfig, retrain: bool) -> dict | Non
         metrics = meta.get("metrics") or {}
         if not (run / "metrics.json").is_file():  # a run killed between the policy and its metrics
             atomic_write_json(run / "metrics.json", metrics)
+        save_config(
+            config, run / "config.json"
+        )  # the config the policy was trained with (a stale one may sit there)
         print(f"reusing {run}: it was trained with this exact config (--retrain to train again)", flush=True)
         return {**metrics, "policy": str(policy)}
     if not retrain and has_checkpoint(run / "checkpoint"):
@@ -462,7 +469,7 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None) -> dict:
 
 # ----------------------------------------------------------------------------------------- command line
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_dataclass_args(ap, TrainConfig)
     add_dataclass_args(ap, PPOConfig, group="PPO")
     ap.add_argument("--quick", action="store_true", help="tiny budget (plumbing check; explicit flags win)")

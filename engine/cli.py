@@ -14,6 +14,7 @@ that run before any model loads (a bad flag fails in a second, not after minutes
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -27,6 +28,16 @@ from engine.errors import DraftpilotError, InputError, is_int
 CLI_ERRORS = (DraftpilotError, OSError)
 """What a command line reports as one line: deliberate errors and unusable files; anything else is a bug and
 keeps its traceback."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with the project's failure shape: a bad flag (unknown, missing value, wrong type) prints one
+    line ``error: <what is wrong>`` to stderr and exits 2, like every other refused input (``--help`` still
+    prints the usage)."""
+
+    def error(self, message: str):  # noqa: D102 - argparse's hook
+        sys.stderr.write(f"error: {message}\n")
+        raise SystemExit(2)
 
 
 def report_error(err: BaseException, stream=None) -> int:

@@ -126,3 +126,35 @@ class DirectoryLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+KEY_ENV = "DRAFTPILOT_KEY_FILE"
+
+
+def user_key_path() -> Path:
+    """The per-user secret that signs what this project will later unpickle (``$DRAFTPILOT_KEY_FILE``, else
+    ``<cache>/secret/signing.key``)."""
+    env = os.environ.get(KEY_ENV)
+    if env:
+        return Path(env).expanduser()
+    from engine.weights import cache_dir
+
+    return cache_dir() / "secret" / "signing.key"
+
+
+def user_hmac(data: bytes) -> str:
+    """HMAC-SHA256 of ``data`` under this user's key (created on first use, readable by the owner only): a
+    file signed with it was written by this user's runs, which a file planted by someone else cannot be."""
+    import hashlib
+    import hmac
+    import secrets
+
+    path = user_key_path()
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(path.parent, 0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(32))
+    key = path.read_bytes()
+    return hmac.new(key, data, hashlib.sha256).hexdigest()

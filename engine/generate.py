@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from engine.cli import CLI_ERRORS, check_pair_args, check_positive, report_error, warn
+from engine.cli import CLI_ERRORS, ArgumentParser, check_pair_args, check_positive, report_error, warn
 from engine.engine import MAX_SEED, EngineConfig, SpeculativeEngine
 from engine.errors import InputError
 from engine.models import add_format_args, format_kwargs, load_pair
@@ -21,7 +21,7 @@ from engine.sampling import SamplingConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog="python -m engine.generate",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

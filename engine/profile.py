@@ -14,7 +14,6 @@ with the last segment's slope (never decreasing: noise must not make a longer co
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from dataclasses import dataclass, field, fields
@@ -406,11 +405,18 @@ def _plain(obj: Any) -> Any:
 def main(argv: list[str] | None = None) -> int:
     """The command line; returns the exit status (0, or 2 after one ``error: ...`` line). Every argument and
     the output path are checked before any model loads."""
-    from engine.cli import CLI_ERRORS, check_output_file, check_pair_args, check_positive, report_error
+    from engine.cli import (
+        CLI_ERRORS,
+        ArgumentParser,
+        check_output_file,
+        check_pair_args,
+        check_positive,
+        report_error,
+    )
     from engine.models import add_format_args, format_kwargs
     from engine.profiler import ProfileConfig, add_config_arguments, config_from_args, measure_profile_cli
 
-    parser = argparse.ArgumentParser(prog="python -m engine.profile", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m engine.profile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--pair", default="qwen2.5-coder", help="qwen2.5-coder (default) or tiny")
     parser.add_argument(
         "--random-weights",

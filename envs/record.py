@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from engine.cli import CLI_ERRORS, check_output_dir, check_pair_args, report_error
+from engine.cli import CLI_ERRORS, ArgumentParser, check_output_dir, check_pair_args, report_error
 from engine.control import StaticController
 from engine.engine import MAX_SEED, SpeculativeEngine, forward_logits
 from engine.errors import DraftpilotError, InputError, is_int
@@ -475,7 +475,7 @@ def load_traces(directory: str | Path) -> list[Trace]:
 
 # ---------------------------------------------------------------------------------------------- command line
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog="python -m envs.record",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

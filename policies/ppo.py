@@ -12,13 +12,16 @@ Checkpoints (``CoTrainer.save`` / ``load``, a directory, ``<run>/checkpoint`` in
 resuming *your own* interrupted run and are trusted-only: the SB3 models are SB3's zip format, whose
 loader unpickles (cloudpickle) and can run code. The trainer's own state is plain tensors and numbers read
 with ``torch.load(weights_only=True)``, and ``manifest.json`` (plain JSON, written last and atomically)
-records the sha256 of every file; ``load`` refuses a directory without a manifest or with any file that
-does not match it, before unpickling anything. That stops a truncated, swapped or edited file, not someone
-who can also rewrite the manifest: never resume a checkpoint directory you did not write.
+records the sha256 of every file and is signed with an HMAC under a per-user secret key
+(``engine.files.user_hmac``: ``<cache>/secret/signing.key``, owner-only, made on first use); ``load``
+refuses a directory without a manifest, with a manifest this user's key did not sign, or with any file that
+does not match it, before unpickling anything. A truncated, swapped or edited file is refused, and so is a
+planted checkpoint whose manifest was rewritten to match, unless its author can read your key.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import secrets
 import time
@@ -37,7 +40,7 @@ from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 from engine.control import Controller
 from engine.errors import DraftpilotError
 from engine.features import DEPTH_OBS_DIM, SIZE_OBS_DIM
-from engine.files import atomic_path, atomic_write_json, sha256_file
+from engine.files import atomic_path, atomic_write_json, sha256_file, user_hmac, user_key_path
 from envs.envs import DepthEnv, EnvConfig, NoDecisionError, SizeEnv, reference_rho
 from policies.learned import Actor, LearnedController
 
@@ -330,15 +333,14 @@ class CoTrainer:
             torch.save(state, tmp)
         written["trainer.pt"] = directory / f"trainer.{tag}.pt"
         files = {role: {"file": path.name, "sha256": sha256_file(path)} for role, path in written.items()}
-        atomic_write_json(
-            directory / MANIFEST,
-            {
-                "format": CHECKPOINT_FORMAT,
-                "version": CHECKPOINT_VERSION,
-                "phases": len(self.history),
-                "files": files,
-            },
-        )
+        manifest = {
+            "format": CHECKPOINT_FORMAT,
+            "version": CHECKPOINT_VERSION,
+            "phases": len(self.history),
+            "files": files,
+        }
+        manifest["hmac"] = user_hmac(_manifest_bytes(manifest))  # only this user's runs can sign it
+        atomic_write_json(directory / MANIFEST, manifest)
         current = {entry["file"] for entry in files.values()}
         for path in directory.iterdir():
             if path.name not in current and (_is_checkpoint_file(path.name) or path.name == "trainer.pt.tmp"):
@@ -429,6 +431,12 @@ def verify_checkpoint(directory: str | Path) -> dict[str, Path] | None:
         raise CheckpointError(
             f"{manifest} is not a draftpilot checkpoint manifest (version {CHECKPOINT_VERSION})"
         )
+    signature = data.get("hmac")
+    if not isinstance(signature, str) or not hmac.compare_digest(signature, user_hmac(_manifest_bytes(data))):
+        raise CheckpointError(
+            f"{manifest} is not signed with this user's key ({user_key_path()}): written by another user or "
+            "machine, or edited; its files are not unpickled"
+        )
     files: dict[str, Path] = {}
     for role, entry in data["files"].items():
         name = entry.get("file") if isinstance(entry, dict) else None
@@ -454,6 +462,11 @@ def verify_checkpoint(directory: str | Path) -> dict[str, Path] | None:
     if "trainer.pt" not in files:
         raise CheckpointError(f"{manifest} lists no trainer state")
     return files
+
+
+def _manifest_bytes(manifest: dict) -> bytes:
+    """The signed part of a manifest (everything but its signature), canonically encoded."""
+    return json.dumps({k: v for k, v in manifest.items() if k != "hmac"}, sort_keys=True).encode()
 
 
 def read_trainer_state(path: str | Path) -> dict:

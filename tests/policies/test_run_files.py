@@ -18,7 +18,7 @@ import torch
 
 import policies.ppo as ppo
 import train
-from engine.files import DirectoryBusyError, sha256_file
+from engine.files import DirectoryBusyError, sha256_file, user_hmac
 from policies import load_policy
 from policies.cli import save_config
 from policies.ppo import MANIFEST, CheckpointError, read_trainer_state, verify_checkpoint
@@ -122,17 +122,21 @@ def test_planted_trainer_state_never_executes_on_resume(base, tmp_path):
     # no manifest: refused before anything is read
     rc, _, stderr = run_main(["--resume", str(run)])
     assert rc == 2 and MANIFEST in one_error_line(stderr) and not marker.exists()
-    # a forged manifest that vouches for the planted file: the weights-only reader still refuses it unexecuted
-    (run / "checkpoint" / MANIFEST).write_text(
-        json.dumps(
-            {
-                "format": "draftpilot-checkpoint",
-                "version": 1,
-                "phases": 1,
-                "files": {"trainer.pt": {"file": "trainer.pt", "sha256": sha256_file(planted)}},
-            }
-        )
-    )
+    # a forged manifest that vouches for the planted file: not signed with this user's key, so refused
+    forged = {
+        "format": "draftpilot-checkpoint",
+        "version": 1,
+        "phases": 1,
+        "files": {"trainer.pt": {"file": "trainer.pt", "sha256": sha256_file(planted)}},
+    }
+    (run / "checkpoint" / MANIFEST).write_text(json.dumps({**forged, "hmac": "0" * 64}))
+    with pytest.raises(CheckpointError, match="not signed with this user's key"):
+        verify_checkpoint(run / "checkpoint")
+    rc, _, stderr = run_main(["--resume", str(run)])
+    assert rc == 2 and "not signed" in one_error_line(stderr) and not marker.exists()
+    # even signed (an author who can read the key): the weights-only reader still refuses it unexecuted
+    forged["hmac"] = user_hmac(json.dumps(forged, sort_keys=True).encode())
+    (run / "checkpoint" / MANIFEST).write_text(json.dumps(forged))
     assert verify_checkpoint(run / "checkpoint") == {"trainer.pt": planted}
     with pytest.raises(CheckpointError, match="not a plain trainer state"):
         read_trainer_state(planted)
@@ -424,3 +428,20 @@ def test_unusable_run_directories_give_one_error_line(tmp_path):
         ["--pair", "tiny", "--quick", "--activation", "bogus", "--run-dir", str(tmp_path)]
     )
     assert rc == 2 and "activation" in one_error_line(stderr)
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", ".."])
+def test_a_run_name_cannot_leave_the_run_dir(tmp_path, name):
+    rc, _, stderr = run_main(
+        ["--pair", "tiny", "--quick", "--run-dir", str(tmp_path / "runs"), "--run-name", name]
+    )
+    assert rc == 2 and "--run-name" in one_error_line(stderr)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("argv", [["--n-envs", "abc"], ["--bogus-flag"]])
+def test_bad_flags_give_one_error_line(argv):
+    with pytest.raises(SystemExit) as exit_info, contextlib.redirect_stderr(io.StringIO()) as err:
+        train.main(argv)
+    assert exit_info.value.code == 2
+    assert one_error_line(err.getvalue()).startswith("error: ")
