@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             config.resolved()
         )  # absolute paths, the policy file pinned: what config.json and a resume compare
         out = Path(config.out)
-        with DirectoryLock(out, "output directory"):
+        with DirectoryLock(out, "output directory (--out)"):
             state = prepare_output(
                 out, config, audit_only=audit_only
             )  # all checks before anything is written

@@ -301,7 +301,9 @@ def train(config: TrainConfig, resume: Path | None = None, retrain: bool = False
 
     config = effective_config(config)
     run = Path(resume) if resume is not None else run_directory(config)
-    with DirectoryLock(run, "run directory"):
+    with DirectoryLock(
+        run, "run directory (--resume)" if resume is not None else "run directory (--run-dir/--run-name)"
+    ):
         if resume is None:
             reused = _reuse_or_clear(run, config, retrain)
             if reused is not None:

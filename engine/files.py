@@ -24,7 +24,7 @@ from engine.errors import DraftpilotError
 
 
 class DirectoryBusyError(DraftpilotError, RuntimeError):
-    """Another process holds the directory's lock."""
+    """Another process holds the directory's lock, or the directory cannot be made or written at all."""
 
 
 @contextmanager
@@ -103,8 +103,13 @@ class DirectoryLock:
         self._fd: int | None = None
 
     def acquire(self) -> DirectoryLock:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise DirectoryBusyError(
+                f"{self.what} {self.directory} cannot be created or written ({err.strerror or err})"
+            ) from err
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -288,7 +288,12 @@ def record_trace(
 def read_prompts(path: str | Path) -> list[dict]:
     """Prompts from JSONL: ``{"id": ..., "prompt": ..., optional "language", "task"}`` per line."""
     prompts = []
-    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        reason = getattr(err, "strerror", None) or err
+        raise RecordError(f"prompt file {path} (--prompts) cannot be read: {reason}") from err
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

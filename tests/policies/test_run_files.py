@@ -445,3 +445,14 @@ def test_bad_flags_give_one_error_line(argv):
         train.main(argv)
     assert exit_info.value.code == 2
     assert one_error_line(err.getvalue()).startswith("error: ")
+
+
+def test_unusable_paths_name_their_flag(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    rc, _, stderr = run_main(["--pair", "tiny", "--quick", "--run-dir", str(a_file)])
+    assert rc == 2 and "--run-dir" in one_error_line(stderr)
+    rc, _, stderr = run_main(
+        ["--pair", "tiny", "--quick", "--run-dir", str(tmp_path / "r"), "--prompts", str(tmp_path)]
+    )
+    assert rc == 2 and "--prompts" in one_error_line(stderr)
