@@ -367,9 +367,9 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None) -> dict:
     from policies.ppo import CoTrainer
 
     started = time.perf_counter()
+    train_prompts, val_prompts = select_prompts(config)  # a bad prompt file fails before any model loads
     pair = load_models(config)
     profile = ensure_profile(config, pair)
-    train_prompts, val_prompts = select_prompts(config)
     train_traces = ensure_traces(config, pair, train_prompts, "train")
     val_traces = ensure_traces(config, pair, val_prompts, "validation")
     data_s = time.perf_counter() - started
