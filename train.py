@@ -204,15 +204,7 @@ QUICK_PPO = {"n_envs": 2, "n_steps": 128, "batch_size": 64, "n_epochs": 2}
 
 # ----------------------------------------------------------------------------------------- data
 def load_models(config: TrainConfig):
-    return workspace.load_models(
-        config.pair,
-        config.dtype,
-        config.device,
-        config.threads,
-        config.weights,
-        config.draft_weights,
-        config.draft_vocab,
-    )
+    return workspace.load_models_of(config)
 
 
 def ensure_profile(config: TrainConfig, pair):

@@ -40,6 +40,20 @@ def load_models(
     return load_pair(pair, **formats)
 
 
+def load_models_of(config) -> ModelPair:
+    """``load_models`` with the fields of a run config (``train.TrainConfig``, ``evaluation.EvalConfig``:
+    pair, dtype, device, threads, weights, draft_weights, draft_vocab)."""
+    return load_models(
+        config.pair,
+        config.dtype,
+        config.device,
+        config.threads,
+        config.weights,
+        config.draft_weights,
+        config.draft_vocab,
+    )
+
+
 def pair_dir(pair: ModelPair, cache_dir: str | Path) -> Path:
     dev = "cuda" if pair.device.type == "cuda" else "cpu"
     name = pair.name.replace("/", "_").replace(":", "_")

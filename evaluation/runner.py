@@ -49,15 +49,7 @@ class Setup:
         if "static_tree" in self.names and self.tree_width == 1:
             self.names.remove("static_tree")
             self.warnings.append("tree_width is 1: the static tree is the static chain, measured once")
-        self.pair = workspace.load_models(
-            config.pair,
-            config.dtype,
-            config.device,
-            config.threads,
-            config.weights,
-            config.draft_weights,
-            config.draft_vocab,
-        )
+        self.pair = workspace.load_models_of(config)
         self.llama = None
         if any(n in LLAMA_PEERS for n in self.names):
             import torch

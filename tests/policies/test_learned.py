@@ -55,22 +55,26 @@ def tiny_data(tmp_path_factory):
     }
 
 
-def make_trainer(data, seed=0, steps=(256, 256)):
+def new_trainer(data, seed=0, env_config=None, baseline_depth=2):
+    """A CoTrainer on the tiny traces (baseline: StaticController(baseline_depth, 2))."""
     from policies.ppo import CoTrainer
 
     config = data["config"]
-    backend = ReplayBackend(data["train"], data["profile"])
-    trainer = CoTrainer(
-        backend,
+    return CoTrainer(
+        ReplayBackend(data["train"], data["profile"]),
         config.ppo,
-        EnvConfig(),
-        lambda: StaticController(2, 2, tree_width=config.tree_width),
+        env_config or EnvConfig(),
+        lambda: StaticController(baseline_depth, 2, tree_width=config.tree_width),
         train.replay_eval(data["val"], data["profile"]),
         max_depth=config.max_depth,
         device_feats=np.zeros(3, np.float32),
         seed=seed,
         eval_every=128,
     )
+
+
+def make_trainer(data, seed=0, steps=(256, 256)):
+    trainer = new_trainer(data, seed)
     trainer.run_phase("size", steps[0], 0)
     trainer.run_phase("depth", steps[1], 0)
     return trainer
@@ -356,20 +360,6 @@ def test_live_backend_training_runs_on_the_real_engine(tmp_path):
 def test_a_size_phase_with_no_size_decision_is_skipped(tiny_data):
     """A depth policy that never drafts leaves the size policy nothing to decide: the phase is logged with
     0 steps and the size actor is kept, instead of the run failing."""
-    from policies.ppo import CoTrainer
-
-    config = tiny_data["config"]
-    backend = ReplayBackend(tiny_data["train"], tiny_data["profile"])
-    trainer = CoTrainer(
-        backend,
-        config.ppo,
-        EnvConfig(depth_zero=True),
-        lambda: StaticController(0, tree_width=config.tree_width),
-        train.replay_eval(tiny_data["val"], tiny_data["profile"]),
-        max_depth=config.max_depth,
-        device_feats=np.zeros(3, np.float32),
-        seed=0,
-        eval_every=128,
-    )
+    trainer = new_trainer(tiny_data, env_config=EnvConfig(depth_zero=True), baseline_depth=0)
     log = trainer.run_phase("size", 256, 0)
     assert log.steps == 0 and trainer.history == [log] and "size" not in trainer.models
