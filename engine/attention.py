@@ -38,7 +38,7 @@ _plan_cache: tuple = (None, None)
 replaced whole, so concurrent engines (evaluation.concurrency) never pair one mask with another's plan."""
 
 
-def _row_keys(mask: torch.Tensor) -> list[int | torch.Tensor]:
+def row_keys(mask: torch.Tensor) -> list[int | torch.Tensor]:
     """Per query row of a [1, 1, q, kv] mask: an int n when the row sees exactly keys [0, n), else the
     index tensor of the keys it sees."""
     global _plan_cache
@@ -82,7 +82,7 @@ def rowwise_attention(
             raise ValueError(
                 f"attention mask covers {attention_mask.shape[-1]} keys, the cache holds {kv_len}"
             )
-        plan = _row_keys(attention_mask)
+        plan = row_keys(attention_mask)
     rows = []
     for j, keys in enumerate(plan):
         if isinstance(keys, int):

@@ -46,22 +46,38 @@ class GrowingLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        old = self.get_seq_length()
+        kbuf, vbuf, old = self.reserve(key_states.shape[-2], key_states, value_states)
         new = old + key_states.shape[-2]
+        kbuf[..., old:new, :] = key_states
+        vbuf[..., old:new, :] = value_states
+        self.extend(new)
+        return self.keys, self.values
+
+    def reserve(
+        self, count: int, key_like: torch.Tensor, value_like: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Make room for ``count`` more entries: (keys buffer, values buffer, entries held now), buffers
+        [batch, kv_heads, capacity, head_dim] with capacity >= held + count. The caller writes the new
+        entries at [held, held + count) and then calls ``extend(held + count)``. ``key_like`` /
+        ``value_like``: tensors of the entries' shape (all but the sequence axis), dtype and device."""
+        value_like = key_like if value_like is None else value_like
+        if not self.is_initialized:
+            self.lazy_initialization(key_like, value_like)
+        old = self.get_seq_length()
+        new = old + count
         if not (old and self._backed()) or new > self._kbuf.shape[-2]:
             capacity = max(MIN_CAPACITY, new, 2 * (self._kbuf.shape[-2] if self._kbuf is not None else 0))
-            kbuf = key_states.new_empty((*key_states.shape[:-2], capacity, key_states.shape[-1]))
-            vbuf = value_states.new_empty((*value_states.shape[:-2], capacity, value_states.shape[-1]))
+            kbuf = key_like.new_empty((*key_like.shape[:-2], capacity, key_like.shape[-1]))
+            vbuf = value_like.new_empty((*value_like.shape[:-2], capacity, value_like.shape[-1]))
             if old:
                 kbuf[..., :old, :] = self.keys
                 vbuf[..., :old, :] = self.values
             self._kbuf, self._vbuf = kbuf, vbuf
-        self._kbuf[..., old:new, :] = key_states
-        self._vbuf[..., old:new, :] = value_states
-        self.keys, self.values = self._kbuf[..., :new, :], self._vbuf[..., :new, :]
-        return self.keys, self.values
+        return self._kbuf, self._vbuf, old
+
+    def extend(self, length: int) -> None:
+        """Expose the first ``length`` entries of the buffers as the cache (after ``reserve`` and a write)."""
+        self.keys, self.values = self._kbuf[..., :length, :], self._vbuf[..., :length, :]
 
     def reset(self) -> None:
         self._kbuf = self._vbuf = None

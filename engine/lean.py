@@ -7,6 +7,14 @@ This forward runs the very same tensor operations in the same order -- RMSNorm, 
 embedding, the cache append, row-wise attention, the MLP -- read off the model's own modules, so its
 logits are bitwise those of ``model(...)`` (a test checks it on every forward shape the engine uses).
 Forwards with more rows (prompt prefill, trace-recording blocks) keep transformers' forward.
+
+When every linear layer of the decoder runs the compiled kquant kernels (``engine.kquant``), the layers run
+in one call of the native decoder instead (``engine/csrc/decoder.cpp``): the same computation written out in
+C++ (no per-operation dispatch from Python, q/k/v and gate/up each on one quantised input), batch
+invariant by construction like the kernels, so greedy speculation through it stays token-identical to
+autoregressive decoding through it; its logits are close to, not bitwise, transformers' (other summation
+orders), which is why it is used for the kquant formats only, whose products are the project's own anyway.
+The embedding, the final norm and the LM head stay in Python (one call each).
 """
 
 from __future__ import annotations
@@ -14,7 +22,12 @@ from __future__ import annotations
 import torch
 from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM, apply_rotary_pos_emb
 
-from engine.attention import MAX_ROWWISE_ROWS, ROWWISE_ATTENTION, rowwise_attention
+from engine.attention import MAX_ROWWISE_ROWS, ROWWISE_ATTENTION, row_keys, rowwise_attention
+from engine.kquant import KQuantLinear
+from engine.kvcache import GrowingLayer
+
+NATIVE = True
+"""Whether kquant models take the native decoder (tests and benchmarks switch it off to compare)."""
 
 
 def supports(model) -> bool:
@@ -29,6 +42,82 @@ def supports(model) -> bool:
         and model.model.embed_tokens.weight.device.type == "cpu"
         and model.model.embed_tokens.weight.dtype == torch.float32
     )
+
+
+def _linears(layer) -> list:
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+
+
+def native_decoder(model):
+    """The native decoder of ``model`` (built once and kept on the model), or None when its layers are not
+    all kquant (or the lean forward does not apply)."""
+    decoder = model.__dict__.get("_draftpilot_decoder", False)
+    if decoder is not False:
+        return decoder
+    decoder = None
+    if supports(model) and all(
+        isinstance(linear, KQuantLinear) for layer in model.model.layers for linear in _linears(layer)
+    ):
+        config, first = model.config, model.model.layers[0]
+        attn = first.self_attn
+        decoder = first.self_attn.q_proj._ops.Decoder(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            attn.head_dim,
+            config.intermediate_size,
+            float(first.input_layernorm.variance_epsilon),
+        )
+        for layer in model.model.layers:
+            linears = _linears(layer)
+            decoder.add_layer(
+                layer.input_layernorm.weight.detach().contiguous(),
+                layer.post_attention_layernorm.weight.detach().contiguous(),
+                [
+                    [linear.codes, linear.meta]
+                    if linear.kind == "k4"
+                    else [linear.lo, linear.hi, linear.meta]
+                    for linear in linears
+                ],
+                [linear.bias for linear in linears],
+            )
+    model.__dict__["_draftpilot_decoder"] = decoder
+    return decoder
+
+
+def _native_forward(model, decoder, ids, positions, cache, mask, keep: int) -> torch.Tensor:
+    inner, q_len = model.model, ids.shape[1]
+    x = inner.embed_tokens(ids)
+    if x.dtype != torch.float32:
+        raise ValueError("the lean forward runs float32 activations only")
+    cos, sin = inner.rotary_emb(x, positions)
+    config = model.config
+    like = x.new_empty((1, config.num_key_value_heads, 0, inner.layers[0].self_attn.head_dim))
+    buffers = [layer.reserve(q_len, like) for layer in cache.layers]
+    past = buffers[0][2]
+    if mask is None:  # causal: row j sees the cache and rows 0..j
+        counts, index = torch.arange(past + 1, past + q_len + 1), torch.empty(0, dtype=torch.long)
+    else:
+        if mask.shape[-1] != past + q_len:
+            raise ValueError(f"attention mask covers {mask.shape[-1]} keys, the cache holds {past + q_len}")
+        plan = row_keys(mask)
+        counts = torch.as_tensor([n if isinstance(n, int) else int(n.numel()) for n in plan])
+        if all(isinstance(n, int) for n in plan):
+            index = torch.empty(0, dtype=torch.long)
+        else:
+            index = torch.zeros((q_len, int(counts.max())), dtype=torch.long)
+            for j, n in enumerate(plan):
+                index[j, : counts[j]] = torch.arange(n) if isinstance(n, int) else n
+    h = decoder.forward(
+        x[0], cos[0], sin[0], [b[0] for b in buffers], [b[1] for b in buffers], past, counts, index
+    )
+    for layer in cache.layers:
+        layer.extend(past + q_len)
+    h = _rms_norm(inner.norm, h)
+    if keep:
+        h = h[-keep:]
+    return model.lm_head(h)
 
 
 def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
@@ -47,6 +136,9 @@ def forward(
     q_len = ids.shape[1]
     if q_len > MAX_ROWWISE_ROWS:
         raise ValueError(f"the lean forward takes at most {MAX_ROWWISE_ROWS} rows, got {q_len}")
+    decoder = native_decoder(model) if NATIVE else None
+    if decoder is not None and all(type(layer) is GrowingLayer for layer in cache.layers):
+        return _native_forward(model, decoder, ids, positions, cache, mask, keep)
     inner = model.model
     x = inner.embed_tokens(ids)
     if x.dtype != torch.float32:

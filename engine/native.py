@@ -1,4 +1,5 @@
-"""The project's compiled CPU kernels (``engine/csrc/kquant.cpp``): built on first use with the machine's
+"""The project's compiled CPU kernels (``engine/csrc/``: the K-quant products of ``kquant.cpp`` and the
+native decoder of ``decoder.cpp``): built on first use with the machine's
 C++ compiler for the machine's own instruction set (``-march=native``) and cached, keyed by the source,
 the compiler flags, the torch version and the CPU's instruction-set flags, so a cache made on one CPU is
 never loaded on another.
@@ -19,7 +20,9 @@ from types import ModuleType
 
 from engine.errors import DraftpilotError
 
-SOURCE = Path(__file__).with_name("csrc") / "kquant.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "kquant.cpp", CSRC / "decoder.cpp")
+HEADERS = (CSRC / "kquant.h",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
@@ -54,7 +57,7 @@ def build_dir() -> Path:
 
     key = hashlib.sha256()
     for part in (
-        SOURCE.read_bytes(),
+        *(path.read_bytes() for path in SOURCES + HEADERS),
         " ".join(CFLAGS + LDFLAGS).encode(),
         torch.__version__.encode(),
         cpu_signature().encode(),
@@ -79,7 +82,7 @@ def kernels() -> ModuleType:
             directory.mkdir(parents=True, exist_ok=True)
             _module = load(
                 name="draftpilot_kquant",
-                sources=[str(SOURCE)],
+                sources=[str(path) for path in SOURCES],
                 extra_cflags=list(CFLAGS),
                 extra_ldflags=list(LDFLAGS),
                 build_directory=str(directory),

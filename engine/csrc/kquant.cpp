@@ -18,7 +18,8 @@
 // Activations: d = max|x| / 127 per block, code = round-half-even(x / d); a block holding a NaN or an
 // infinity gets d = NaN, so its outputs are NaN (never a silently finite value).
 
-#include <torch/extension.h>
+#include "kquant.h"
+
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -33,18 +34,10 @@
 #define KQ_AVX512 0
 #endif
 
+namespace kq {
 namespace {
 
-constexpr int64_t QB = 128;        // inputs per block
-constexpr int64_t G16 = QB / 16;   // 16-input sums of activation codes per block
-constexpr int MAX_TILE = 8;        // activation rows sharing one pass over a weight row
-
-struct QuantizedRows {
-  std::vector<int8_t> q;     // [M, nb, 128]
-  std::vector<float> d;      // [M, nb]
-  std::vector<int32_t> sum;  // [M, nb, 8] sums of 16 codes
-  std::vector<float> dsum;   // [M, nb, 8] d * sum
-};
+constexpr int MAX_TILE = 8;  // activation rows sharing one pass over a weight row
 
 float half_to_float(uint16_t h) {
   // IEEE binary16 -> binary32 (exact), portable
@@ -79,6 +72,8 @@ inline uint16_t load_u16(const uint8_t* p) {
   std::memcpy(&v, p, 2);
   return v;
 }
+
+}  // namespace
 
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t nb, QuantizedRows& out) {
   out.q.assign((size_t)(M * nb * QB), 0);
@@ -125,6 +120,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t nb, QuantizedRo
   });
 }
 
+namespace {
 // ------------------------------------------------------------------------------------------- portable
 // Reference arithmetic (any CPU): the same integer sums per block, one float multiply-add per block.
 void k4_rows_portable(const QuantizedRows& a, int64_t m0, int tile, int64_t nb, const uint8_t* codes,
@@ -324,79 +320,111 @@ void run_tile(const Row& row, const QuantizedRows& a, int64_t m0, int tile, int6
   }
 }
 
-void check_input(const torch::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.device().is_cpu(), "kquant: input must be on the CPU");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "kquant: input must be float32, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "kquant: input must be [..., ", K, "], got ", x.sizes());
+}  // namespace
+
+void Linear::rows(int64_t n, const QuantizedRows& a, int64_t M, float* y, int64_t ldy) const {
+  float out[MAX_TILE];
+  const float b = bias ? bias[n] : 0.f;
+  for (int64_t m0 = 0; m0 < M; m0 += MAX_TILE) {
+    const int tile = (int)std::min<int64_t>(MAX_TILE, M - m0);
+    if (kind == 4) {
+      run_tile(K4Row{p0 + n * nb * 64, p2 + n * nb * 12}, a, m0, tile, nb, out);
+    } else {
+      run_tile(K6Row{p0 + n * nb * 64, p1 + n * nb * 32, p2 + n * nb * 10}, a, m0, tile, nb, out);
+    }
+    for (int r = 0; r < tile; ++r) y[(m0 + r) * ldy] = bias ? out[r] + b : out[r];
+  }
 }
 
-void check_bias(const c10::optional<torch::Tensor>& bias, int64_t N) {
-  if (!bias.has_value()) return;
-  const torch::Tensor& b = *bias;
-  TORCH_CHECK(b.device().is_cpu() && b.scalar_type() == torch::kFloat32 && b.is_contiguous() && b.dim() == 1 &&
-                  b.size(0) == N,
-              "kquant: bias must be a contiguous float32 CPU tensor of ", N, " values");
-}
-
+namespace {
 void check_weight(const torch::Tensor& t, int64_t N, int64_t nb, int64_t width, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kUInt8 && t.is_contiguous(),
               "kquant: ", name, " must be a contiguous uint8 CPU tensor");
   TORCH_CHECK(t.numel() == N * nb * width, "kquant: ", name, " has ", t.numel(), " bytes, expected ",
               N * nb * width);
 }
+}  // namespace
 
-// y[..., N] = x[..., K] @ W^T (+ bias): one output per (row, n), each computed by one thread.
-template <typename MakeRow>
-torch::Tensor matmul(const torch::Tensor& x_in, const c10::optional<torch::Tensor>& bias, int64_t N, int64_t K,
-                     MakeRow make_row) {
-  check_input(x_in, K);
-  check_bias(bias, N);
-  const torch::Tensor x = x_in.reshape({-1, K}).contiguous();
-  const int64_t M = x.size(0), nb = (K + QB - 1) / QB;
-  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
-  out_shape.back() = N;
-  torch::Tensor y = torch::empty(out_shape, x.options());
-  if (M == 0 || N == 0) return y;
-  QuantizedRows a;
-  quantize_rows(x.data_ptr<float>(), M, K, nb, a);
-  float* yp = y.data_ptr<float>();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    float out[MAX_TILE];
-    for (int64_t n = n0; n < n1; ++n) {
-      const auto row = make_row(n);
-      const float b = bp ? bp[n] : 0.f;
-      for (int64_t m0 = 0; m0 < M; m0 += MAX_TILE) {
-        const int tile = (int)std::min<int64_t>(MAX_TILE, M - m0);
-        run_tile(row, a, m0, tile, nb, out);
-        for (int r = 0; r < tile; ++r) yp[(m0 + r) * N + n] = bp ? out[r] + b : out[r];
-      }
+Linear make_linear(const std::vector<torch::Tensor>& parts, const c10::optional<torch::Tensor>& bias, int64_t K) {
+  TORCH_CHECK(parts.size() == 2 || parts.size() == 3,
+              "kquant: a layer is 2 tensors (k4: codes, meta) or 3 (k6: lo, hi, meta), got ", parts.size());
+  Linear L;
+  L.kind = parts.size() == 2 ? 4 : 6;
+  L.K = K;
+  L.nb = (K + QB - 1) / QB;
+  L.N = parts[0].size(0);
+  if (L.kind == 4) {
+    check_weight(parts[0], L.N, L.nb, 64, "codes");
+    check_weight(parts[1], L.N, L.nb, 12, "meta");
+    L.p0 = parts[0].data_ptr<uint8_t>();
+    L.p2 = parts[1].data_ptr<uint8_t>();
+  } else {
+    check_weight(parts[0], L.N, L.nb, 64, "lo");
+    check_weight(parts[1], L.N, L.nb, 32, "hi");
+    check_weight(parts[2], L.N, L.nb, 10, "meta");
+    L.p0 = parts[0].data_ptr<uint8_t>();
+    L.p1 = parts[1].data_ptr<uint8_t>();
+    L.p2 = parts[2].data_ptr<uint8_t>();
+  }
+  if (bias.has_value()) {
+    const torch::Tensor& b = *bias;
+    TORCH_CHECK(b.device().is_cpu() && b.scalar_type() == torch::kFloat32 && b.is_contiguous() && b.dim() == 1 &&
+                    b.size(0) == L.N,
+                "kquant: bias must be a contiguous float32 CPU tensor of ", L.N, " values");
+    L.bias = b.data_ptr<float>();
+  }
+  L.keep = parts;
+  if (bias.has_value()) L.keep.push_back(*bias);
+  return L;
+}
+
+void run_linears(const std::vector<const Linear*>& layers, const QuantizedRows& a, int64_t M,
+                 const std::vector<float*>& outs) {
+  // one parallel region over the outputs of every layer (they share the quantised input): each output
+  // column is computed by one thread whatever M is
+  std::vector<int64_t> start(layers.size() + 1, 0);
+  for (size_t i = 0; i < layers.size(); ++i) start[i + 1] = start[i] + layers[i]->N;
+  at::parallel_for(0, start.back(), 16, [&](int64_t c0, int64_t c1) {
+    size_t i = 0;
+    for (int64_t c = c0; c < c1; ++c) {
+      while (c >= start[i + 1]) ++i;
+      const Linear& L = *layers[i];
+      const int64_t n = c - start[i];
+      L.rows(n, a, M, outs[i] + n, L.N);
     }
   });
+}
+
+namespace {
+void check_input(const torch::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.device().is_cpu(), "kquant: input must be on the CPU");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "kquant: input must be float32, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "kquant: input must be [..., ", K, "], got ", x.sizes());
+}
+
+// y[..., N] = x[..., K] @ W^T (+ bias): one output per (row, n), each computed by one thread.
+torch::Tensor matmul(const torch::Tensor& x_in, const Linear& L) {
+  check_input(x_in, L.K);
+  const torch::Tensor x = x_in.reshape({-1, L.K}).contiguous();
+  const int64_t M = x.size(0);
+  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
+  out_shape.back() = L.N;
+  torch::Tensor y = torch::empty(out_shape, x.options());
+  if (M == 0 || L.N == 0) return y;
+  QuantizedRows a;
+  quantize_rows(x.data_ptr<float>(), M, L.K, L.nb, a);
+  run_linears({&L}, a, M, {y.data_ptr<float>()});
   return y;
 }
 
 torch::Tensor k4_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& meta,
                         const c10::optional<torch::Tensor>& bias, int64_t K) {
-  const int64_t nb = (K + QB - 1) / QB, N = codes.size(0);
-  check_weight(codes, N, nb, 64, "codes");
-  check_weight(meta, N, nb, 12, "meta");
-  const uint8_t* c = codes.data_ptr<uint8_t>();
-  const uint8_t* mt = meta.data_ptr<uint8_t>();
-  return matmul(x, bias, N, K, [&](int64_t n) { return K4Row{c + n * nb * 64, mt + n * nb * 12}; });
+  return matmul(x, make_linear({codes, meta}, bias, K));
 }
 
 torch::Tensor k6_matmul(const torch::Tensor& x, const torch::Tensor& lo, const torch::Tensor& hi,
                         const torch::Tensor& meta, const c10::optional<torch::Tensor>& bias, int64_t K) {
-  const int64_t nb = (K + QB - 1) / QB, N = lo.size(0);
-  check_weight(lo, N, nb, 64, "lo");
-  check_weight(hi, N, nb, 32, "hi");
-  check_weight(meta, N, nb, 10, "meta");
-  const uint8_t* l = lo.data_ptr<uint8_t>();
-  const uint8_t* h = hi.data_ptr<uint8_t>();
-  const uint8_t* mt = meta.data_ptr<uint8_t>();
-  return matmul(x, bias, N, K,
-                [&](int64_t n) { return K6Row{l + n * nb * 64, h + n * nb * 32, mt + n * nb * 10}; });
+  return matmul(x, make_linear({lo, hi, meta}, bias, K));
 }
 
 std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x_in) {
@@ -413,10 +441,13 @@ std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x_in) {
 bool simd() { return KQ_AVX512; }
 
 }  // namespace
+}  // namespace kq
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace kq;
   m.def("k4_matmul", &k4_matmul, "y = x @ W.T (+ bias) with W in the k4 (Q4_K) layout");
   m.def("k6_matmul", &k6_matmul, "y = x @ W.T (+ bias) with W in the k6 (Q6_K) layout");
   m.def("quantize_activations", &quantize_activations, "the int8 codes and block scales the products use");
   m.def("simd", &simd, "whether the AVX-512 VNNI path was compiled (else the portable one)");
+  register_decoder(m);
 }

@@ -1,0 +1,240 @@
+// The native decoder: every layer of a Qwen2 model whose linear layers are in the k4 / k6 layouts, for the
+// decode, draft and verification forwards (a few query rows), in one call -- RMSNorm, the q/k/v projections
+// (one quantised input), rotary embedding, the KV cache write, attention, the output projection, the MLP
+// (gate and up on one quantised input, SiLU, down) and the residual adds. It replaces ~25 torch operations
+// a layer dispatched from Python (engine/lean.py) whose overhead is a sizeable share of a quantized step.
+//
+// Exactness: every value a query row gets is computed by one thread with the same operations whatever the
+// number of rows and whichever rows share the forward: norms and activations row by row, linear layers by
+// the batch-invariant products of kquant.cpp, attention for one (row, head) over exactly the keys that row
+// may see, listed in cache order (a prefix, or the committed prefix plus the row's ancestors for a tree),
+// so a row sees the same numbers in the same order as the one-row step that would decode it. Greedy
+// speculative decoding through this decoder is therefore token-identical to autoregressive decoding
+// through it. Its logits are close to, not bitwise, transformers' forward (other summation orders).
+
+#include "kquant.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define DEC_AVX512 1
+#else
+#define DEC_AVX512 0
+#endif
+
+namespace kq {
+namespace {
+
+// Dot product of two float vectors in a fixed order (depends on n only).
+inline float dot(const float* a, const float* b, int64_t n) {
+#if DEC_AVX512
+  if (n % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void rms_norm(const float* x, const float* w, float eps, int64_t H, float* out) {
+  double ss = 0.0;
+  for (int64_t i = 0; i < H; ++i) ss += (double)x[i] * (double)x[i];
+  const float inv = 1.f / std::sqrt((float)(ss / (double)H) + eps);
+  for (int64_t i = 0; i < H; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+// q_embed = q * cos + rotate_half(q) * sin, rotate_half(q) = (-q[D/2:], q[:D/2])
+void rope(float* v, const float* cos, const float* sin, int64_t D) {
+  const int64_t h = D / 2;
+  float tmp[512];
+  for (int64_t i = 0; i < D; ++i) tmp[i] = v[i];
+  for (int64_t i = 0; i < h; ++i) v[i] = tmp[i] * cos[i] - tmp[i + h] * sin[i];
+  for (int64_t i = h; i < D; ++i) v[i] = tmp[i] * cos[i] + tmp[i - h] * sin[i];
+}
+
+struct Layer {
+  torch::Tensor in_norm, post_norm;
+  Linear q, k, v, o, gate, up, down;
+};
+
+class Decoder {
+ public:
+  Decoder(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps)
+      : H_(hidden), NH_(heads), NKV_(kv_heads), D_(head_dim), I_(intermediate), eps_((float)eps) {
+    TORCH_CHECK(hidden > 0 && heads > 0 && kv_heads > 0 && head_dim > 0 && intermediate > 0,
+                "decoder: sizes must be positive");
+    TORCH_CHECK(heads % kv_heads == 0, "decoder: heads must be a multiple of kv_heads");
+    TORCH_CHECK(head_dim % 2 == 0 && head_dim <= 512, "decoder: head_dim must be even and at most 512");
+  }
+
+  void add_layer(const torch::Tensor& in_norm, const torch::Tensor& post_norm,
+                 const std::vector<std::vector<torch::Tensor>>& linears,
+                 const std::vector<c10::optional<torch::Tensor>>& biases) {
+    TORCH_CHECK(linears.size() == 7 && biases.size() == 7, "decoder: a layer has 7 linear layers");
+    for (const auto* t : {&in_norm, &post_norm})
+      TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->numel() == H_,
+                  "decoder: norm weights must be contiguous float32 [", H_, "]");
+    const int64_t in[7] = {H_, H_, H_, NH_ * D_, H_, H_, I_};
+    const int64_t outs[7] = {NH_ * D_, NKV_ * D_, NKV_ * D_, H_, I_, I_, H_};
+    Layer L;
+    L.in_norm = in_norm;
+    L.post_norm = post_norm;
+    Linear* dst[7] = {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down};
+    for (int i = 0; i < 7; ++i) {
+      *dst[i] = make_linear(linears[i], biases[i], in[i]);
+      TORCH_CHECK(dst[i]->N == outs[i], "decoder: linear ", i, " has ", dst[i]->N, " outputs, expected ", outs[i]);
+    }
+    layers_.push_back(std::move(L));
+  }
+
+  int64_t num_layers() const { return (int64_t)layers_.size(); }
+
+  // x [Q, H]: the embedded rows (not modified); cos, sin [Q, D]; keys[l], values[l]: [1, NKV, capacity, D]
+  // buffers of layer l holding `past` entries (the new rows are written at past..past+Q-1); counts [Q] int64:
+  // how many keys row r sees; index: empty (row r sees keys 0..counts[r]-1) or [Q, L] int64 (row r sees
+  // index[r, :counts[r]], ascending). Returns the hidden states [Q, H] after the last layer (before the
+  // final norm).
+  torch::Tensor forward(const torch::Tensor& x_in, const torch::Tensor& cos_in, const torch::Tensor& sin_in,
+                        const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
+                        int64_t past, const torch::Tensor& counts_in, const torch::Tensor& index_in) {
+    const int64_t Q = x_in.size(0), nl = num_layers();
+    TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == H_ && x_in.scalar_type() == torch::kFloat32,
+                "decoder: x must be float32 [Q, ", H_, "]");
+    TORCH_CHECK(Q >= 1, "decoder: at least one row");
+    TORCH_CHECK(cos_in.sizes() == sin_in.sizes() && cos_in.dim() == 2 && cos_in.size(0) == Q &&
+                    cos_in.size(1) == D_ && cos_in.scalar_type() == torch::kFloat32,
+                "decoder: cos/sin must be float32 [Q, ", D_, "]");
+    TORCH_CHECK((int64_t)keys.size() == nl && (int64_t)values.size() == nl, "decoder: one key and value buffer a layer");
+    TORCH_CHECK(past >= 0, "decoder: past must be >= 0");
+    for (int64_t l = 0; l < nl; ++l) {
+      for (const auto* t : {&keys[l], &values[l]}) {
+        TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->dim() == 4 && t->size(0) == 1 &&
+                        t->size(1) == NKV_ && t->size(3) == D_ && t->size(2) >= past + Q,
+                    "decoder: cache buffers must be contiguous float32 [1, ", NKV_, ", >= ", past + Q, ", ", D_, "]");
+      }
+    }
+    const torch::Tensor counts = counts_in.to(torch::kInt64).contiguous();
+    TORCH_CHECK(counts.numel() == Q, "decoder: counts must have one entry a row");
+    const bool indexed = index_in.numel() > 0;
+    const torch::Tensor index = indexed ? index_in.to(torch::kInt64).contiguous() : index_in;
+    const int64_t* cnt = counts.data_ptr<int64_t>();
+    const int64_t* idx = indexed ? index.data_ptr<int64_t>() : nullptr;
+    const int64_t idx_width = indexed ? index.size(1) : 0;
+    if (indexed) TORCH_CHECK(index.dim() == 2 && index.size(0) == Q, "decoder: index must be [Q, L]");
+    for (int64_t r = 0; r < Q; ++r) {
+      TORCH_CHECK(cnt[r] >= 1 && cnt[r] <= past + Q && (!indexed || cnt[r] <= idx_width),
+                  "decoder: row ", r, " sees ", cnt[r], " keys; the cache holds ", past + Q);
+      if (indexed)
+        for (int64_t t = 0; t < cnt[r]; ++t)
+          TORCH_CHECK(idx[r * idx_width + t] >= 0 && idx[r * idx_width + t] < past + Q &&
+                          (t == 0 || idx[r * idx_width + t] > idx[r * idx_width + t - 1]),
+                      "decoder: index of row ", r, " must be ascending cache positions");
+    }
+    const torch::Tensor cosc = cos_in.contiguous(), sinc = sin_in.contiguous();
+    const float* cs = cosc.data_ptr<float>();
+    const float* sn = sinc.data_ptr<float>();
+
+    torch::Tensor out = x_in.contiguous().clone();
+    float* x = out.data_ptr<float>();
+    const int64_t QD = NH_ * D_, KD = NKV_ * D_;
+    std::vector<float> h((size_t)(Q * std::max(H_, I_))), q((size_t)(Q * QD)), k((size_t)(Q * KD)),
+        v((size_t)(Q * KD)), att((size_t)(Q * QD)), gate((size_t)(Q * I_)), up((size_t)(Q * I_)), tmp((size_t)(Q * H_));
+    QuantizedRows a;
+    const float scale = 1.f / std::sqrt((float)D_);
+    const int64_t group = NH_ / NKV_;
+
+    for (int64_t l = 0; l < nl; ++l) {
+      const Layer& L = layers_[l];
+      for (int64_t r = 0; r < Q; ++r) rms_norm(x + r * H_, L.in_norm.data_ptr<float>(), eps_, H_, h.data() + r * H_);
+      quantize_rows(h.data(), Q, H_, L.q.nb, a);
+      run_linears({&L.q, &L.k, &L.v}, a, Q, {q.data(), k.data(), v.data()});
+      float* kb = keys[l].data_ptr<float>();
+      float* vb = values[l].data_ptr<float>();
+      const int64_t cap = keys[l].size(2);
+      for (int64_t r = 0; r < Q; ++r) {
+        for (int64_t hh = 0; hh < NH_; ++hh) rope(q.data() + r * QD + hh * D_, cs + r * D_, sn + r * D_, D_);
+        for (int64_t g = 0; g < NKV_; ++g) {
+          float* kr = k.data() + r * KD + g * D_;
+          rope(kr, cs + r * D_, sn + r * D_, D_);
+          std::copy(kr, kr + D_, kb + (g * cap + past + r) * D_);
+          const float* vr = v.data() + r * KD + g * D_;
+          std::copy(vr, vr + D_, vb + (g * cap + past + r) * D_);
+        }
+      }
+      // attention: one (row, head) per task
+      at::parallel_for(0, Q * NH_, 1, [&](int64_t t0, int64_t t1) {
+        std::vector<float> p;
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t r = t / NH_, hh = t % NH_, g = hh / group, n = cnt[r];
+          const float* qr = q.data() + r * QD + hh * D_;
+          const float* kg = kb + g * cap * D_;
+          const float* vg = vb + g * cap * D_;
+          const int64_t* ir = idx ? idx + r * idx_width : nullptr;
+          p.resize((size_t)n);
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int64_t j = 0; j < n; ++j) {
+            const int64_t e = ir ? ir[j] : j;
+            const float s = dot(qr, kg + e * D_, D_) * scale;
+            p[(size_t)j] = s;
+            mx = std::max(mx, s);
+          }
+          float sum = 0.f;
+          for (int64_t j = 0; j < n; ++j) {
+            const float e = std::exp(p[(size_t)j] - mx);
+            p[(size_t)j] = e;
+            sum += e;
+          }
+          float* o = att.data() + r * QD + hh * D_;
+          for (int64_t d = 0; d < D_; ++d) o[d] = 0.f;
+          for (int64_t j = 0; j < n; ++j) {
+            const float w = p[(size_t)j];
+            const float* ve = vg + (ir ? ir[j] : j) * D_;
+            for (int64_t d = 0; d < D_; ++d) o[d] += w * ve[d];
+          }
+          const float inv = 1.f / sum;
+          for (int64_t d = 0; d < D_; ++d) o[d] *= inv;
+        }
+      });
+      quantize_rows(att.data(), Q, QD, L.o.nb, a);
+      run_linears({&L.o}, a, Q, {tmp.data()});
+      for (int64_t i = 0; i < Q * H_; ++i) x[i] += tmp[(size_t)i];
+      for (int64_t r = 0; r < Q; ++r)
+        rms_norm(x + r * H_, L.post_norm.data_ptr<float>(), eps_, H_, h.data() + r * H_);
+      quantize_rows(h.data(), Q, H_, L.gate.nb, a);
+      run_linears({&L.gate, &L.up}, a, Q, {gate.data(), up.data()});
+      for (int64_t i = 0; i < Q * I_; ++i) {
+        const float g = gate[(size_t)i];
+        h[(size_t)i] = g / (1.f + std::exp(-g)) * up[(size_t)i];
+      }
+      quantize_rows(h.data(), Q, I_, L.down.nb, a);
+      run_linears({&L.down}, a, Q, {tmp.data()});
+      for (int64_t i = 0; i < Q * H_; ++i) x[i] += tmp[(size_t)i];
+    }
+    return out;
+  }
+
+ private:
+  int64_t H_, NH_, NKV_, D_, I_;
+  float eps_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+void register_decoder(pybind11::module& m) {
+  pybind11::class_<Decoder>(m, "Decoder")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>())
+      .def("add_layer", &Decoder::add_layer)
+      .def("num_layers", &Decoder::num_layers)
+      .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+}
+
+}  // namespace kq

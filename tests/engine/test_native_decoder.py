@@ -1,0 +1,130 @@
+"""The native decoder (engine/csrc/decoder.cpp, through engine.lean) for kquant models: batch invariant
+(rows of a chain or a tree bitwise the one-row steps that would decode them), close to the lean forward of
+the same weights, and clear about bad inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine import lean, load_pair, native
+from engine.kvcache import new_cache
+from engine.tree import tree_attention_mask
+
+pytestmark = [
+    pytest.mark.usefixtures("single_thread"),
+    pytest.mark.skipif(not native.available(), reason="the compiled kernels cannot be built here"),
+]
+
+PROMPT = [(7 * i) % 50 + 5 for i in range(23)]
+# a tree of 6 nodes: 0 -> (1, 2), 1 -> 3, 2 -> (4, 5); a node sees itself and its ancestors
+PARENTS = [-1, 0, 0, 1, 2, 2]
+
+
+@pytest.fixture(scope="module")
+def model():
+    pair = load_pair("tiny", weights="kquant", device="cpu")
+    assert lean.native_decoder(pair.target) is not None
+    return pair.target
+
+
+def _forward(model, ids, positions, cache, mask=None, keep=0):
+    return lean.forward(model, torch.tensor([ids]), torch.tensor([positions]), cache, mask, keep)
+
+
+def _prefilled(model):
+    cache = new_cache(model)
+    _forward(model, PROMPT, list(range(len(PROMPT))), cache)
+    return cache
+
+
+def _path(node, parents):
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def _allowed(parents):
+    allowed = np.eye(len(parents), dtype=bool)
+    for i in range(len(parents)):
+        for a in _path(i, parents):
+            allowed[i, a] = True
+    return allowed
+
+
+def test_native_decoder_is_batch_invariant_on_chains(model):
+    n, ids = len(PROMPT), [30, 31, 32, 33, 34, 35]
+    cache = _prefilled(model)
+    chain = _forward(model, ids, list(range(n, n + len(ids))), cache)
+    cache1 = _prefilled(model)
+    steps = torch.cat([_forward(model, [t], [n + i], cache1) for i, t in enumerate(ids)])
+    assert torch.equal(chain, steps)
+    for a, b in zip(cache.layers, cache1.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def _tree_rows(model, ids, parents):
+    n = len(PROMPT)
+    cache = _prefilled(model)
+    depths = [len(_path(i, parents)) - 1 for i in range(len(parents))]
+    mask = tree_attention_mask(n, _allowed(parents), torch.float32, "cpu")
+    return _forward(model, ids, [n + d for d in depths], cache, mask)
+
+
+def test_native_decoder_tree_rows_are_the_one_row_steps_of_their_paths(model):
+    n, ids = len(PROMPT), [30, 31, 32, 33, 34, 35]
+    tree = _tree_rows(model, ids, PARENTS)
+    for node in range(len(PARENTS)):
+        cache = _prefilled(model)
+        for depth, i in enumerate(_path(node, PARENTS)):
+            logits = _forward(model, [ids[i]], [n + depth], cache)
+        assert torch.equal(tree[node], logits[0]), node
+
+
+def test_tree_rows_depend_on_the_keys_they_see(model):
+    # negative control: the same ids under another tree (node 4 under node 1) change node 4's row only
+    other = [-1, 0, 0, 1, 1, 2]
+    a, b = (
+        _tree_rows(model, [30, 31, 32, 33, 34, 35], PARENTS),
+        _tree_rows(model, [30, 31, 32, 33, 34, 35], other),
+    )
+    assert torch.equal(a[:4], b[:4]) and torch.equal(a[5], b[5])
+    assert not torch.equal(a[4], b[4])
+
+
+def test_native_decoder_is_close_to_the_lean_forward(model, monkeypatch):
+    n = len(PROMPT)
+    steps = [([7], [n], 0), ([8, 9, 10], [n + 1, n + 2, n + 3], 0), ([11, 12], [n + 4, n + 5], 1)]
+    results = {}
+    for use_native in (True, False):
+        monkeypatch.setattr(lean, "NATIVE", use_native)
+        cache = new_cache(model)
+        model(input_ids=torch.tensor([PROMPT]), cache=cache, use_cache=True)  # the same prefill for both
+        results[use_native] = [_forward(model, ids, pos, cache, keep=keep) for ids, pos, keep in steps]
+    for a, b in zip(results[True], results[False], strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=1e-4 * float(b.abs().max()), rtol=0)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_native_decoder_refuses_bad_inputs(model):
+    decoder = lean.native_decoder(model)
+    config = model.config
+    hidden, kv, d = config.hidden_size, config.num_key_value_heads, model.model.layers[0].self_attn.head_dim
+    layers = decoder.num_layers()
+    x, cos = torch.zeros(2, hidden), torch.ones(2, d)
+    buffers = [torch.zeros(1, kv, 8, d) for _ in range(layers)]
+    none = torch.empty(0, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="sees 9 keys"):
+        decoder.forward(x, cos, cos, buffers, buffers, 0, torch.tensor([1, 9]), none)
+    with pytest.raises(RuntimeError, match="cache buffers"):
+        decoder.forward(x, cos, cos, buffers, buffers, 7, torch.tensor([1, 2]), none)
+    with pytest.raises(RuntimeError, match="ascending"):
+        decoder.forward(
+            x, cos, cos, buffers, buffers, 0, torch.tensor([1, 2]), torch.tensor([[0, 0], [1, 0]])
+        )
+    with pytest.raises(RuntimeError, match=r"x must be float32"):
+        decoder.forward(torch.zeros(2, hidden + 1), cos, cos, buffers, buffers, 0, torch.tensor([1, 2]), none)
