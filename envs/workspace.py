@@ -2,8 +2,11 @@
 pair/device/weight format) and replay traces (recorded once per prompt and settings, resumable), all under one
 cache directory so that later runs reuse them.
 
-    <cache_dir>/<pair>/<cpu|cuda>-<precision>/profile.json      (precision: ModelPair.precision, e.g. int4)
-    <cache_dir>/<pair>/<cpu|cuda>-<precision>/traces/<greedy|tT>-w<W>-d<D>-n<N>-s<seed>/<prompt id>__s<k>.npz
+    <cache_dir>/<pair>/<cpu|cuda>-<precision>[-native]/profile.json      (precision: ModelPair.precision)
+    <cache_dir>/<pair>/<cpu|cuda>-<precision>[-native]/traces/<greedy|tT>-w<W>-d<D>-n<N>-s<seed>/<id>__s<k>.npz
+
+"-native": the pair runs the native decoder (``engine.lean``), whose speed and logits differ from the
+torch-operation forward of the same weights, so its profiles and traces are kept apart.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from engine import lean
 from engine.models import ModelPair, load_pair
 from engine.profile import CostProfile
 
@@ -57,7 +61,8 @@ def load_models_of(config) -> ModelPair:
 def pair_dir(pair: ModelPair, cache_dir: str | Path) -> Path:
     dev = "cuda" if pair.device.type == "cuda" else "cpu"
     name = pair.name.replace("/", "_").replace(":", "_")
-    return Path(cache_dir) / name / f"{dev}-{pair.precision}"
+    native = lean.NATIVE and any(lean.native_decoder(model) is not None for model in (pair.target, pair.draft))
+    return Path(cache_dir) / name / f"{dev}-{pair.precision}{'-native' if native else ''}"
 
 
 def ensure_profile(
