@@ -79,6 +79,37 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def load_plain(path: str | os.PathLike) -> Any:
+    """``torch.load(path, weights_only=True)``: tensors and plain types only, nothing unpickled that could run
+    code. Raises ``ValueError`` with a one-line reason for a file that is not such a torch file (torch's own
+    errors are many lines, and its weights-only unpickler warns on any foreign pickle before refusing it,
+    which would print a warning ahead of the caller's error line: that warning is silenced here)."""
+    import pickle
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            text = str(err)
+            why = (
+                "it holds objects other than tensors and plain types, which are never unpickled"
+                if "GLOBAL" in text or "allowed global" in text
+                else "not a file saved by torch.save (unreadable pickle data)"
+            )
+            raise ValueError(why) from err
+        except (RuntimeError, EOFError, OSError, ValueError, KeyError, AttributeError) as err:
+            raise ValueError(f"not a torch file ({type(err).__name__}: {_first_line(str(err))})") from err
+
+
+def _first_line(text: str, limit: int = 120) -> str:
+    line = (text.strip().splitlines() or [""])[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 def _fsync_dir(directory: Path) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)

@@ -224,14 +224,16 @@ def load_pair(
         specs = DEFAULT_PAIRS[name]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tgt_tok = AutoTokenizer.from_pretrained(str(target))
-    dft_tok = AutoTokenizer.from_pretrained(str(draft))
+    tgt_tok = _from_pretrained(AutoTokenizer, target, "target", "tokenizer")
+    dft_tok = _from_pretrained(AutoTokenizer, draft, "draft", "tokenizer")
     models, infos = [], []
-    for path, f, spec, tok in (
-        (target, fmt, specs and specs[0], None),
-        (draft, draft_fmt, specs and specs[1], dft_tok),
+    for path, f, spec, tok, role in (
+        (target, fmt, specs and specs[0], None, "target"),
+        (draft, draft_fmt, specs and specs[1], dft_tok, "draft"),
     ):
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_dense_dtype(f, dtype, dev)).eval()
+        model = _from_pretrained(
+            AutoModelForCausalLM, path, role, "model", dtype=_dense_dtype(f, dtype, dev)
+        ).eval()
         rows = _head_rows(model, tok, draft_vocab) if tok is not None else None
         infos.append(_convert(model, f, spec, rows, progress))
         models.append(model.to(dev))
@@ -246,6 +248,17 @@ def load_pair(
         tuple(infos),
         draft_vocab,
     )
+
+
+def _from_pretrained(cls, path: str | Path, role: str, what: str, **kwargs: Any) -> Any:
+    """``cls.from_pretrained(path)``; what transformers raises for a path it cannot use (many lines, often a
+    traceback's worth) becomes one ``InputError`` naming the model (``target`` / ``draft``)."""
+    try:
+        return cls.from_pretrained(str(path), **kwargs)
+    except (OSError, ValueError, KeyError) as err:
+        text = " ".join(str(err).split()) or type(err).__name__
+        text = text if len(text) <= 240 else text[:237] + "..."
+        raise InputError(f"{role} model {str(path)!r}: cannot load its {what} ({text})") from None
 
 
 def _dense_dtype(fmt: str, dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

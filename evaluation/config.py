@@ -238,8 +238,12 @@ def find_policy(config: EvalConfig, runs_dir: str | Path = "runs") -> Path:
     """The configured policy file, or the newest ``runs/*/policy.pt``."""
     if config.policy:
         path = Path(config.policy)
+        if path.is_dir():
+            raise IsADirectoryError(f"--policy {path} is a directory, not a policy file")
         if not path.is_file():
-            raise FileNotFoundError(f"no policy file at {path}: train one with `python train.py`")
+            raise FileNotFoundError(
+                f"--policy {path}: no policy file there: train one with `python train.py`"
+            )
         return path
     found = sorted(Path(runs_dir).glob("*/policy.pt"), key=lambda p: p.stat().st_mtime)
     if not found:

@@ -49,7 +49,7 @@ from engine.features import (
     device_features,
     size_observation,
 )
-from engine.files import atomic_save
+from engine.files import atomic_save, load_plain
 
 FORMAT = "draftpilot-policy"
 FORMAT_VERSION = 1
@@ -388,15 +388,15 @@ def load_policy(
     ``PolicyFileWarning``.
     """
     path = Path(path)
+    if path.is_dir():
+        hint = f" (did you mean {path / 'policy.pt'}?)" if (path / "policy.pt").is_file() else ""
+        raise IsADirectoryError(f"{path} is a directory, not a policy file{hint}")
     if not path.is_file():
         raise FileNotFoundError(f"no policy file at {path}: train one with `python train.py`")
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - torch raises many kinds for a corrupt file
-        first = (str(err).strip().splitlines() or [""])[0][:160]
-        raise PolicyFileError(
-            f"{path} is not a readable policy file ({type(err).__name__}: {first})"
-        ) from err
+        data = load_plain(path)
+    except ValueError as err:
+        raise PolicyFileError(f"{path} is not a readable policy file: {err}") from err
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise PolicyFileError(f"{path} is not a draftpilot policy file")
     if data.get("format_version") != FORMAT_VERSION:

@@ -40,7 +40,14 @@ from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 from engine.control import Controller
 from engine.errors import DraftpilotError
 from engine.features import DEPTH_OBS_DIM, SIZE_OBS_DIM
-from engine.files import atomic_path, atomic_write_json, sha256_file, user_hmac, user_key_path
+from engine.files import (
+    atomic_path,
+    atomic_write_json,
+    load_plain,
+    sha256_file,
+    user_hmac,
+    user_key_path,
+)
 from envs.envs import DepthEnv, EnvConfig, NoDecisionError, SizeEnv, reference_rho
 from policies.learned import Actor, LearnedController
 
@@ -474,12 +481,9 @@ def read_trainer_state(path: str | Path) -> dict:
     only: anything else is refused unexecuted)."""
     path = Path(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - torch raises many kinds for a foreign or corrupt file
-        first = (str(err).strip().splitlines() or [""])[0][:160]
-        raise CheckpointError(
-            f"{path} is not a plain trainer state, refusing to load it ({type(err).__name__}: {first})"
-        ) from err
+        state = load_plain(path)
+    except ValueError as err:
+        raise CheckpointError(f"{path} is not a plain trainer state, refusing to load it: {err}") from err
     keys = ("rho", "total_steps", "best_tps", "best_depth", "best_size", "obs_rms", "history")
     if (
         not isinstance(state, dict)
