@@ -269,7 +269,7 @@ def _dense_dtype(fmt: str, dtype: str | torch.dtype, device: torch.device) -> to
     return resolve_dtype(fmt, device)
 
 
-def _head_rows(model, tokenizer, draft_vocab: int | None) -> torch.Tensor | None:
+def _head_rows(model: torch.nn.Module, tokenizer: Any, draft_vocab: int | None) -> torch.Tensor | None:
     """The token ids a restricted draft head keeps (None: all)."""
     if not draft_vocab:
         return None
@@ -279,7 +279,7 @@ def _head_rows(model, tokenizer, draft_vocab: int | None) -> torch.Tensor | None
     return draft_vocab_ids(draft_vocab, model.get_output_embeddings().out_features, always)
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
+def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
     """End-of-sequence ids declared by the model's generation config, its config or the tokenizer."""
     eos: set[int] = set()
     for src in (getattr(model, "generation_config", None), model.config, tokenizer):
@@ -289,7 +289,11 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 
 def _convert(
-    model, fmt: str, spec=None, head_rows: torch.Tensor | None = None, progress: bool = True
+    model: torch.nn.Module,
+    fmt: str,
+    spec: Any = None,
+    head_rows: torch.Tensor | None = None,
+    progress: bool = True,
 ) -> dict | None:
     """Put ``model`` in weight format ``fmt`` (integer formats: from ``spec``'s GGUF blocks when given, else
     from its float weights) with its LM head restricted to ``head_rows``; returns the conversion info."""
@@ -307,10 +311,10 @@ def _convert(
 
 
 def _make_pair(
-    target,
-    draft,
-    target_tok,
-    draft_tok,
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    target_tok: Any,
+    draft_tok: Any,
     name: str,
     weights: str = "",
     draft_weights: str = "",
@@ -339,7 +343,9 @@ def _make_pair(
     )
 
 
-def check_compatible(target, draft, target_tok, draft_tok) -> None:
+def check_compatible(
+    target: torch.nn.Module, draft: torch.nn.Module, target_tok: Any, draft_tok: Any
+) -> None:
     """Refuse pairs whose token ids do not mean the same thing (docs/design.md section 1)."""
     t_vocab = target.get_output_embeddings().out_features
     d_vocab = draft.get_output_embeddings().out_features
@@ -356,7 +362,7 @@ def check_compatible(target, draft, target_tok, draft_tok) -> None:
         )
 
 
-def _context_limit(model) -> int:
+def _context_limit(model: torch.nn.Module) -> int:
     return int(getattr(model.config, "max_position_embeddings", None) or 2**31 - 1)
 
 

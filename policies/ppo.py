@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -50,6 +51,11 @@ from engine.files import (
 )
 from envs.envs import DepthEnv, EnvConfig, NoDecisionError, SizeEnv, reference_rho
 from policies.learned import Actor, LearnedController
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+    from envs.backends import Backend
 
 ACTIVATION_NAMES = {torch.nn.Tanh: "tanh", torch.nn.ReLU: "relu"}
 CLIP_OBS, OBS_EPS = 10.0, 1e-8
@@ -125,7 +131,9 @@ class PhaseLog:
     validation: list[tuple[int, float]] = field(default_factory=list)
 
 
-def actor_from_model(model: PPO, obs_rms=None, clip_obs: float = CLIP_OBS, epsilon: float = OBS_EPS) -> Actor:
+def actor_from_model(
+    model: PPO, obs_rms: RunningMeanStd | None = None, clip_obs: float = CLIP_OBS, epsilon: float = OBS_EPS
+) -> Actor:
     """The deterministic actor of an SB3 PPO model and its observation normaliser (``VecNormalize.obs_rms``,
     None: identity) as a torch-only ``Actor``."""
     policy = model.policy
@@ -156,7 +164,7 @@ class CoTrainer:
 
     def __init__(
         self,
-        backend,
+        backend: Backend,
         ppo: PPOConfig,
         env_config: EnvConfig,
         baseline: Callable[[], Controller],
@@ -168,7 +176,7 @@ class CoTrainer:
         device: str = "cpu",
         tensorboard_dir: str | None = None,
         eval_every: int = 10_000,
-        writer=None,
+        writer: SummaryWriter | None = None,
         progress: bool = False,
     ):
         self.backend, self.ppo, self.env_config = backend, ppo, env_config
