@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import shutil
 import sys
 import time
@@ -138,6 +139,23 @@ class TrainConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_every < 1:
+            raise ValueError(f"eval_every (--eval-every) must be >= 1, got {self.eval_every}")
+        if self.threads < 0:
+            raise ValueError(f"threads (--threads) must be >= 0 (0: torch's default), got {self.threads}")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed (--seed) must be in [0, 2**32), got {self.seed}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(
+                f"temperature (--temperature) must be a finite number >= 0, got {self.temperature}"
+            )
+        from envs.record import MAX_TRACE_DEPTH
+
+        if self.max_depth > MAX_TRACE_DEPTH or self.tree_width**2 * self.max_depth > 32767:
+            raise ValueError(
+                f"--max-depth {self.max_depth}, --tree-width {self.tree_width} do not fit the trace format "
+                f"(max_depth <= {MAX_TRACE_DEPTH} and tree_width^2 * max_depth <= 32767)"
+            )
 
 
 class RunDirectoryError(DraftpilotError, ValueError):

@@ -92,7 +92,7 @@ def check_record_settings(
         raise InputError(f"seed (--seed) + samples_per_prompt - 1 must stay below 2**64, got seed {seed}")
     if max_depth > MAX_TRACE_DEPTH or tree_width * tree_width * max_depth > 32767:
         raise InputError(
-            f"max_depth={max_depth}, tree_width={tree_width} do not fit the trace format (max_depth "
+            f"--max-depth {max_depth}, --tree-width {tree_width} do not fit the trace format (max_depth "
             f"<= {MAX_TRACE_DEPTH} and tree_width^2 * max_depth <= 32767)"
         )
 

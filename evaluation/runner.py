@@ -67,9 +67,7 @@ class Setup:
             )
         self._profile = None
         if config.profile:  # a given profile file is read now: a bad one fails before anything is written
-            from engine.profile import CostProfile
-
-            self._profile = CostProfile.load(config.profile)
+            self._profile = workspace.load_profile_arg(config.profile)
 
     @property
     def loaded_profile(self):

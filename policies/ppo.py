@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 import secrets
 import time
 from collections.abc import Callable
@@ -120,6 +121,20 @@ class PPOConfig:
             raise ValueError(f"net_arch must be comma-separated layer widths >= 1, got {self.net_arch!r}")
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        for name, low, high, low_open in (
+            ("gamma_size", 0.0, 1.0, True),
+            ("gamma_depth", 0.0, 1.0, True),
+            ("gae_lambda", 0.0, 1.0, False),
+            ("clip_range", 0.0, float("inf"), True),
+            ("ent_coef", 0.0, float("inf"), False),
+            ("rho_smoothing", 0.0, 1.0, False),
+        ):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and (low < value if low_open else low <= value) and value <= high):
+                bound = (
+                    f"{'(' if low_open else '['}{low:g}, {high:g}]" if high < float("inf") else f"> {low:g}"
+                )
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be in {bound}, got {value}")
 
 
 @dataclass
