@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from engine.errors import DraftpilotError, InputError
 from evaluation.config import LLAMA_PEERS, PEERS, EvalConfig, find_policy, select_prompts
 from evaluation.peers import SCHEDULES, run_peer
 from evaluation.runs import RecordingController, run_engine
@@ -34,7 +35,10 @@ class Setup:
         self.names = config.controller_names()
         self.tune_prompts, self.test_prompts, self.warnings = select_prompts(config)
         self.policy_path = find_policy(config) if "learned" in self.names else None
-        policy = load_policy(self.policy_path) if self.policy_path else None  # fail early on a bad file
+        try:  # fail early on a bad file
+            policy = load_policy(self.policy_path) if self.policy_path else None
+        except (DraftpilotError, OSError) as err:
+            raise InputError(f"--policy: {err}") from None
         self.policy_meta = policy.meta if policy else None
         self.width = config.tree_width or (policy.tree_width if policy else DEFAULT_WIDTH)
         self.max_depth = config.max_depth or (policy.max_depth if policy else DEFAULT_DEPTH)
