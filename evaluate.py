@@ -32,7 +32,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from engine.cli import ArgumentParser
+from engine.cli import ArgumentParser, check_pair_spec
 from engine.errors import DraftpilotError
 from engine.files import DirectoryLock, atomic_write_json
 from evaluation.checkpoint import prepare_output, stored_config
@@ -72,22 +72,34 @@ def main(argv: list[str] | None = None) -> int:
             config.resolved()
         )  # absolute paths, the policy file pinned: what config.json and a resume compare
         out = Path(config.out)
+        check_pair_spec(
+            config.pair,
+            config.device,
+            dtype=config.dtype,
+            weights=config.weights,
+            draft_weights=config.draft_weights,
+            draft_vocab=config.draft_vocab,
+        )
         with DirectoryLock(out, "output directory (--out)"):
-            state = prepare_output(
-                out, config, audit_only=audit_only
-            )  # all checks before anything is written
+            # every check before anything in --out changes: the output directory, then the inputs (prompts,
+            # policy, models); only then an earlier evaluation is removed (--restart) and config.json written
+            prepare_output(out, config, audit_only=audit_only, clear=False)
+            from evaluation.runner import Setup
+
+            setup = Setup(config)
+            state = prepare_output(out, config, audit_only=audit_only)
             atomic_write_json(out / "config.json", stored_config(config), default=str)
             if audit_only:
                 from evaluation.report import write_exactness_report
                 from evaluation.runner import exactness_only
 
-                results = exactness_only(config)
+                results = exactness_only(config, setup)
                 path = write_exactness_report(results, out)
             else:
                 from evaluation.report import summary_lines, write_report
                 from evaluation.runner import evaluate
 
-                results = evaluate(config, checkpoint=state)
+                results = evaluate(config, checkpoint=state, setup=setup)
                 path = write_report(results, out)
                 state.path.unlink(missing_ok=True)
     except (DraftpilotError, ValueError, OSError) as err:

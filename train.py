@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import shutil
 import sys
 import time
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cli import ArgumentParser
+from engine.cli import ArgumentParser, check_pair_spec
 from engine.errors import DraftpilotError
 from engine.features import device_features
 from engine.files import DirectoryLock, atomic_write_json
@@ -138,6 +139,23 @@ class TrainConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_every < 1:
+            raise ValueError(f"eval_every (--eval-every) must be >= 1, got {self.eval_every}")
+        if self.threads < 0:
+            raise ValueError(f"threads (--threads) must be >= 0 (0: torch's default), got {self.threads}")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed (--seed) must be in [0, 2**32), got {self.seed}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(
+                f"temperature (--temperature) must be a finite number >= 0, got {self.temperature}"
+            )
+        from envs.record import MAX_TRACE_DEPTH
+
+        if self.max_depth > MAX_TRACE_DEPTH or self.tree_width**2 * self.max_depth > 32767:
+            raise ValueError(
+                f"--max-depth {self.max_depth}, --tree-width {self.tree_width} do not fit the trace format "
+                f"(max_depth <= {MAX_TRACE_DEPTH} and tree_width^2 * max_depth <= 32767)"
+            )
 
 
 class RunDirectoryError(DraftpilotError, ValueError):
@@ -293,24 +311,33 @@ def train(config: TrainConfig, resume: Path | None = None, retrain: bool = False
 
     config = effective_config(config)
     run = Path(resume) if resume is not None else run_directory(config)
+    check_pair_spec(
+        config.pair,
+        config.device,
+        dtype=config.dtype,
+        weights=config.weights,
+        draft_weights=config.draft_weights,
+        draft_vocab=config.draft_vocab,
+    )
+    select_prompts(config)  # a bad prompt file fails before the run directory is touched
     with DirectoryLock(
         run, "run directory (--resume)" if resume is not None else "run directory (--run-dir/--run-name)"
     ):
         if resume is None:
-            reused = _reuse_or_clear(run, config, retrain)
+            reused = _reuse(run, config, retrain)
             if reused is not None:
                 return reused
             checkpoint = None
         else:  # checked now, before minutes of loading, and again when it is loaded
             checkpoint = run / "checkpoint" if verify_checkpoint(run / "checkpoint") is not None else None
-        save_config(config, run / "config.json")
-        return _train(config, run, checkpoint)
+        return _train(config, run, checkpoint, fresh=resume is None)
 
 
-def _reuse_or_clear(run: Path, config: TrainConfig, retrain: bool) -> dict | None:
+def _reuse(run: Path, config: TrainConfig, retrain: bool) -> dict | None:
     """A run directory before a fresh run: the metrics of a policy trained there with this config (reuse, the
-    config compared is the one stored inside ``policy.pt``), else None after removing every output of an
-    earlier run, so that a kill can never leave an old policy looking like this run's."""
+    config compared is the one stored inside ``policy.pt``), else None; refuses a policy trained with another
+    config or an interrupted run (without --retrain). Removes nothing: ``_clear_outputs`` does, once every
+    input has been checked."""
     from policies.learned import load_policy
     from policies.ppo import has_checkpoint
 
@@ -341,15 +368,22 @@ def _reuse_or_clear(run: Path, config: TrainConfig, retrain: bool) -> dict | Non
             f"{run} holds an interrupted run (a checkpoint, no policy): continue it with --resume "
             f"{run}, or start it over with --retrain"
         )
+    return None
+
+
+def _clear_outputs(run: Path) -> None:
+    """Remove every output of an earlier run, so that a kill can never leave an old policy looking like this
+    run's."""
     for name in ("policy.pt", "metrics.json"):
         (run / name).unlink(missing_ok=True)
     for name in ("checkpoint", "tb"):
         if (run / name).is_dir():
             shutil.rmtree(run / name)
-    return None
 
 
-def _train(config: TrainConfig, run: Path, checkpoint: Path | None) -> dict:
+def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool = True) -> dict:
+    """Load the inputs (prompts, models, cost profile: every refusal happens here, before the run directory
+    changes), then (a fresh run) clear an earlier run's outputs, write ``config.json`` and train."""
     from torch.utils.tensorboard import SummaryWriter
 
     from envs.backends import LiveBackend, ReplayBackend
@@ -362,6 +396,9 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None) -> dict:
     train_prompts, val_prompts = select_prompts(config)  # a bad prompt file fails before any model loads
     pair = load_models(config)
     profile = ensure_profile(config, pair)
+    if fresh:
+        _clear_outputs(run)
+    save_config(config, run / "config.json")
     train_traces = ensure_traces(config, pair, train_prompts, "train")
     val_traces = ensure_traces(config, pair, val_prompts, "validation")
     data_s = time.perf_counter() - started

@@ -145,6 +145,72 @@ def check_pair_args(
     return limits
 
 
+def check_model_path(value: str | os.PathLike, flag: str) -> None:
+    """A model given by local directory or Hugging Face hub id (``--target``, ``--draft``, either side of
+    ``--pair TARGET::DRAFT``), checked before anything loads: an existing path must be a readable model
+    directory (one with a config.json); a path that does not exist must at least be a valid hub id (not a
+    local-looking path such as ``/models/x`` or ``./x``), and be in the local cache when the hub is offline."""
+    text = str(value)
+    if not text.strip():
+        raise InputError(f"{flag}: the model path is empty")
+    path = Path(text).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise InputError(
+                f"{flag} {text}: not a model directory (a file; give the directory with config.json)"
+            )
+        config = path / "config.json"
+        if not config.is_file():
+            raise InputError(f"{flag} {text}: not a model directory (no config.json in it)")
+        if not os.access(config, os.R_OK) or not os.access(path, os.R_OK | os.X_OK):
+            raise InputError(f"{flag} {text}: the model directory cannot be read (permission denied)")
+        return
+    if text.startswith(("/", ".", "~")) or text.count("/") > 1 or "\\" in text:
+        raise InputError(f"{flag} {text}: no such model directory")
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        raise InputError(
+            f"{flag} {text!r}: no such model directory, and not a Hugging Face hub id (org/name)"
+        ) from None
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    if offline and not isinstance(try_to_load_from_cache(text, "config.json"), str):
+        raise InputError(
+            f"{flag} {text}: no such model directory, and the hub id is not in the local Hugging Face "
+            "cache (HF_HUB_OFFLINE is set)"
+        )
+
+
+def check_pair_spec(
+    pair: str,
+    device: str = "auto",
+    *,
+    dtype: str = "auto",
+    weights: str | None = "auto",
+    draft_weights: str | None = "auto",
+    draft_vocab: int | None = 0,
+) -> PairLimits | None:
+    """``check_pair_args`` for a run config's ``pair``: a named pair, or ``TARGET::DRAFT`` (model paths or hub
+    ids, each checked by ``check_model_path``); errors name ``--pair``."""
+    custom = "::" in str(pair)
+    if custom:
+        target, draft = str(pair).split("::", 1)
+        check_model_path(target, "--pair (target)")
+        check_model_path(draft, "--pair (draft)")
+    return check_pair_args(
+        pair,
+        device,
+        dtype=dtype,
+        weights=weights,
+        draft_weights=draft_weights,
+        draft_vocab=draft_vocab,
+        custom=custom,
+    )
+
+
 def check_positive(**values: object) -> None:
     """Each named value must be an integer >= 1 (``check_positive(reps=3)``); the flag is named in the error."""
     for name, value in values.items():

@@ -8,7 +8,9 @@ the draft cache holds ``tokens[:draft_len]`` and ``tokens[draft_len:]`` are the 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,6 +40,9 @@ from engine.tree import (
     expand_topk,
     tree_attention_mask,
 )
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 MAX_SEED = 2**64 - 1
 
@@ -248,7 +253,9 @@ class SpeculativeEngine:
             forward_s=fwd_s + verify_fwd_s,
         )
 
-    def _draft(self, req: _Request, controller: Controller, cap: int):
+    def _draft(
+        self, req: _Request, controller: Controller, cap: int
+    ) -> tuple[DraftTree, list[int], list[torch.Tensor], float, float]:
         """Draft level by level until the controller stops or ``cap`` is reached."""
         clock, ctx, width = self.clock, len(req.tokens), controller.tree_width
         sampled = self.config.draft_mode == "sampled"
@@ -295,7 +302,17 @@ class SpeculativeEngine:
             )
         return tree, frontier, draft_probs, fwd_s, ctrl_s
 
-    def _expand(self, tree, parents, parent_scores, logits, width, sampled, draft_probs, generator):
+    def _expand(
+        self,
+        tree: DraftTree,
+        parents: Sequence[int],
+        parent_scores: Sequence[float],
+        logits: torch.Tensor,
+        width: int,
+        sampled: bool,
+        draft_probs: list[torch.Tensor],
+        generator: torch.Generator | None,
+    ) -> list[int]:
         """Add the children of ``parents`` (one row of ``logits`` each); return the new frontier."""
         if self.config.check_finite:
             check_finite(logits, "draft")
@@ -307,7 +324,9 @@ class SpeculativeEngine:
             return [tree.add(token, parents[-1], parent_scores[-1] + float(logprobs[-1, token]))]
         return expand_topk(tree, parents, parent_scores, logprobs, width)
 
-    def _verify(self, req, tree, selected, draft_probs):
+    def _verify(
+        self, req: _Request, tree: DraftTree, selected: list[int], draft_probs: list[torch.Tensor]
+    ) -> tuple[list[int], int, float]:
         """One target forward over the root and the selected nodes, then exact acceptance."""
         ctx = len(req.tokens)
         local = {node: j for j, node in enumerate(selected)}
@@ -339,7 +358,9 @@ class SpeculativeEngine:
         path_local, next_token = verify_tree([tree.tokens[n] for n in selected], parents, draw)
         return [selected[j] for j in path_local], next_token, fwd_s
 
-    def _commit(self, req, tree, selected, path, new_tokens) -> tuple[int, int]:
+    def _commit(
+        self, req: _Request, tree: DraftTree, selected: list[int], path: list[int], new_tokens: list[int]
+    ) -> tuple[int, int]:
         """Append the new tokens (cut after EOS; ``cap`` already bounds them by budget and context) and
         compact both caches to the committed tokens. Returns (accepted drafted tokens committed, emitted)."""
         ctx = len(req.tokens)
@@ -385,7 +406,16 @@ class SpeculativeEngine:
                             f"{name} cache layer {i} differs from a fresh forward (max {err:.2e})"
                         )
 
-    def _forward(self, model, ids, start, cache, keep=0, mask=None, positions=None) -> torch.Tensor:
+    def _forward(
+        self,
+        model: torch.nn.Module,
+        ids: Sequence[int],
+        start: int,
+        cache: DynamicCache | None,
+        keep: int = 0,
+        mask: torch.Tensor | None = None,
+        positions: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         """One forward of ``ids`` at positions ``start...`` (or ``positions``); returns logits [Q, V]."""
         if positions is None:
             positions = range(start, start + len(ids))
@@ -416,7 +446,7 @@ class SpeculativeEngine:
             return "context"
         return None
 
-    def _prompt_ids(self, prompt) -> list[int]:
+    def _prompt_ids(self, prompt: str | Sequence[int] | torch.Tensor | np.ndarray) -> list[int]:
         """Token ids of ``prompt``; anything but text or integer ids of one sequence is an ``InputError``
         (floats would be truncated, a batch flattened into one sequence)."""
         if isinstance(prompt, str):
@@ -487,7 +517,15 @@ class SpeculativeEngine:
                 )
 
 
-def forward_logits(model, ids, positions, cache, device, keep: int = 0, mask=None) -> torch.Tensor:
+def forward_logits(
+    model: torch.nn.Module,
+    ids: Sequence[int],
+    positions: Sequence[int],
+    cache: DynamicCache | None,
+    device: torch.device,
+    keep: int = 0,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Logits [Q, V] of one forward of ``ids`` at ``positions`` on top of ``cache`` (``keep``: only the
     last rows, 0 = all; ``mask``: additive 4D tree mask or None for causal). The one place the engine and
     the trace recorder call a model."""

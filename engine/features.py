@@ -10,11 +10,15 @@ and [0, ``SIZE_OBS_HIGH``] (the environments' Box bounds).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine.control import DraftState
 from engine.records import CycleRecord
+
+if TYPE_CHECKING:
+    from engine.profile import CostProfile
 
 FEATURE_VERSION = 1
 MAX_WIDTH = 8
@@ -27,7 +31,7 @@ NUM_DEVICE_FEATURES = 3
 DEPTH_SCALE, NODES_SCALE, LOG_CONTEXT_SCALE = 16.0, 64.0, float(np.log(32768.0))
 
 
-def device_features(profile, tree_width: int, context: int = 512) -> np.ndarray:
+def device_features(profile: CostProfile, tree_width: int, context: int = 512) -> np.ndarray:
     """[3] cost-profile constants a policy can condition on: draft step / one-token verify (the article's
     c), and verify(16) / verify(1), verify(64) / verify(1) (how fast verification cost grows: g)."""
     if profile is None:

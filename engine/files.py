@@ -4,8 +4,8 @@ writer.
 ``atomic_write`` writes through a uniquely named temporary file in the destination's directory, flushes it
 to disk and renames it over the destination: a reader sees the old file or the new one, never part of one,
 and two concurrent writers never share a temporary name. ``DirectoryLock`` takes an exclusive advisory
-lock (``fcntl.flock``) on ``<dir>/.lock``; the operating system drops it when the process dies, so a killed
-run never leaves a stale lock behind.
+lock (``fcntl.flock``) on the directory itself; the operating system drops it when the process dies, so a
+killed run never leaves a stale lock behind, and taking it writes no file.
 """
 
 from __future__ import annotations
@@ -79,6 +79,37 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def load_plain(path: str | os.PathLike) -> Any:
+    """``torch.load(path, weights_only=True)``: tensors and plain types only, nothing unpickled that could run
+    code. Raises ``ValueError`` with a one-line reason for a file that is not such a torch file (torch's own
+    errors are many lines, and its weights-only unpickler warns on any foreign pickle before refusing it,
+    which would print a warning ahead of the caller's error line: that warning is silenced here)."""
+    import pickle
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            text = str(err)
+            why = (
+                "it holds objects other than tensors and plain types, which are never unpickled"
+                if "GLOBAL" in text or "allowed global" in text
+                else "not a file saved by torch.save (unreadable pickle data)"
+            )
+            raise ValueError(why) from err
+        except (RuntimeError, EOFError, OSError, ValueError, KeyError, AttributeError) as err:
+            raise ValueError(f"not a torch file ({type(err).__name__}: {_first_line(str(err))})") from err
+
+
+def _first_line(text: str, limit: int = 120) -> str:
+    line = (text.strip().splitlines() or [""])[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 def _fsync_dir(directory: Path) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -93,35 +124,51 @@ def _fsync_dir(directory: Path) -> None:
 
 
 class DirectoryLock:
-    """An exclusive lock on a directory (``<dir>/.lock``, ``fcntl.flock``): ``with DirectoryLock(run):``.
+    """An exclusive lock on a directory (``fcntl.flock`` on the directory itself): ``with DirectoryLock(run):``.
     A second holder fails at once with ``DirectoryBusyError`` naming the directory (no waiting: two runs
-    into one directory are a mistake to report, not to serialise)."""
+    into one directory are a mistake to report, not to serialise). Taking the lock writes nothing into the
+    directory; a directory it had to create is removed again on release if the run left it empty, so a
+    refused command leaves no trace."""
 
     def __init__(self, directory: str | os.PathLike, what: str = "directory"):
         self.directory = Path(directory)
         self.what = what
         self._fd: int | None = None
+        self._created: list[Path] = []
 
     def acquire(self) -> DirectoryLock:
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as err:
-            raise DirectoryBusyError(
-                f"{self.what} {self.directory} cannot be created or written ({err.strerror or err})"
-            ) from err
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise DirectoryBusyError(
-                f"{self.what} {self.directory} is in use by another process; wait for it or choose another"
-            ) from None
+        missing = [d for d in (self.directory, *self.directory.parents) if not d.exists()]
+        for _ in range(8):  # retried only if the directory is removed and made again while we lock it
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            except OSError as err:
+                raise DirectoryBusyError(
+                    f"{self.what} {self.directory} cannot be created or written ({err.strerror or err})"
+                ) from err
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise DirectoryBusyError(
+                    f"{self.what} {self.directory} is in use by another process; wait for it or choose another"
+                ) from None
+            if _same_file(fd, self.directory):
+                break
+            os.close(fd)  # locked a directory that a previous holder removed: lock the current one
+        else:
+            raise DirectoryBusyError(f"{self.what} {self.directory} keeps being removed and made again")
         self._fd = fd
+        self._created = [d for d in missing if d.is_dir()]
         return self
 
     def release(self) -> None:
         if self._fd is not None:
+            for directory in self._created:  # leaf first; only what this lock made, only if empty
+                try:
+                    directory.rmdir()
+                except OSError:
+                    break
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
@@ -131,6 +178,14 @@ class DirectoryLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 KEY_ENV = "DRAFTPILOT_KEY_FILE"

@@ -13,7 +13,15 @@ import sys
 
 import torch
 
-from engine.cli import CLI_ERRORS, ArgumentParser, check_pair_args, check_positive, report_error, warn
+from engine.cli import (
+    CLI_ERRORS,
+    ArgumentParser,
+    check_model_path,
+    check_pair_args,
+    check_positive,
+    report_error,
+    warn,
+)
 from engine.engine import MAX_SEED, EngineConfig, SpeculativeEngine
 from engine.errors import InputError
 from engine.models import add_format_args, format_kwargs, load_pair
@@ -57,9 +65,12 @@ def main(argv: list[str] | None = None) -> int:
         check_positive(max_new_tokens=args.max_new_tokens)
         if not 0 <= args.seed <= MAX_SEED:
             raise InputError(f"--seed must be in [0, 2**64), got {args.seed}")
-        custom = bool(args.target or args.draft)
-        if custom and not (args.target and args.draft):
+        custom = args.target is not None or args.draft is not None
+        if (args.target is None) != (args.draft is None):
             raise InputError("--target and --draft go together: give both, or neither and a --pair")
+        if custom:
+            check_model_path(args.target, "--target")
+            check_model_path(args.draft, "--draft")
         limits = check_pair_args(args.pair, args.device, custom=custom, **format_kwargs(args))
         controller = None if args.autoregressive else _controller(args, limits)
         formats = dict(device=args.device, **format_kwargs(args))
@@ -98,7 +109,10 @@ def _controller(args, limits):
     if args.policy:  # controllers live in policies; the engine itself never imports them
         from policies import load_policy
 
-        return load_policy(args.policy, device=args.device if args.device != "auto" else "cpu")
+        try:
+            return load_policy(args.policy, device=args.device if args.device != "auto" else "cpu")
+        except CLI_ERRORS as err:
+            raise InputError(f"--policy: {err}") from None
     from engine.control import StaticController
 
     if limits is not None and args.tree_width > limits.vocab_size:

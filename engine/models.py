@@ -224,14 +224,16 @@ def load_pair(
         specs = DEFAULT_PAIRS[name]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tgt_tok = AutoTokenizer.from_pretrained(str(target))
-    dft_tok = AutoTokenizer.from_pretrained(str(draft))
+    tgt_tok = _from_pretrained(AutoTokenizer, target, "target", "tokenizer")
+    dft_tok = _from_pretrained(AutoTokenizer, draft, "draft", "tokenizer")
     models, infos = [], []
-    for path, f, spec, tok in (
-        (target, fmt, specs and specs[0], None),
-        (draft, draft_fmt, specs and specs[1], dft_tok),
+    for path, f, spec, tok, role in (
+        (target, fmt, specs and specs[0], None, "target"),
+        (draft, draft_fmt, specs and specs[1], dft_tok, "draft"),
     ):
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_dense_dtype(f, dtype, dev)).eval()
+        model = _from_pretrained(
+            AutoModelForCausalLM, path, role, "model", dtype=_dense_dtype(f, dtype, dev)
+        ).eval()
         rows = _head_rows(model, tok, draft_vocab) if tok is not None else None
         infos.append(_convert(model, f, spec, rows, progress))
         models.append(model.to(dev))
@@ -248,6 +250,17 @@ def load_pair(
     )
 
 
+def _from_pretrained(cls, path: str | Path, role: str, what: str, **kwargs: Any) -> Any:
+    """``cls.from_pretrained(path)``; what transformers raises for a path it cannot use (many lines, often a
+    traceback's worth) becomes one ``InputError`` naming the model (``target`` / ``draft``)."""
+    try:
+        return cls.from_pretrained(str(path), **kwargs)
+    except (OSError, ValueError, KeyError) as err:
+        text = " ".join(str(err).split()) or type(err).__name__
+        text = text if len(text) <= 240 else text[:237] + "..."
+        raise InputError(f"{role} model {str(path)!r}: cannot load its {what} ({text})") from None
+
+
 def _dense_dtype(fmt: str, dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype a model of format ``fmt`` is built in: the format itself if dense, else float32 (the
     integer formats quantize the linears only; everything around them stays float32)."""
@@ -256,7 +269,7 @@ def _dense_dtype(fmt: str, dtype: str | torch.dtype, device: torch.device) -> to
     return resolve_dtype(fmt, device)
 
 
-def _head_rows(model, tokenizer, draft_vocab: int | None) -> torch.Tensor | None:
+def _head_rows(model: torch.nn.Module, tokenizer: Any, draft_vocab: int | None) -> torch.Tensor | None:
     """The token ids a restricted draft head keeps (None: all)."""
     if not draft_vocab:
         return None
@@ -266,7 +279,7 @@ def _head_rows(model, tokenizer, draft_vocab: int | None) -> torch.Tensor | None
     return draft_vocab_ids(draft_vocab, model.get_output_embeddings().out_features, always)
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
+def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
     """End-of-sequence ids declared by the model's generation config, its config or the tokenizer."""
     eos: set[int] = set()
     for src in (getattr(model, "generation_config", None), model.config, tokenizer):
@@ -276,7 +289,11 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 
 def _convert(
-    model, fmt: str, spec=None, head_rows: torch.Tensor | None = None, progress: bool = True
+    model: torch.nn.Module,
+    fmt: str,
+    spec: Any = None,
+    head_rows: torch.Tensor | None = None,
+    progress: bool = True,
 ) -> dict | None:
     """Put ``model`` in weight format ``fmt`` (integer formats: from ``spec``'s GGUF blocks when given, else
     from its float weights) with its LM head restricted to ``head_rows``; returns the conversion info."""
@@ -294,10 +311,10 @@ def _convert(
 
 
 def _make_pair(
-    target,
-    draft,
-    target_tok,
-    draft_tok,
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    target_tok: Any,
+    draft_tok: Any,
     name: str,
     weights: str = "",
     draft_weights: str = "",
@@ -326,7 +343,9 @@ def _make_pair(
     )
 
 
-def check_compatible(target, draft, target_tok, draft_tok) -> None:
+def check_compatible(
+    target: torch.nn.Module, draft: torch.nn.Module, target_tok: Any, draft_tok: Any
+) -> None:
     """Refuse pairs whose token ids do not mean the same thing (docs/design.md section 1)."""
     t_vocab = target.get_output_embeddings().out_features
     d_vocab = draft.get_output_embeddings().out_features
@@ -343,7 +362,7 @@ def check_compatible(target, draft, target_tok, draft_tok) -> None:
         )
 
 
-def _context_limit(model) -> int:
+def _context_limit(model: torch.nn.Module) -> int:
     return int(getattr(model.config, "max_position_embeddings", None) or 2**31 - 1)
 
 

@@ -143,6 +143,25 @@ class CostProfile:
             self.prefill_draft_s and len(self.prefill_draft_s) != len(self.prefill_lengths)
         ):
             raise ProfileError("prefill times must have one entry per prefill length")
+        scalars = {
+            name: getattr(self, name)
+            for name in (
+                "overhead_base_s",
+                "overhead_per_node_s",
+                "overhead_per_draft_row_s",
+                "ar_overhead_s",
+                "policy_call_s",
+                "overhead_spread",
+            )
+        }
+        scalars.update(prefill_target_s=self.prefill_target_s, prefill_draft_s=self.prefill_draft_s)
+        for name, value in scalars.items():
+            try:
+                values = np.asarray(value, dtype=np.float64)
+            except (TypeError, ValueError):
+                raise ProfileError(f"{name} must be a number of seconds, got {value!r}") from None
+            if not np.all(np.isfinite(values)):
+                raise ProfileError(f"{name} must be finite, got {value!r}")
 
     @staticmethod
     def _grid(name: str, values: list[int]) -> np.ndarray:
@@ -293,6 +312,8 @@ class CostProfile:
     def load(cls, path: str | Path) -> CostProfile:
         """Read a profile written by ``save``; raises ``FileNotFoundError`` or ``ProfileError``."""
         path = Path(path)
+        if path.is_dir():
+            raise IsADirectoryError(f"{path} is a directory, not a cost profile (a .json file)")
         if not path.is_file():
             raise FileNotFoundError(
                 f"no cost profile at {path}: measure one with `python -m engine.profile --out {path}`"

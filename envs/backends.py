@@ -16,6 +16,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,9 +25,12 @@ from engine.engine import SpeculativeEngine
 from engine.records import CycleRecord
 from envs.replay import ReplayTrace, charge_times, replay_cycles, replay_generate, throughput
 
+if TYPE_CHECKING:
+    from engine.profile import CostProfile
+
 
 class ReplayBackend:
-    def __init__(self, traces: Sequence[ReplayTrace], profile, time_noise: bool = False):
+    def __init__(self, traces: Sequence[ReplayTrace], profile: CostProfile, time_noise: bool = False):
         if not traces:
             raise ValueError("no traces: record some with `python -m envs.record`")
         widths = {rt.width for rt in traces}
@@ -83,7 +87,7 @@ class LiveLoop:
         max_new_tokens: int,
         seed: int,
         width: int,
-        recharge_profile=None,
+        recharge_profile: CostProfile | None = None,
         depth_zero: bool = False,
     ):
         self.questions: queue.Queue = queue.Queue(maxsize=1)
@@ -138,7 +142,7 @@ class LiveBackend:
         prompts: Sequence[list[int]],
         tree_width: int,
         max_new_tokens: int = 128,
-        profile=None,
+        profile: CostProfile | None = None,
         timing: str = "wall",
     ):
         """``timing``: "wall" charges the engine's measured times (the point of the live backend);
@@ -171,3 +175,7 @@ class LiveBackend:
         results = [self.engine.generate(p, self.max_new_tokens, controller=controller) for p in self.prompts]
         tokens = sum(len(r.tokens) - 1 for r in results)
         return tokens / sum(sum(c.total_s for c in r.cycles) for r in results)
+
+
+Backend = ReplayBackend | LiveBackend
+"""What the environments drive (``envs.envs``): either backend, same protocol."""

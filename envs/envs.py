@@ -8,6 +8,7 @@ which one a pluggable ``Controller`` makes (static, analytic or a learned policy
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import gymnasium as gym
 import numpy as np
@@ -24,6 +25,9 @@ from engine.features import (
     size_observation,
 )
 from envs.replay import SIZE_LADDER
+
+if TYPE_CHECKING:
+    from envs.backends import Backend
 
 
 class NoDecisionError(DraftpilotError, ValueError):
@@ -54,7 +58,7 @@ class EnvConfig:
             raise ValueError(f"reward must be 'average' or 'throughput', got {self.reward!r}")
 
 
-def reference_rho(backend) -> float:
+def reference_rho(backend: Backend) -> float:
     """Throughput of a middle-of-the-road static setting on the backend: the starting point for rho."""
     width = backend.width
     return backend.throughput_of(StaticController(depth=4, verify=4 if width == 1 else 8, tree_width=width))
@@ -64,7 +68,7 @@ class _DecisionEnv(gym.Env):
     metadata = {"render_modes": []}
     decision = ""  # "depth" or "size": the backend message the agent answers
 
-    def __init__(self, backend, other: Controller, config: EnvConfig | None = None):
+    def __init__(self, backend: Backend, other: Controller, config: EnvConfig | None = None):
         if other.tree_width != backend.width:
             raise ValueError(
                 f"controller tree_width {other.tree_width} != backend tree width {backend.width}"
@@ -191,7 +195,7 @@ class DepthEnv(_DecisionEnv):
 
     decision = "depth"
 
-    def __init__(self, backend, size_controller: Controller, config: EnvConfig | None = None):
+    def __init__(self, backend: Backend, size_controller: Controller, config: EnvConfig | None = None):
         super().__init__(backend, size_controller, config)
         self.observation_space = gym.spaces.Box(0.0, DEPTH_OBS_HIGH, (DEPTH_OBS_DIM,), np.float32)
         self.action_space = gym.spaces.Discrete(2)
@@ -236,7 +240,7 @@ class SizeEnv(_DecisionEnv):
 
     decision = "size"
 
-    def __init__(self, backend, depth_controller: Controller, config: EnvConfig | None = None):
+    def __init__(self, backend: Backend, depth_controller: Controller, config: EnvConfig | None = None):
         super().__init__(backend, depth_controller, config)
         self.observation_space = gym.spaces.Box(0.0, SIZE_OBS_HIGH, (SIZE_OBS_DIM,), np.float32)
         self.action_space = gym.spaces.Discrete(len(self.config.size_ladder))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -18,6 +19,9 @@ from tqdm.auto import tqdm
 from engine.control import Controller, DraftState, StaticController
 from engine.records import CycleRecord
 from envs.replay import SIZE_LADDER, ReplayTrace, replay_generate, throughput
+
+if TYPE_CHECKING:
+    from engine.profile import CostProfile
 
 
 @dataclass
@@ -30,7 +34,7 @@ class OraclePlan:
     """(position, pending) -> (depth, size) along the optimal plan."""
 
 
-def oracle_plan(rt: ReplayTrace, profile, sizes: Sequence[int] = SIZE_LADDER) -> OraclePlan:
+def oracle_plan(rt: ReplayTrace, profile: CostProfile, sizes: Sequence[int] = SIZE_LADDER) -> OraclePlan:
     """Backward DP: best[t][p] = least time to finish from position t with p draft pending inputs."""
     n = len(rt.trace.tokens)
     max_pending = rt.max_depth + 2
@@ -97,14 +101,16 @@ class OracleController(Controller):
         self.t += record.emitted
 
 
-def oracle_throughput(traces: Iterable[ReplayTrace], profile, sizes: Sequence[int] = SIZE_LADDER) -> float:
+def oracle_throughput(
+    traces: Iterable[ReplayTrace], profile: CostProfile, sizes: Sequence[int] = SIZE_LADDER
+) -> float:
     plans = [oracle_plan(rt, profile, sizes) for rt in traces]
     return sum(p.tokens for p in plans) / sum(p.total_s for p in plans)
 
 
 def static_grid(
     traces: Sequence[ReplayTrace],
-    profile,
+    profile: CostProfile,
     depths: Iterable[int] | None = None,
     sizes: Sequence[int] = SIZE_LADDER,
     progress: bool = False,

@@ -92,7 +92,7 @@ def check_record_settings(
         raise InputError(f"seed (--seed) + samples_per_prompt - 1 must stay below 2**64, got seed {seed}")
     if max_depth > MAX_TRACE_DEPTH or tree_width * tree_width * max_depth > 32767:
         raise InputError(
-            f"max_depth={max_depth}, tree_width={tree_width} do not fit the trace format (max_depth "
+            f"--max-depth {max_depth}, --tree-width {tree_width} do not fit the trace format (max_depth "
             f"<= {MAX_TRACE_DEPTH} and tree_width^2 * max_depth <= 32767)"
         )
 
@@ -286,7 +286,8 @@ def record_trace(
 
 
 def read_prompts(path: str | Path) -> list[dict]:
-    """Prompts from JSONL: ``{"id": ..., "prompt": ..., optional "language", "task"}`` per line."""
+    """Prompts from JSONL: ``{"id": ..., "prompt": ..., optional "language", "task"}`` per line (errors name
+    ``--prompts``, the flag of every command line that reads such a file)."""
     prompts = []
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -299,11 +300,11 @@ def read_prompts(path: str | Path) -> list[dict]:
         try:
             item = json.loads(line)
         except json.JSONDecodeError as err:
-            raise RecordError(f"{path}:{lineno}: not JSON ({err})") from err
+            raise RecordError(f"--prompts {path}:{lineno}: not JSON ({err})") from err
         if not isinstance(item, dict) or "id" not in item or not isinstance(item.get("prompt"), str):
-            raise RecordError(f"{path}:{lineno}: each line needs an 'id' and a string 'prompt'")
+            raise RecordError(f"--prompts {path}:{lineno}: each line needs an 'id' and a string 'prompt'")
         prompts.append(item)
-    return _check_prompts(prompts, str(path))
+    return _check_prompts(prompts, f"--prompts {path}")
 
 
 def _check_prompts(prompts: list[dict], where: str) -> list[dict]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,6 +28,9 @@ from engine.errors import InputError
 from engine.records import CycleRecord
 from engine.tree import MAX_TREE_NODES, clamp_verify, depth_limit
 from envs.trace import Trace, TraceError
+
+if TYPE_CHECKING:
+    from engine.profile import CostProfile
 
 SIZE_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -192,7 +196,7 @@ class ReplayTrace:
 
 def replay_cycles(
     rt: ReplayTrace,
-    profile=None,
+    profile: CostProfile | None = None,
     rng: np.random.Generator | None = None,
     speculative: bool = True,
     depth_zero: bool = False,
@@ -234,7 +238,7 @@ def replay_cycles(
 def replay_generate(
     rt: ReplayTrace,
     controller: Controller | None,
-    profile=None,
+    profile: CostProfile | None = None,
     rng: np.random.Generator | None = None,
     measure_controller: bool = False,
 ) -> list[CycleRecord]:
@@ -274,7 +278,9 @@ def replay_generate(
         ctrl_s += time.perf_counter() - t0
 
 
-def charge_times(rec: CycleRecord, profile, rng, pending: int, width: int) -> None:
+def charge_times(
+    rec: CycleRecord, profile: CostProfile, rng: np.random.Generator | None, pending: int, width: int
+) -> None:
     """Fill the record's times from the cost profile (no profile: times stay 0)."""
     if profile is None:
         return

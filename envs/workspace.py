@@ -65,6 +65,16 @@ def pair_dir(pair: ModelPair, cache_dir: str | Path) -> Path:
     return Path(cache_dir) / name / f"{dev}-{pair.precision}{'-native' if native else ''}"
 
 
+def load_profile_arg(path: str | Path) -> CostProfile:
+    """``CostProfile.load`` of a profile given on a command line: what is wrong with it names ``--profile``."""
+    from engine.errors import DraftpilotError, InputError
+
+    try:
+        return CostProfile.load(path)
+    except (DraftpilotError, OSError) as err:
+        raise InputError(f"--profile: {err}") from None
+
+
 def ensure_profile(
     pair: ModelPair,
     cache_dir: str | Path,
@@ -77,7 +87,7 @@ def ensure_profile(
     from engine.profiler import ProfileConfig, measure_profile
 
     if path:
-        return CostProfile.load(path)
+        return load_profile_arg(path)
     cached = pair_dir(pair, cache_dir) / "profile.json"
     if cached.is_file():
         return CostProfile.load(cached)

@@ -50,15 +50,20 @@ def stored_config(config) -> dict:
     return data
 
 
-def prepare_output(out: str | Path, config, *, audit_only: bool = False) -> Checkpoint | None:
+def prepare_output(
+    out: str | Path, config, *, audit_only: bool = False, clear: bool = True
+) -> Checkpoint | None:
     """Check ``out`` before anything is written to it: a finished evaluation there is refused unless
-    ``config.restart`` (then every output of the earlier evaluation is removed: report, results, figures,
-    config, partial file); returns the ``Checkpoint`` of the full evaluation (resumed when ``out`` holds a
-    partial one with the same stored config, refused with another), None for the exactness audit alone."""
+    ``config.restart`` (then, if ``clear``, every output of the earlier evaluation is removed: report,
+    results, figures, config, partial file); returns the ``Checkpoint`` of the full evaluation (resumed when
+    ``out`` holds a partial one with the same stored config, refused with another), None for the exactness
+    audit alone. ``clear=False`` only checks: nothing in ``out`` changes."""
     from evaluation.plots import FIGURES
 
     out = Path(out)
     if config.restart:
+        if not clear:
+            return None if audit_only else Checkpoint(out / PARTIAL, config)
         for name in (*FINISHED, *FIGURES, "config.json", PARTIAL):
             (out / name).unlink(missing_ok=True)
     else:

@@ -149,6 +149,16 @@ class EvalConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed (--seed) must be in [0, 2**32), got {self.seed}")
+        if self.threads < 0:
+            raise ValueError(f"threads (--threads) must be >= 0 (0: torch's default), got {self.threads}")
+        depth, width = self.max_depth or 1, self.tree_width or 1
+        if depth > 127 or width * width * depth > 32767:  # envs.record.MAX_TRACE_DEPTH, the trace format
+            raise ValueError(
+                f"--max-depth {self.max_depth}, --tree-width {self.tree_width} do not fit the trace format "
+                "(max_depth <= 127 and tree_width^2 * max_depth <= 32767)"
+            )
         if self.exactness_prompt_set not in ("open", "split"):
             raise ValueError(f"exactness_prompt_set must be open or split, got {self.exactness_prompt_set!r}")
         if self.exactness_budget is not None and self.exactness_budget < self.exactness_tokens:
@@ -238,8 +248,12 @@ def find_policy(config: EvalConfig, runs_dir: str | Path = "runs") -> Path:
     """The configured policy file, or the newest ``runs/*/policy.pt``."""
     if config.policy:
         path = Path(config.policy)
+        if path.is_dir():
+            raise IsADirectoryError(f"--policy {path} is a directory, not a policy file")
         if not path.is_file():
-            raise FileNotFoundError(f"no policy file at {path}: train one with `python train.py`")
+            raise FileNotFoundError(
+                f"--policy {path}: no policy file there: train one with `python train.py`"
+            )
         return path
     found = sorted(Path(runs_dir).glob("*/policy.pt"), key=lambda p: p.stat().st_mtime)
     if not found:

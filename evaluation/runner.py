@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from engine.errors import DraftpilotError, InputError
 from evaluation.config import LLAMA_PEERS, PEERS, EvalConfig, find_policy, select_prompts
 from evaluation.peers import SCHEDULES, run_peer
 from evaluation.runs import RecordingController, run_engine
@@ -34,7 +35,10 @@ class Setup:
         self.names = config.controller_names()
         self.tune_prompts, self.test_prompts, self.warnings = select_prompts(config)
         self.policy_path = find_policy(config) if "learned" in self.names else None
-        policy = load_policy(self.policy_path) if self.policy_path else None  # fail early on a bad file
+        try:  # fail early on a bad file
+            policy = load_policy(self.policy_path) if self.policy_path else None
+        except (DraftpilotError, OSError) as err:
+            raise InputError(f"--policy: {err}") from None
         self.policy_meta = policy.meta if policy else None
         self.width = config.tree_width or (policy.tree_width if policy else DEFAULT_WIDTH)
         self.max_depth = config.max_depth or (policy.max_depth if policy else DEFAULT_DEPTH)
@@ -66,6 +70,8 @@ class Setup:
                 f"{self.pair.name!r}"
             )
         self._profile = None
+        if config.profile:  # a given profile file is read now: a bad one fails before anything is written
+            self._profile = workspace.load_profile_arg(config.profile)
 
     @property
     def loaded_profile(self):
@@ -268,11 +274,12 @@ def audit_sampled(setup: Setup, factories: dict) -> dict:
     return out
 
 
-def evaluate(config: EvalConfig, checkpoint=None) -> dict:
+def evaluate(config: EvalConfig, checkpoint=None, setup: Setup | None = None) -> dict:
     """The whole evaluation; returns the results dict (raw runs included). ``checkpoint``: the partial
     evaluation (``evaluation.checkpoint.Checkpoint``, or its file's path): the grid search's result and every
     measured prompt are saved to it as they complete, and an earlier partial run with the same config is
-    resumed from it."""
+    resumed from it. ``setup``: the evaluation's ``Setup`` if the caller built it already (to check every
+    input before it writes anything)."""
     from engine import SamplingConfig, SpeculativeEngine
     from evaluation.checkpoint import Checkpoint, stored_config
     from evaluation.concurrency import run_load
@@ -289,7 +296,7 @@ def evaluate(config: EvalConfig, checkpoint=None) -> dict:
             f"{len(state.runs)} runs kept{', static grid kept' if state.tuning is not None else ''})",
             flush=True,
         )
-    setup = Setup(config)
+    setup = setup or Setup(config)
     engine = SpeculativeEngine(setup.pair, SamplingConfig(temperature=config.temperature))
     kinds = [k for k in STATIC if k in setup.names]
     tuning = state.tuning if state is not None and state.tuning is not None else {}
@@ -414,7 +421,7 @@ def _best_static(tuning: dict) -> str | None:
     return max(tuning, key=lambda k: max(r["live_tokens_per_s"] for r in tuning[k]["confirmed"]))
 
 
-def exactness_only(config: EvalConfig) -> dict:
+def exactness_only(config: EvalConfig, setup: Setup | None = None) -> dict:
     """``python evaluate.py exactness``: greedy token audit of every engine controller on the measured
     prompts (fixed static settings instead of a grid search: chain (4, 4), tree (4, 8, W)), then the sampled
     two-sample test and the law checks."""
@@ -424,7 +431,7 @@ def exactness_only(config: EvalConfig) -> dict:
     from evaluation.summary import conditions
 
     started = time.perf_counter()
-    setup = Setup(config)
+    setup = setup or Setup(config)
     fixed = {
         "static_chain": {"depth": 4, "verify": 4, "tree_width": 1},
         "static_tree": {"depth": 4, "verify": 8, "tree_width": setup.tree_width},

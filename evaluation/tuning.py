@@ -10,13 +10,20 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
 from evaluation.runs import run_engine
 
+if TYPE_CHECKING:
+    from engine.engine import SpeculativeEngine
+    from engine.models import ModelPair
+    from engine.profile import CostProfile
+    from envs.replay import ReplayTrace
 
-def replay_ranking(traces: Sequence, profile) -> list[dict]:
+
+def replay_ranking(traces: Sequence[ReplayTrace], profile: CostProfile) -> list[dict]:
     """Distinct static configurations, best replay throughput first (ties: smaller depth, then size)."""
     from envs.oracle import static_grid
 
@@ -71,9 +78,9 @@ def confirm_live(
 
 
 def tune_static(
-    pair,
-    engine,
-    profile,
+    pair: ModelPair,
+    engine: SpeculativeEngine,
+    profile: CostProfile,
     tune_prompts: list[dict],
     *,
     kinds: Sequence[str],

@@ -17,10 +17,15 @@ an exponential average of accepted / predicted over past cycles.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from engine.control import Controller, DraftState
 from engine.records import CycleRecord
+
+if TYPE_CHECKING:
+    from engine.profile import CostProfile
 
 LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -33,7 +38,7 @@ class AnalyticController(Controller):
 
     def __init__(
         self,
-        profile,
+        profile: CostProfile,
         tree_width: int = 1,
         max_depth: int = 16,
         ladder: tuple[int, ...] = LADDER,

@@ -32,7 +32,7 @@ import math
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -49,7 +49,12 @@ from engine.features import (
     device_features,
     size_observation,
 )
-from engine.files import atomic_save
+from engine.files import atomic_save, load_plain
+
+if TYPE_CHECKING:
+    from engine.models import ModelPair
+    from engine.profile import CostProfile
+    from engine.records import CycleRecord
 
 FORMAT = "draftpilot-policy"
 FORMAT_VERSION = 1
@@ -222,11 +227,11 @@ class LearnedController(Controller):
             return self.fallback.num_to_verify(state)
         return self.size_ladder[self.size_actor.act(size_observation(self._capped(state), self.device_feats))]
 
-    def observe(self, record) -> None:
+    def observe(self, record: CycleRecord) -> None:
         if self.fallback is not None:
             self.fallback.observe(record)
 
-    def pair_warning(self, pair) -> str | None:
+    def pair_warning(self, pair: ModelPair) -> str | None:
         """A one-line warning when this policy was trained for another pair or weight format than ``pair``
         (a ``ModelPair``) runs; None when they match or the policy does not say. Decoding stays exact either
         way; the policy's depth and size choices were tuned for the acceptance and costs it was trained on."""
@@ -376,7 +381,10 @@ def _check_fields(data: dict[str, Any], where: str) -> None:
 
 
 def load_policy(
-    path: str | Path, device: str | torch.device = "cpu", profile=None, pair=None
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    profile: CostProfile | None = None,
+    pair: ModelPair | None = None,
 ) -> LearnedController:
     """A ``LearnedController`` from an exported ``policy.pt``.
 
@@ -388,15 +396,15 @@ def load_policy(
     ``PolicyFileWarning``.
     """
     path = Path(path)
+    if path.is_dir():
+        hint = f" (did you mean {path / 'policy.pt'}?)" if (path / "policy.pt").is_file() else ""
+        raise IsADirectoryError(f"{path} is a directory, not a policy file{hint}")
     if not path.is_file():
         raise FileNotFoundError(f"no policy file at {path}: train one with `python train.py`")
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - torch raises many kinds for a corrupt file
-        first = (str(err).strip().splitlines() or [""])[0][:160]
-        raise PolicyFileError(
-            f"{path} is not a readable policy file ({type(err).__name__}: {first})"
-        ) from err
+        data = load_plain(path)
+    except ValueError as err:
+        raise PolicyFileError(f"{path} is not a readable policy file: {err}") from err
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise PolicyFileError(f"{path} is not a draftpilot policy file")
     if data.get("format_version") != FORMAT_VERSION:

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -40,9 +42,21 @@ from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 from engine.control import Controller
 from engine.errors import DraftpilotError
 from engine.features import DEPTH_OBS_DIM, SIZE_OBS_DIM
-from engine.files import atomic_path, atomic_write_json, sha256_file, user_hmac, user_key_path
+from engine.files import (
+    atomic_path,
+    atomic_write_json,
+    load_plain,
+    sha256_file,
+    user_hmac,
+    user_key_path,
+)
 from envs.envs import DepthEnv, EnvConfig, NoDecisionError, SizeEnv, reference_rho
 from policies.learned import Actor, LearnedController
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+    from envs.backends import Backend
 
 ACTIVATION_NAMES = {torch.nn.Tanh: "tanh", torch.nn.ReLU: "relu"}
 CLIP_OBS, OBS_EPS = 10.0, 1e-8
@@ -107,6 +121,20 @@ class PPOConfig:
             raise ValueError(f"net_arch must be comma-separated layer widths >= 1, got {self.net_arch!r}")
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        for name, low, high, low_open in (
+            ("gamma_size", 0.0, 1.0, True),
+            ("gamma_depth", 0.0, 1.0, True),
+            ("gae_lambda", 0.0, 1.0, False),
+            ("clip_range", 0.0, float("inf"), True),
+            ("ent_coef", 0.0, float("inf"), False),
+            ("rho_smoothing", 0.0, 1.0, False),
+        ):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and (low < value if low_open else low <= value) and value <= high):
+                bound = (
+                    f"{'(' if low_open else '['}{low:g}, {high:g}]" if high < float("inf") else f"> {low:g}"
+                )
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be in {bound}, got {value}")
 
 
 @dataclass
@@ -118,7 +146,9 @@ class PhaseLog:
     validation: list[tuple[int, float]] = field(default_factory=list)
 
 
-def actor_from_model(model: PPO, obs_rms=None, clip_obs: float = CLIP_OBS, epsilon: float = OBS_EPS) -> Actor:
+def actor_from_model(
+    model: PPO, obs_rms: RunningMeanStd | None = None, clip_obs: float = CLIP_OBS, epsilon: float = OBS_EPS
+) -> Actor:
     """The deterministic actor of an SB3 PPO model and its observation normaliser (``VecNormalize.obs_rms``,
     None: identity) as a torch-only ``Actor``."""
     policy = model.policy
@@ -149,7 +179,7 @@ class CoTrainer:
 
     def __init__(
         self,
-        backend,
+        backend: Backend,
         ppo: PPOConfig,
         env_config: EnvConfig,
         baseline: Callable[[], Controller],
@@ -161,7 +191,7 @@ class CoTrainer:
         device: str = "cpu",
         tensorboard_dir: str | None = None,
         eval_every: int = 10_000,
-        writer=None,
+        writer: SummaryWriter | None = None,
         progress: bool = False,
     ):
         self.backend, self.ppo, self.env_config = backend, ppo, env_config
@@ -474,12 +504,9 @@ def read_trainer_state(path: str | Path) -> dict:
     only: anything else is refused unexecuted)."""
     path = Path(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - torch raises many kinds for a foreign or corrupt file
-        first = (str(err).strip().splitlines() or [""])[0][:160]
-        raise CheckpointError(
-            f"{path} is not a plain trainer state, refusing to load it ({type(err).__name__}: {first})"
-        ) from err
+        state = load_plain(path)
+    except ValueError as err:
+        raise CheckpointError(f"{path} is not a plain trainer state, refusing to load it: {err}") from err
     keys = ("rho", "total_steps", "best_tps", "best_depth", "best_size", "obs_rms", "history")
     if (
         not isinstance(state, dict)

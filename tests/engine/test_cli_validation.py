@@ -153,7 +153,62 @@ def test_generate_refuses_an_unknown_pair_and_a_missing_policy(tmp_path, capsys,
     assert generate.main([*GEN_BASE, "--policy", str(tmp_path / "nope.pt")]) == 2
     one_error_line(capsys, "no policy file")
     assert generate.main([*GEN_BASE, "--policy", str(tmp_path)]) == 2  # a directory
-    one_error_line(capsys, "no policy file")
+    one_error_line(capsys, "--policy", "is a directory")
+
+
+def _model_dirs(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    a_file = tmp_path / "weights.bin"
+    a_file.write_bytes(b"\0" * 8)
+    return {
+        "/nonexistent/model": "no such model directory",
+        "./missing-model": "no such model directory",
+        str(empty): "no config.json",
+        str(a_file): "not a model directory",
+        "not a hub id!": "not a Hugging Face hub id",
+        "": "empty",
+    }
+
+
+def test_generate_checks_model_paths_before_loading(tmp_path, capsys, no_models):
+    """--target/--draft that cannot be a model fail in one line naming the flag, before transformers runs
+    (which printed pages of hub errors and retries for /nonexistent)."""
+    model = tmp_path / "model"  # passes the check (a directory with a config.json)
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    for path, needle in _model_dirs(tmp_path).items():
+        assert generate.main(["--prompt", "hi", "--target", path, "--draft", str(model)]) == 2, path
+        one_error_line(capsys, "--target", needle)
+        assert generate.main(["--prompt", "hi", "--target", str(model), "--draft", path]) == 2, path
+        one_error_line(capsys, "--draft", needle)
+
+
+def test_load_pair_reports_an_unloadable_model_in_one_error(tmp_path):
+    """A directory with a config.json that transformers cannot load: one InputError naming the model."""
+    from engine.errors import InputError
+    from engine.models import load_pair
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(InputError, match="target model .*m'") as info:
+        load_pair(target=model, draft=model, device="cpu", dtype="float32")
+    assert "\n" not in str(info.value)
+
+
+def test_policy_refusals_print_no_torch_warning(tmp_path, capsys, no_models):
+    """A foreign pickle as --policy: the one error line only (torch's weights-only unpickler warned first)."""
+    import pickle
+
+    foreign = tmp_path / "foreign.pt"
+    foreign.write_bytes(pickle.dumps({"a": 1}, protocol=4))
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"garbage")
+    for path in (foreign, garbage):
+        with _no_warnings():
+            assert generate.main([*GEN_BASE, "--policy", str(path)]) == 2
+        one_error_line(capsys, "--policy", str(path), "not a file saved by torch.save")
 
 
 def test_generate_reports_engine_refusals_in_one_line(capsys):
@@ -163,3 +218,19 @@ def test_generate_reports_engine_refusals_in_one_line(capsys):
     assert (
         generate.main([*GEN_BASE, "--raw", "--max-new-tokens", "3", "--tree-width", "2"]) == 0
     )  # negative control
+
+
+class _no_warnings:
+    """Fail if anything inside the block warns (warnings would reach stderr ahead of the error line)."""
+
+    def __enter__(self):
+        import warnings
+
+        self._ctx = warnings.catch_warnings(record=True)
+        self._log = self._ctx.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+        assert not self._log, [str(w.message)[:100] for w in self._log]

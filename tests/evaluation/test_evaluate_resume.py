@@ -304,3 +304,80 @@ def test_an_unusable_out_gives_one_error_line(workdir, tiny_policy):
     (workdir / "a-file").write_text("not a directory")
     rc, _, stderr = run_cli(_argv(workdir, tiny_policy, "a-file"))
     assert rc == 2 and str(workdir / "a-file") in _lines(stderr)[0]
+
+
+def _snapshot(directory):
+    """Every path under ``directory`` with its bytes (None for a directory): what a refusal must not change."""
+    return {
+        str(p.relative_to(directory)): (p.read_bytes() if p.is_file() else None)
+        for p in sorted(directory.rglob("*"))
+    }
+
+
+def test_refused_evaluations_leave_out_as_it_was(workdir, tiny_policy, tmp_path):
+    """A refused evaluation (a finished or other-config --out without --restart, a bad input with --restart,
+    a lock held) changes nothing in --out: no config.json, no lock file, no earlier output removed."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = workdir / "refused"
+    out.mkdir()
+    for name, data in {
+        "report.md": b"old report",
+        "results.json": b"{}",
+        "config.json": b'{"old": 1}',
+        "learned_actions.png": b"png",
+    }.items():
+        (out / name).write_bytes(data)
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"garbage")
+    bad_profile = tmp_path / "profile.json"
+    bad_profile.write_text("{}")
+    bad_prompts = tmp_path / "prompts.jsonl"
+    bad_prompts.write_text("{not json\n")
+    partial = workdir / "refused-partial"
+    partial.mkdir()
+    (partial / PARTIAL).write_text(json.dumps({"config": {"max_new_tokens": 999}, "runs": []}))
+    (partial / "config.json").write_text('{"max_new_tokens": 999}')
+    cases = [
+        (out, _argv(workdir, tiny_policy, "refused")),
+        (out, ["exactness", *_argv(workdir, tiny_policy, "refused")]),
+        (out, _argv(workdir, garbage, "refused", "--restart")),
+        (out, _argv(workdir, tiny_policy, "refused", "--restart", "--profile", str(bad_profile))),
+        (out, _argv(workdir, tiny_policy, "refused", "--restart", "--prompts", str(bad_prompts))),
+        (out, _argv(workdir, tiny_policy, "refused", "--restart", "--pair", "/nonexistent::/nonexistent")),
+        (out, _argv(workdir, tiny_policy, "refused", "--restart", "--device", "bogus")),
+        (partial, _argv(workdir, tiny_policy, "refused-partial")),
+        (partial, _argv(workdir, garbage, "refused-partial", "--restart")),
+    ]
+    for directory, argv in cases:
+        before = _snapshot(directory)
+        rc, _, stderr = run_cli(argv)
+        assert rc == 2, (argv, stderr)
+        _lines(stderr)
+        assert _snapshot(directory) == before, argv
+
+    code = (
+        "import sys; from engine.files import DirectoryLock; DirectoryLock(sys.argv[1]).acquire(); "
+        "print('locked', flush=True); sys.stdin.read()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(out)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(runner.__file__).resolve().parents[1],
+    )
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        before = _snapshot(out)
+        rc, _, stderr = run_cli(_argv(workdir, tiny_policy, "refused", "--restart"))
+        assert rc == 2 and "in use by another process" in _lines(stderr)[0]
+        assert _snapshot(out) == before
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+    rc, _, stderr = run_cli(_argv(workdir, tiny_policy, "never-made", "--prompts", str(bad_prompts)))
+    assert rc == 2 and "--prompts" in _lines(stderr)[0]
+    assert not (workdir / "never-made").exists()  # a refused run does not even leave its --out behind

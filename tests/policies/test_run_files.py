@@ -335,7 +335,7 @@ def test_retrain_removes_stale_outputs_before_training(base, monkeypatch):
     def killed(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(train, "_train", killed)
+    monkeypatch.setattr(train, "ensure_traces", killed)  # the first step after the inputs are checked
     with pytest.raises(KeyboardInterrupt):
         train.train(quick_config(tmp, run_name="retrain", seed=1), retrain=True)
     monkeypatch.undo()
@@ -456,3 +456,58 @@ def test_unusable_paths_name_their_flag(tmp_path):
         ["--pair", "tiny", "--quick", "--run-dir", str(tmp_path / "r"), "--prompts", str(tmp_path)]
     )
     assert rc == 2 and "--prompts" in one_error_line(stderr)
+
+
+def _snapshot(directory: Path) -> dict:
+    """Every path under ``directory`` with its bytes (None for a directory): what a refusal must not change."""
+    return {
+        str(p.relative_to(directory)): (p.read_bytes() if p.is_file() else None)
+        for p in sorted(directory.rglob("*"))
+    }
+
+
+def test_refused_runs_leave_the_run_directory_as_it_was(base, tmp_path):
+    """A refused train.py run (another config without --retrain, --resume with other flags, a bad input
+    given with --retrain, a lock held) changes nothing in the run directory: no config.json rewritten, no lock
+    file, no earlier policy removed."""
+    run = copy_run(base, "refused")
+    bad_prompts = tmp_path / "prompts.jsonl"
+    bad_prompts.write_text("{not json\n")
+    bad_profile = tmp_path / "profile.json"
+    bad_profile.write_text("{}")
+    common = [
+        "--pair",
+        "tiny",
+        "--quick",
+        "--languages",
+        "it,en",
+        "--no-progress",
+        "--cache-dir",
+        str(base["tmp"] / "cache"),
+        "--run-dir",
+        str(run.parent),
+        "--run-name",
+        run.name,
+    ]
+    cases = [
+        ["--resume", str(run), "--rounds", "5"],
+        [*common, "--seed", "1"],
+        [*common, "--retrain", "--prompts", str(bad_prompts)],
+        [*common, "--retrain", "--profile", str(bad_profile)],
+        [*common, "--retrain", "--pair", "/nonexistent::/nonexistent"],
+        [*common, "--retrain", "--device", "bogus"],
+        [*common, "--retrain", "--weights", "int3"],
+    ]
+    before = _snapshot(run)
+    for argv in cases:
+        rc, _, stderr = run_main(argv)
+        assert rc == 2, (argv, stderr)
+        one_error_line(stderr)
+        assert _snapshot(run) == before, argv
+    with locked_by_another_process(run):
+        rc, _, stderr = run_main([*common, "--retrain"])
+    assert rc == 2 and "in use by another process" in one_error_line(stderr)
+    assert _snapshot(run) == before
+    rc, _, stderr = run_main([*common[:-1], "never-made", "--profile", str(bad_profile)])
+    assert rc == 2 and str(bad_profile) in one_error_line(stderr)
+    assert not (run.parent / "never-made").exists()  # a refused run does not even leave its directory
