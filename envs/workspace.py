@@ -61,7 +61,9 @@ def load_models_of(config) -> ModelPair:
 def pair_dir(pair: ModelPair, cache_dir: str | Path) -> Path:
     dev = "cuda" if pair.device.type == "cuda" else "cpu"
     name = pair.name.replace("/", "_").replace(":", "_")
-    native = lean.NATIVE and any(lean.native_decoder(model) is not None for model in (pair.target, pair.draft))
+    native = lean.NATIVE and any(
+        lean.native_decoder(model) is not None for model in (pair.target, pair.draft)
+    )
     return Path(cache_dir) / name / f"{dev}-{pair.precision}{'-native' if native else ''}"
 
 
