@@ -11,7 +11,7 @@ Pipeline: cost profile (measured once per pair/device/dtype, cached) -> traces o
 prompts (recorded once, cached, resumable) -> replay environments -> PPO: size policy (depth from the best
 static setting), then depth (size from the size policy), alternating -> the joint controller with the best
 validation throughput is exported to ``<run>/policy.pt`` (load it with ``policies.load_policy``, or
-``python -m engine.generate --policy <run>/policy.pt``). TensorBoard: ``tensorboard --logdir runs``.
+``python generate.py --policy <run>/policy.pt``). TensorBoard: ``tensorboard --logdir runs``.
 
 Run directories: a run holds an exclusive lock on its directory while it works (a second run with the same
 name fails at once). A run directory whose ``policy.pt`` was trained with this config (the config stored
@@ -83,9 +83,8 @@ class TrainConfig:
     temperature: float = 0.0
     """0: greedy traces; > 0: sampled trajectories (the policy is then trained for sampling)."""
     tree_width: int = 1
-    """Draft tree width W of the traces and of the exported controller (1: chains, the default: on the
-    2-core CPU a learned chain policy ran 1.043x the learned width-4 tree policy live, one sitting; on a
-    device whose verification cost is flat in the number of rows, try 4)."""
+    """Draft tree width W of the traces and of the exported controller (1: chains; wider trees pay where
+    verifying more rows costs little more than one)."""
     max_depth: int = 8
     """Deepest draft level recorded (the depth policy's cap)."""
     depth_zero: bool = True

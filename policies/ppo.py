@@ -85,12 +85,11 @@ class PPOConfig:
     n_epochs: int = 5
     """Passes over each rollout."""
     learning_rate: float = 1e-3
-    """Initial Adam learning rate (decays linearly to 10% over each phase when lr_decay). 3e-4 left the
-    size policy below the best static setting after 20k steps on the default pair; 1e-3 passed it."""
+    """Initial Adam learning rate (decays linearly to 10% over each phase when lr_decay)."""
     lr_decay: bool = True
     """Decay the learning rate linearly within each phase."""
     ent_coef: float = 0.001
-    """Entropy bonus. 0.01 kept the 12-way size policy too random to beat the static grid."""
+    """Entropy bonus."""
     clip_range: float = 0.2
     """PPO clipping."""
     gae_lambda: float = 0.95

@@ -20,7 +20,6 @@ FORBIDDEN = {
 }
 ALLOWED = {
     ("policies/ppo.py", "envs"),  # training code: PPO on the environments (never on the inference path)
-    ("engine/generate.py", "policies"),  # the generate command line loads a policy file (issue 15: to move)
 }
 
 

@@ -1,5 +1,5 @@
 """Command lines check every argument and the output path before any model loads (issue 14), and report a
-bad one as a single ``error: ...`` line naming it, exit status 2: ``python -m engine.generate`` and
+bad one as a single ``error: ...`` line naming it, exit status 2: ``python generate.py`` and
 ``python -m engine.profile``. A profile is saved atomically."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from engine import generate, profile, profiler
+import generate
+from engine import profile, profiler
 from engine.profile import CostProfile
 from tests_helpers import one_error_line
 
@@ -119,7 +120,7 @@ def test_profile_save_is_atomic(tmp_path, monkeypatch):
     assert CostProfile.load(path).overhead_base_s == 1.0
 
 
-# -------------------------------------------------------------------------------------- engine.generate
+# ------------------------------------------------------------------------------------------- generate.py
 GEN_BASE = ["--pair", "tiny", "--prompt", "hi"]
 
 

@@ -343,7 +343,7 @@ def test_bad_draft_vocab_is_refused():
 
 # ---------------------------------------------------------------------------------------- command line
 def test_generate_cli_takes_weight_formats_and_depth_zero(capsys):
-    from engine.generate import main
+    from generate import main
 
     rc = main(
         [
@@ -375,7 +375,7 @@ def test_generate_cli_takes_weight_formats_and_depth_zero(capsys):
     ],
 )
 def test_generate_cli_refuses_bad_formats_with_one_error_line(argv, match, capsys):
-    from engine.generate import main
+    from generate import main
 
     rc = main(["--pair", "tiny", "--prompt", "hi", *argv])
     err = capsys.readouterr().err

@@ -294,7 +294,7 @@ def test_inference_path_does_not_import_stable_baselines3(tiny_data, tmp_path):
 
 
 def test_generate_cli_uses_the_policy(tiny_data, tmp_path, capsys):
-    from engine.generate import main
+    from generate import main
 
     trainer = make_trainer(tiny_data, steps=(64, 64))
     path = save_policy(

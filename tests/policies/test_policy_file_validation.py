@@ -226,7 +226,7 @@ def test_policy_for_another_pair_is_reported(tmp_path, tiny_pair):
 
 
 def test_generate_warns_about_a_policy_for_another_pair(tmp_path, capsys):
-    from engine.generate import main
+    from generate import main
 
     path = make_policy(tmp_path / "qwen.pt", pair="qwen2.5-coder")
     assert (
@@ -255,7 +255,7 @@ def test_generate_warns_about_a_policy_for_another_pair(tmp_path, capsys):
 
 
 def test_generate_reports_a_bad_policy_in_one_line(good, tmp_path, capsys, monkeypatch):
-    from engine import generate
+    import generate
 
     monkeypatch.setattr(
         generate, "load_pair", lambda *a, **k: pytest.fail("models loaded before the policy was checked")

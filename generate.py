@@ -1,8 +1,12 @@
 """Command line: generate with speculative (or autoregressive) decoding and print the stats.
 
-python -m engine.generate --prompt "Write a Python function that reverses a list."
-python -m engine.generate --pair tiny --prompt "hello" --depth 3 --verify 8 --tree-width 2
-python -m engine.generate --autoregressive --prompt "..."
+python generate.py --prompt "Write a Python function that reverses a list."
+python generate.py --pair tiny --prompt "hello" --depth 3 --verify 8 --tree-width 2
+python generate.py --autoregressive --prompt "..."
+python generate.py --policy runs/main/policy.pt --prompt "..."
+
+A command of the project (next to train.py and evaluate.py), not of the engine: it may load a learned
+policy, and the engine imports no controller package.
 """
 
 from __future__ import annotations
@@ -22,15 +26,17 @@ from engine.cli import (
     report_error,
     warn,
 )
+from engine.control import StaticController
 from engine.engine import MAX_SEED, EngineConfig, SpeculativeEngine
 from engine.errors import InputError
 from engine.models import add_format_args, format_kwargs, load_pair
 from engine.sampling import SamplingConfig
+from policies import load_policy
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = ArgumentParser(
-        prog="python -m engine.generate",
+        prog="python generate.py",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -106,15 +112,11 @@ def main(argv: list[str] | None = None) -> int:
 def _controller(args, limits):
     """The controller the flags ask for (checked before any model loads; the vocabulary bound on
     --tree-width is checked here for named pairs, by the engine for --target/--draft pairs)."""
-    if args.policy:  # controllers live in policies; the engine itself never imports them
-        from policies import load_policy
-
+    if args.policy:
         try:
             return load_policy(args.policy, device=args.device if args.device != "auto" else "cpu")
         except CLI_ERRORS as err:
             raise InputError(f"--policy: {err}") from None
-    from engine.control import StaticController
-
     if limits is not None and args.tree_width > limits.vocab_size:
         raise InputError(
             f"--tree-width {args.tree_width} exceeds the vocabulary ({limits.vocab_size} tokens)"
