@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from engine import SamplingConfig, SpeculativeEngine  # noqa: E402
+from engine.measure_costs import ProfileConfig, device_name, measure_profile  # noqa: E402
 from engine.models import load_pair  # noqa: E402
-from engine.profiler import ProfileConfig, device_name, measure_profile  # noqa: E402
 from engine.random_pair import build_random_pair  # noqa: E402
 from evaluation.exactness import greedy_audit, law_checks, sampled_test  # noqa: E402
 from policies import HeuristicController, StaticController  # noqa: E402

@@ -727,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from engine.profiler import device_name
+    from engine.measure_costs import device_name
 
     summary = summarize(runs, names)
     conditions = {

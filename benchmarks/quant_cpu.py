@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from engine import SamplingConfig, SpeculativeEngine, load_pair  # noqa: E402
 from engine.engine import forward_logits  # noqa: E402
 from engine.kvcache import keep_entries, new_cache  # noqa: E402
-from engine.profiler import device_name  # noqa: E402
+from engine.measure_costs import device_name  # noqa: E402
 from engine.quant import WEIGHT_FORMATS, weight_bytes  # noqa: E402
 from envs.prompts import interleave_languages, load_suite  # noqa: E402
 from policies import StaticController  # noqa: E402

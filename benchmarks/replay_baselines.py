@@ -17,7 +17,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import envs  # noqa: E402,F401 - registers the environment ids
-from engine.profile import CostProfile  # noqa: E402
+from engine.cost_profile import CostProfile  # noqa: E402
 from envs import ReplayBackend, ReplayTrace, replay_generate, throughput  # noqa: E402
 from envs.oracle import oracle_throughput, static_grid  # noqa: E402
 from envs.record import load_traces  # noqa: E402

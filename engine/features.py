@@ -18,7 +18,7 @@ from engine.control import DraftState
 from engine.records import CycleRecord
 
 if TYPE_CHECKING:
-    from engine.profile import CostProfile
+    from engine.cost_profile import CostProfile
 
 FEATURE_VERSION = 1
 MAX_WIDTH = 8

@@ -26,7 +26,7 @@ from engine.records import CycleRecord
 from envs.replay import ReplayTrace, charge_times, replay_cycles, replay_generate, throughput
 
 if TYPE_CHECKING:
-    from engine.profile import CostProfile
+    from engine.cost_profile import CostProfile
 
 
 class ReplayBackend:

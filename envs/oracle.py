@@ -21,7 +21,7 @@ from engine.records import CycleRecord
 from envs.replay import SIZE_LADDER, ReplayTrace, replay_generate, throughput
 
 if TYPE_CHECKING:
-    from engine.profile import CostProfile
+    from engine.cost_profile import CostProfile
 
 
 @dataclass

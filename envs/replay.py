@@ -30,7 +30,7 @@ from engine.tree import MAX_TREE_NODES, clamp_verify, depth_limit
 from envs.trace import Trace, TraceError
 
 if TYPE_CHECKING:
-    from engine.profile import CostProfile
+    from engine.cost_profile import CostProfile
 
 SIZE_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from engine import lean
+from engine.cost_profile import CostProfile
 from engine.models import ModelPair, load_pair
-from engine.profile import CostProfile
 
 
 def load_models(
@@ -86,7 +86,7 @@ def ensure_profile(
 ) -> CostProfile:
     """The profile at ``path`` if given, else the cached one for this pair/device/dtype, measured (and
     cached) the first time: the contexts traces visit, the full size ladder, 3 repetitions."""
-    from engine.profiler import ProfileConfig, measure_profile
+    from engine.measure_costs import ProfileConfig, measure_profile
 
     if path:
         return load_profile_arg(path)

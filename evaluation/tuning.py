@@ -17,9 +17,9 @@ from tqdm.auto import tqdm
 from evaluation.runs import run_engine
 
 if TYPE_CHECKING:
+    from engine.cost_profile import CostProfile
     from engine.engine import SpeculativeEngine
     from engine.models import ModelPair
-    from engine.profile import CostProfile
     from envs.replay import ReplayTrace
 
 

@@ -52,8 +52,8 @@ from engine.features import (
 from engine.files import atomic_save, load_plain
 
 if TYPE_CHECKING:
+    from engine.cost_profile import CostProfile
     from engine.models import ModelPair
-    from engine.profile import CostProfile
     from engine.records import CycleRecord
 
 FORMAT = "draftpilot-policy"

@@ -1,6 +1,6 @@
 """Command lines check every argument and the output path before any model loads (issue 14), and report a
 bad one as a single ``error: ...`` line naming it, exit status 2: ``python generate.py`` and
-``python -m engine.profile``. A profile is saved atomically."""
+``python -m engine.measure_costs``. A profile is saved atomically."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import json
 import pytest
 
 import generate
-from engine import profile, profiler
-from engine.profile import CostProfile
+from engine import measure_costs
+from engine.cost_profile import CostProfile
 from tests_helpers import one_error_line
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -24,10 +24,10 @@ def no_models(monkeypatch):
         pytest.fail("models were loaded before the arguments were checked")
 
     monkeypatch.setattr(generate, "load_pair", refuse)
-    monkeypatch.setattr(profiler, "measure_profile_cli", refuse)
+    monkeypatch.setattr(measure_costs, "measure_profile_cli", refuse)
 
 
-# --------------------------------------------------------------------------------------- engine.profile
+# ------------------------------------------------------------------------------------- engine.measure_costs
 PROFILE_BASE = ["--pair", "tiny", "--quick", "--reps", "1"]
 
 
@@ -57,35 +57,37 @@ PROFILE_BASE = ["--pair", "tiny", "--quick", "--reps", "1"]
 )
 def test_profile_refuses_bad_arguments_before_measuring(argv, needles, tmp_path, capsys, no_models):
     out = tmp_path / "p.json"
-    assert profile.main([*PROFILE_BASE, *argv, "--out", str(out)]) == 2
+    assert measure_costs.main([*PROFILE_BASE, *argv, "--out", str(out)]) == 2
     one_error_line(capsys, *needles)
     assert not out.exists()
 
 
 def test_profile_refuses_an_unknown_pair(tmp_path, capsys, no_models):
-    assert profile.main(["--pair", "nope", "--quick", "--out", str(tmp_path / "p.json")]) == 2
+    assert measure_costs.main(["--pair", "nope", "--quick", "--out", str(tmp_path / "p.json")]) == 2
     one_error_line(capsys, "--pair", "'nope'", "known: tiny")
 
 
 def test_profile_checks_the_output_path_first(tmp_path, capsys, no_models):
-    assert profile.main([*PROFILE_BASE, "--out", str(tmp_path)]) == 2  # a directory
+    assert measure_costs.main([*PROFILE_BASE, "--out", str(tmp_path)]) == 2  # a directory
     one_error_line(capsys, "--out", "is a directory")
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    assert profile.main([*PROFILE_BASE, "--out", str(blocker / "p.json")]) == 2  # under a file
+    assert measure_costs.main([*PROFILE_BASE, "--out", str(blocker / "p.json")]) == 2  # under a file
     one_error_line(capsys, "--out", "cannot create the directory")
 
 
 def test_argparse_errors_also_exit_2(capsys):
     with pytest.raises(SystemExit) as info:
-        profile.main(["--pair", "tiny", "--contexts", "x", "--out", "p.json"])
+        measure_costs.main(["--pair", "tiny", "--contexts", "x", "--out", "p.json"])
     assert info.value.code == 2
 
 
 def test_profile_cli_good_arguments_still_measure(tmp_path, capsys):
     """Negative control of the refusals: the same base arguments with valid grids measure and save."""
     out = tmp_path / "deep" / "p.json"  # a missing directory is created
-    assert profile.main([*PROFILE_BASE, "--contexts", "16,48", "--sizes", "0,3", "--out", str(out)]) == 0
+    assert (
+        measure_costs.main([*PROFILE_BASE, "--contexts", "16,48", "--sizes", "0,3", "--out", str(out)]) == 0
+    )
     assert CostProfile.load(out).sizes == [0, 3]
     assert f"saved {out}" in capsys.readouterr().out
 

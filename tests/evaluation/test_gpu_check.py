@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from engine.profile import CostProfile
+from engine.cost_profile import CostProfile
 from tests_evaluation_helpers import load_benchmark
 
 

@@ -10,8 +10,8 @@ import math
 import pytest
 
 import train
+from engine.cost_profile import CostProfile, ProfileError
 from engine.errors import InputError
-from engine.profile import CostProfile, ProfileError
 from envs.workspace import load_profile_arg
 from evaluation.config import EvalConfig
 from policies.ppo import PPOConfig

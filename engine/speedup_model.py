@@ -3,7 +3,7 @@
 Letters follow the article: alpha = per-token acceptance probability, gamma = draft length, c = cost of
 one draft step relative to one target step, g(gamma) = cost of verifying gamma tokens relative to one
 target step (1 in the simplified model). The last functions give the same quantities measured on a
-device (``engine.profile.CostProfile``).
+device (``engine.cost_profile.CostProfile``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the profile module is only needed by the empirical functions' callers
-    from engine.profile import CostProfile
+    from engine.cost_profile import CostProfile
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:

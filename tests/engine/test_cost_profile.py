@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from engine import load_pair
-from engine.costmodel import cycle_time, empirical_c, empirical_g
-from engine.profile import PROFILE_VERSION, CostProfile, ProfileError, main, spread_to_sigma
-from engine.profiler import ProfileConfig, measure_profile
+from engine.cost_profile import PROFILE_VERSION, CostProfile, ProfileError, spread_to_sigma
+from engine.measure_costs import ProfileConfig, main, measure_profile
 from engine.random_pair import build_random_pair, parameter_count, random_pair_configs
+from engine.speedup_model import cycle_time, empirical_c, empirical_g
 
 SMALL = ProfileConfig(
     contexts=(32, 96),
@@ -240,7 +240,7 @@ def test_save_load_round_trip(tmp_path, measured):
 
 
 def test_load_errors_are_clear(tmp_path):
-    with pytest.raises(FileNotFoundError, match="python -m engine.profile"):
+    with pytest.raises(FileNotFoundError, match="python -m engine.measure_costs"):
         CostProfile.load(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")

@@ -1,4 +1,7 @@
-"""Measuring a ``CostProfile``: the engine's own forwards, timed on the device (``python -m engine.profile``).
+"""Measuring a ``CostProfile`` (``engine.cost_profile``): the engine's own forwards, timed on the device, and the
+command line that writes the profile file.
+
+    python -m engine.measure_costs --pair tiny --quick --out runs/profile_tiny.json
 
 Every timed call is exactly the forward the engine issues in a cycle (same ``_forward``, masks, positions
 and ``logits_to_keep``) on a KV cache holding the given context, cropped back (outside the clock) before
@@ -12,6 +15,7 @@ import argparse
 import datetime
 import os
 import platform
+import sys
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -20,12 +24,20 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.attention import MAX_VERIFY_NODES
+from engine.cli import (
+    CLI_ERRORS,
+    ArgumentParser,
+    check_output_file,
+    check_pair_args,
+    check_positive,
+    report_error,
+)
 from engine.control import StaticController
+from engine.cost_profile import CostProfile
 from engine.engine import SpeculativeEngine
 from engine.errors import InputError, is_int
 from engine.kvcache import keep_entries, new_cache
-from engine.models import ModelPair, format_kwargs
-from engine.profile import CostProfile
+from engine.models import ModelPair, add_format_args, format_kwargs, load_pair
 from engine.tree import MAX_TREE_NODES, ancestor_matrix, tree_attention_mask
 
 LADDER = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -473,9 +485,46 @@ def config_from_args(args: argparse.Namespace) -> ProfileConfig:
 
 
 def measure_profile_cli(args: argparse.Namespace, config: ProfileConfig) -> CostProfile:
-    from engine.models import load_pair
-
     if args.threads:
         torch.set_num_threads(args.threads)
     pair = load_pair(args.pair, device=args.device, random_weights=args.random_weights, **format_kwargs(args))
     return measure_profile(pair, config, random_weights=args.random_weights)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; returns the exit status (0, or 2 after one ``error: ...`` line). Every argument and
+    the output path are checked before any model loads."""
+    parser = ArgumentParser(
+        prog="python -m engine.measure_costs", description="Measure the cost profile of a pair on a device."
+    )
+    parser.add_argument("--pair", default="qwen2.5-coder", help="qwen2.5-coder (default) or tiny")
+    parser.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="the pair's architecture with random weights, no download (timing only)",
+    )
+    add_format_args(parser)
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda:0, ...")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--quick", action="store_true", help="small grids, 2 reps (explicit grid flags win)")
+    parser.add_argument("--out", required=True, help="where to write the JSON profile")
+    add_config_arguments(parser, ProfileConfig())
+    args = parser.parse_args(argv)
+    try:
+        if args.threads is not None:
+            check_positive(threads=args.threads)
+        config = config_from_args(args)  # ranges of every grid and count
+        limits = check_pair_args(args.pair, args.device, **format_kwargs(args))
+        config.check_fits(limits.max_context, limits.vocab_size, where=f"--pair {args.pair}")
+        out = check_output_file(args.out)
+        profile = measure_profile_cli(args, config)
+        profile.save(out)
+    except CLI_ERRORS as err:
+        return report_error(err)
+    print(profile.format_table())
+    print(f"saved {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

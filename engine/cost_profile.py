@@ -3,13 +3,12 @@
 Replay environments take their time from a ``CostProfile`` instead of a clock: draft step time by
 frontier width and context, the first draft step by the number of pending tokens, verification time by
 the number of verified nodes and context, the fixed per-cycle overhead, the controller call, prefill,
-each with its measured noise. This is the article's c and g(gamma) made empirical.
+each with its measured noise. This is the article's c and g(gamma) made empirical. ``engine.measure_costs``
+measures one (``python -m engine.measure_costs``); this module only holds, queries and stores it.
 
 *Context* everywhere is the committed token count at the start of the cycle (``CycleRecord.context_len``).
 Queries interpolate piecewise-linearly; below the grid they clamp, above it they extrapolate linearly
 with the last segment's slope (never decreasing: noise must not make a longer context cheaper).
-
-    python -m engine.profile --pair tiny --quick --out runs/profile_tiny.json
 """
 
 from __future__ import annotations
@@ -67,7 +66,7 @@ def _lerp2(
 class CostProfile:
     """Measured cycle costs on one device, pair and dtype (seconds; spreads are IQR/median over reps).
 
-    Tables are indexed [grid value, context]. Build one with ``engine.profiler.measure_profile`` or by
+    Tables are indexed [grid value, context]. Build one with ``engine.measure_costs.measure_profile`` or by
     hand (tests); ``save``/``load`` round-trip it through JSON.
     """
 
@@ -316,7 +315,7 @@ class CostProfile:
             raise IsADirectoryError(f"{path} is a directory, not a cost profile (a .json file)")
         if not path.is_file():
             raise FileNotFoundError(
-                f"no cost profile at {path}: measure one with `python -m engine.profile --out {path}`"
+                f"no cost profile at {path}: measure one with `python -m engine.measure_costs --out {path}`"
             )
         try:
             data = json.loads(path.read_text())
@@ -327,7 +326,7 @@ class CostProfile:
         if data.get("version") != PROFILE_VERSION:
             raise ProfileError(
                 f"{path} has cost profile format version {data.get('version')!r}; this code "
-                f"reads version {PROFILE_VERSION}: measure it again with `python -m engine.profile`"
+                f"reads version {PROFILE_VERSION}: measure it again with `python -m engine.measure_costs`"
             )
         known = {f.name for f in fields(cls)}
         missing = [
@@ -421,53 +420,3 @@ def _plain(obj: Any) -> Any:
     if isinstance(obj, np.generic):
         return obj.item()
     return obj
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The command line; returns the exit status (0, or 2 after one ``error: ...`` line). Every argument and
-    the output path are checked before any model loads."""
-    from engine.cli import (
-        CLI_ERRORS,
-        ArgumentParser,
-        check_output_file,
-        check_pair_args,
-        check_positive,
-        report_error,
-    )
-    from engine.models import add_format_args, format_kwargs
-    from engine.profiler import ProfileConfig, add_config_arguments, config_from_args, measure_profile_cli
-
-    parser = ArgumentParser(prog="python -m engine.profile", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pair", default="qwen2.5-coder", help="qwen2.5-coder (default) or tiny")
-    parser.add_argument(
-        "--random-weights",
-        action="store_true",
-        help="the pair's architecture with random weights, no download (timing only)",
-    )
-    add_format_args(parser)
-    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda:0, ...")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--quick", action="store_true", help="small grids, 2 reps (explicit grid flags win)")
-    parser.add_argument("--out", required=True, help="where to write the JSON profile")
-    add_config_arguments(parser, ProfileConfig())
-    args = parser.parse_args(argv)
-    try:
-        if args.threads is not None:
-            check_positive(threads=args.threads)
-        config = config_from_args(args)  # ranges of every grid and count
-        limits = check_pair_args(args.pair, args.device, **format_kwargs(args))
-        config.check_fits(limits.max_context, limits.vocab_size, where=f"--pair {args.pair}")
-        out = check_output_file(args.out)
-        profile = measure_profile_cli(args, config)
-        profile.save(out)
-    except CLI_ERRORS as err:
-        return report_error(err)
-    print(profile.format_table())
-    print(f"saved {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(main())
