@@ -386,7 +386,7 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
     from torch.utils.tensorboard import SummaryWriter
 
     from envs.backends import LiveBackend, ReplayBackend
-    from envs.envs import EnvConfig
+    from envs.environments import EnvConfig
     from policies import StaticController
     from policies.learned import save_policy
     from policies.ppo import CoTrainer

@@ -6,7 +6,7 @@ trace replay, the live engine). Registered ids: ``draftpilot/ReplayDepth-v0``, `
 from gymnasium.envs.registration import register, registry
 
 from envs.backends import LiveBackend, ReplayBackend
-from envs.envs import DepthEnv, EnvConfig, SizeEnv
+from envs.environments import DepthEnv, EnvConfig, SizeEnv
 from envs.replay import SIZE_LADDER, ReplayTrace, replay_generate, throughput
 from envs.trace import Trace, TraceError
 
@@ -14,7 +14,7 @@ for _backend in ("Replay", "Live"):
     for _problem in ("Depth", "Size"):
         _id = f"draftpilot/{_backend}{_problem}-v0"
         if _id not in registry:
-            register(id=_id, entry_point=f"envs.envs:{_problem}Env", disable_env_checker=False)
+            register(id=_id, entry_point=f"envs.environments:{_problem}Env", disable_env_checker=False)
 
 __all__ = [
     "SIZE_LADDER",

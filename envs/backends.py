@@ -178,4 +178,4 @@ class LiveBackend:
 
 
 Backend = ReplayBackend | LiveBackend
-"""What the environments drive (``envs.envs``): either backend, same protocol."""
+"""What the environments drive (``envs.environments``): either backend, same protocol."""

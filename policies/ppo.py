@@ -50,7 +50,7 @@ from engine.files import (
     user_hmac,
     user_key_path,
 )
-from envs.envs import DepthEnv, EnvConfig, NoDecisionError, SizeEnv, reference_rho
+from envs.environments import DepthEnv, EnvConfig, NoDecisionError, SizeEnv, reference_rho
 from policies.learned import Actor, LearnedController
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ import train
 from engine import SamplingConfig, SpeculativeEngine
 from engine.features import FEATURE_VERSION
 from envs.backends import ReplayBackend
-from envs.envs import DepthEnv, EnvConfig, SizeEnv
+from envs.environments import DepthEnv, EnvConfig, SizeEnv
 from policies import LearnedController, PolicyFileError, StaticController, load_policy
 from policies.learned import HASH_KEY, payload_digest, save_policy
 

@@ -166,7 +166,7 @@ def test_tampered_or_missing_checkpoint_files_are_refused(base):
 
 def test_a_kill_while_checkpointing_keeps_the_previous_checkpoint(base, monkeypatch):
     from envs.backends import ReplayBackend
-    from envs.envs import EnvConfig
+    from envs.environments import EnvConfig
     from policies import StaticController
     from policies.ppo import CoTrainer
 
