@@ -148,7 +148,7 @@ class TrainConfig:
             raise ValueError(
                 f"temperature (--temperature) must be a finite number >= 0, got {self.temperature}"
             )
-        from envs.record import MAX_TRACE_DEPTH
+        from envs.record_traces import MAX_TRACE_DEPTH
 
         if self.max_depth > MAX_TRACE_DEPTH or self.tree_width**2 * self.max_depth > 32767:
             raise ValueError(

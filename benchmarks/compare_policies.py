@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine import SamplingConfig, SpeculativeEngine  # noqa: E402
 from envs import workspace  # noqa: E402
 from envs.prompts import interleave_languages, language_of, load_suite  # noqa: E402
-from evaluation.runs import run_engine  # noqa: E402
+from evaluation.measurements import run_engine  # noqa: E402
 from evaluation.stats import paired_bootstrap_ratio  # noqa: E402
 from policies import PolicyFileError, StaticController, load_policy  # noqa: E402
 

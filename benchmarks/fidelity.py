@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import EngineConfig, SamplingConfig, SpeculativeEngine, load_pair  # noqa: E402
 from engine.cost_profile import CostProfile  # noqa: E402
-from envs.record import record_trace  # noqa: E402
+from envs.record_traces import record_trace  # noqa: E402
 from envs.replay import ReplayTrace, replay_generate  # noqa: E402
 from policies import AnalyticController, ConfidenceController, HeuristicController, StaticController  # noqa: E402
 

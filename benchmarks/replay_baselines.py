@@ -20,7 +20,7 @@ import envs  # noqa: E402,F401 - registers the environment ids
 from engine.cost_profile import CostProfile  # noqa: E402
 from envs import ReplayBackend, ReplayTrace, replay_generate, throughput  # noqa: E402
 from envs.oracle import oracle_throughput, static_grid  # noqa: E402
-from envs.record import load_traces  # noqa: E402
+from envs.record_traces import load_traces  # noqa: E402
 from policies import AnalyticController, ConfidenceController, StaticController  # noqa: E402
 
 

@@ -6,7 +6,7 @@ The engine knows nothing of environments or policies; controllers plug in throug
 from engine.control import Controller, DraftState, StaticController
 from engine.engine import EngineConfig, SpeculativeEngine
 from engine.models import IncompatiblePairError, ModelPair, load_pair
-from engine.records import CycleRecord, GenerationResult
+from engine.results import CycleRecord, GenerationResult
 from engine.sampling import SamplingConfig
 
 __all__ = [

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.errors import InputError, is_int, short_repr
-from engine.records import CycleRecord
+from engine.results import CycleRecord
 
 
 class ControllerError(InputError):

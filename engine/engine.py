@@ -21,7 +21,7 @@ from engine.control import Controller, ControllerError, DraftState, decision, ve
 from engine.errors import InputError, is_int, short_repr
 from engine.kvcache import cache_len, keep_entries, new_cache
 from engine.models import ModelPair
-from engine.records import CycleRecord, GenerationResult
+from engine.results import CycleRecord, GenerationResult
 from engine.sampling import (
     SamplingConfig,
     check_finite,

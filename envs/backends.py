@@ -22,7 +22,7 @@ import numpy as np
 
 from engine.control import Controller, DraftState
 from engine.engine import SpeculativeEngine
-from engine.records import CycleRecord
+from engine.results import CycleRecord
 from envs.replay import ReplayTrace, charge_times, replay_cycles, replay_generate, throughput
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 class ReplayBackend:
     def __init__(self, traces: Sequence[ReplayTrace], profile: CostProfile, time_noise: bool = False):
         if not traces:
-            raise ValueError("no traces: record some with `python -m envs.record`")
+            raise ValueError("no traces: record some with `python -m envs.record_traces`")
         widths = {rt.width for rt in traces}
         if len(widths) != 1:
             raise ValueError(f"traces of one tree width expected, got widths {sorted(widths)}")

@@ -17,7 +17,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from engine.control import Controller, DraftState, StaticController
-from engine.records import CycleRecord
+from engine.results import CycleRecord
 from envs.replay import SIZE_LADDER, ReplayTrace, replay_generate, throughput
 
 if TYPE_CHECKING:

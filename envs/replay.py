@@ -25,7 +25,7 @@ import numpy as np
 from engine.attention import MAX_VERIFY_NODES
 from engine.control import Controller, DraftState, decision, verify_size
 from engine.errors import InputError
-from engine.records import CycleRecord
+from engine.results import CycleRecord
 from engine.tree import MAX_TREE_NODES, clamp_verify, depth_limit
 from envs.trace import Trace, TraceError
 

@@ -121,7 +121,7 @@ def ensure_traces(
 ) -> list:
     """``ReplayTrace``s of ``prompts`` (one per prompt), recorded the first time, then read from the cache."""
     from engine.sampling import SamplingConfig
-    from envs.record import record_prompts
+    from envs.record_traces import record_prompts
     from envs.replay import ReplayTrace
     from envs.trace import Trace
 

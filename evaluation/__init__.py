@@ -6,7 +6,7 @@ transformers' assisted generation; replay upper bound; load; exactness audit; re
     tuning.py       static grid: replay grid on the tune split, top configurations confirmed live
     runner.py       controllers, interleaved live runs, replay section, the whole evaluation
     peers.py        transformers' assisted generation (default and heuristic schedules)
-    runs.py         raw run records, the recording wrapper of the learned controller, reduction
+    measurements.py one measured request, the decision log of the learned controller, reduction
     stats.py        paired bootstrap intervals of throughput ratios
     summary.py      tables, ratios, replay vs live, targets
     concurrency.py  N concurrent requests (threads, one engine each, shared weights)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from evaluation.runs import itl_samples, run_engine
+from evaluation.measurements import itl_samples, run_engine
 
 
 def run_pass(

@@ -154,7 +154,9 @@ class EvalConfig:
         if self.threads < 0:
             raise ValueError(f"threads (--threads) must be >= 0 (0: torch's default), got {self.threads}")
         depth, width = self.max_depth or 1, self.tree_width or 1
-        if depth > 127 or width * width * depth > 32767:  # envs.record.MAX_TRACE_DEPTH, the trace format
+        if (
+            depth > 127 or width * width * depth > 32767
+        ):  # envs.record_traces.MAX_TRACE_DEPTH, the trace format
             raise ValueError(
                 f"--max-depth {self.max_depth}, --tree-width {self.tree_width} do not fit the trace format "
                 "(max_depth <= 127 and tree_width^2 * max_depth <= 32767)"
@@ -267,7 +269,7 @@ def find_policy(config: EvalConfig, runs_dir: str | Path = "runs") -> Path:
 def select_prompts(config: EvalConfig) -> tuple[list[dict], list[dict], list[str]]:
     """(tune prompts, measured prompts, warnings), each list interleaved by language."""
     from envs.prompts import interleave_languages, load_suite
-    from envs.record import read_prompts
+    from envs.record_traces import read_prompts
 
     langs = config.language_list()
     warnings: list[str] = []

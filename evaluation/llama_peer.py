@@ -6,9 +6,9 @@ speculative decoding with the draft GGUF, ``llama-speculative-simple``, at ``Eva
 programs are the ones ``benchmarks/llama_cpp.py`` builds and caches (the evaluation never builds them: it
 says why and leaves the rows out when they, or the pair's GGUF files, are missing). Each run is one
 subprocess; its timings are llama.cpp's own (prompt evaluation, then decoding), model loading excluded, as
-our runs exclude loading. A run record has the keys of ``evaluation.runs.run_engine``; ``tokens`` are its
-output text re-encoded with our tokenizer (llama.cpp prints text, not ids), so token agreement with our
-engine is approximate where a text has two tokenisations.
+our runs exclude loading. A measurement has the keys of ``evaluation.measurements.run_engine``; ``tokens``
+are its output text re-encoded with our tokenizer (llama.cpp prints text, not ids), so token agreement
+with our engine is approximate where a text has two tokenisations.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class LlamaPeer:
         return f"llama.cpp {version} ({what}), {self.threads} threads, same GGUF files"
 
     def run(self, name: str, prompt: str, max_new_tokens: int, seed: int) -> dict:
-        """One greedy request; a run record like ``evaluation.runs.run_engine``'s."""
+        """One greedy request; a measurement like ``evaluation.measurements.run_engine``'s."""
         text = self.pair.tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )

@@ -64,9 +64,9 @@ def _quiet_transformers() -> Iterator[None]:
 def run_peer(
     pair, ids: list[int], max_new_tokens: int, schedule: str, temperature: float = 0.0, seed: int = 0
 ) -> dict:
-    """One request through ``pair.target.generate(assistant_model=pair.draft)``; a raw run record with the
-    same keys as ``evaluation.runs.run_engine`` (greedy, or ``do_sample`` at ``temperature`` with no top-k/top-p
-    truncation, like our ``SamplingConfig(temperature)``)."""
+    """One request through ``pair.target.generate(assistant_model=pair.draft)``; a measurement with the
+    same keys as ``evaluation.measurements.run_engine`` (greedy, or ``do_sample`` at ``temperature`` with no
+    top-k/top-p truncation, like our ``SamplingConfig(temperature)``)."""
     device = pair.device
     input_ids = torch.as_tensor([ids], device=device)
     eos = sorted(pair.eos_token_ids)

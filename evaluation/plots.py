@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from engine.files import atomic_path  # noqa: E402
-from evaluation.runs import accepted_lengths  # noqa: E402
+from evaluation.measurements import accepted_lengths  # noqa: E402
 
 FIGURES = ("speedup.png", "accepted_hist.png", "learned_actions.png")
 """File names of the figures ``evaluation.report.write_report`` writes (``--restart`` removes them)."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from engine.files import atomic_write
 from evaluation import plots
-from evaluation.runs import per_prompt
+from evaluation.measurements import per_prompt
 
 NAN = float("nan")
 

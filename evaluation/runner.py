@@ -15,8 +15,8 @@ from tqdm.auto import tqdm
 
 from engine.errors import DraftpilotError, InputError
 from evaluation.config import LLAMA_PEERS, PEERS, EvalConfig, find_policy, select_prompts
+from evaluation.measurements import DecisionLoggingController, run_engine
 from evaluation.peers import SCHEDULES, run_peer
-from evaluation.runs import RecordingController, run_engine
 
 STATIC = ("static_chain", "static_tree")
 DEFAULT_WIDTH, DEFAULT_DEPTH = 4, 8
@@ -323,7 +323,7 @@ def evaluate(config: EvalConfig, checkpoint=None, setup: Setup | None = None) ->
     engine_names = [n for n in setup.names if n in factories]
     controllers = {n: factories[n]() if factories[n] else None for n in engine_names}
     if "learned" in controllers:
-        controllers["learned"] = RecordingController(controllers["learned"])
+        controllers["learned"] = DecisionLoggingController(controllers["learned"])
     measured = engine_names + [n for n in setup.names if n in PEERS + LLAMA_PEERS]
 
     warm = setup.pair.encode(setup.tune_prompts[0]["prompt"])  # warm-up (allocator, kernels): not measured
@@ -359,7 +359,9 @@ def evaluate(config: EvalConfig, checkpoint=None, setup: Setup | None = None) ->
     )
     replay = None
     if config.replay and ({"oracle", "learned", "analytic", "static_tree"} & set(setup.names)):
-        plain = {n: (c.inner if isinstance(c, RecordingController) else c) for n, c in controllers.items()}
+        plain = {
+            n: (c.inner if isinstance(c, DecisionLoggingController) else c) for n, c in controllers.items()
+        }
         replay = replay_section(setup, plain)
     load = None
     if config.concurrency > 1:

@@ -69,7 +69,7 @@ def paired_ratio_from_rows(
     language: str | None = None,
 ) -> dict[str, float] | None:
     """``paired_bootstrap_ratio`` over the prompts both controllers ran (optionally one language);
-    rows are ``evaluation.runs.per_prompt`` rows keyed by prompt id. None when no prompt is shared."""
+    rows are ``evaluation.measurements.per_prompt`` rows keyed by prompt id. None when no prompt is shared."""
     ids = [
         pid for pid in rows_a if pid in rows_b and (language is None or rows_a[pid]["language"] == language)
     ]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
-from evaluation.runs import run_engine
+from evaluation.measurements import run_engine
 
 if TYPE_CHECKING:
     from engine.cost_profile import CostProfile

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engine.control import Controller, DraftState
-from engine.records import CycleRecord
+from engine.results import CycleRecord
 
 if TYPE_CHECKING:
     from engine.cost_profile import CostProfile

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.control import Controller, DraftState
-from engine.records import CycleRecord
+from engine.results import CycleRecord
 
 
 class HeuristicController(Controller):

@@ -54,7 +54,7 @@ from engine.files import atomic_save, load_plain
 if TYPE_CHECKING:
     from engine.cost_profile import CostProfile
     from engine.models import ModelPair
-    from engine.records import CycleRecord
+    from engine.results import CycleRecord
 
 FORMAT = "draftpilot-policy"
 FORMAT_VERSION = 1

@@ -22,7 +22,7 @@ from engine.attention import MAX_ROWWISE_ROWS, MAX_VERIFY_NODES
 from engine.control import ControllerError
 from engine.errors import DraftpilotError, InputError
 from engine.tree import depth_limit, tree_size
-from envs.record import record_trace
+from envs.record_traces import record_trace
 from envs.replay import ReplayTrace, replay_generate
 from policies import StaticController
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import EngineConfig, SamplingConfig, SpeculativeEngine
-from envs.record import record_trace
+from envs.record_traces import record_trace
 from envs.replay import ReplayTrace, replay_generate
 from policies import ConfidenceController, HeuristicController, StaticController
 

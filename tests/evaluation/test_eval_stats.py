@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from evaluation.exactness import fisher_combined, homogeneity_test
-from evaluation.runs import aggregate, itl_samples, per_prompt
+from evaluation.measurements import aggregate, itl_samples, per_prompt
 from evaluation.stats import paired_bootstrap_ratio, ratio_of_aggregates
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine import DraftState
-from engine.records import CycleRecord
+from engine.results import CycleRecord
 from policies import AnalyticController
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from engine import SpeculativeEngine
 from engine.control import DraftState
-from engine.records import CycleRecord
+from engine.results import CycleRecord
 from policies import ConfidenceController, HeuristicController
 
 

@@ -1,4 +1,4 @@
-"""The evaluation's RecordingController asks the wrapped policy what the engine would ask it, depth 0
+"""The evaluation's DecisionLoggingController asks the wrapped policy what the engine would ask it, depth 0
 included, and logs it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 from engine import SpeculativeEngine, load_pair
 from engine.control import DraftState
-from evaluation.runs import RecordingController
+from evaluation.measurements import DecisionLoggingController
 from policies import StaticController
 
 
@@ -27,9 +27,9 @@ class _SkipEveryOther(StaticController):
         return super().should_continue(state)
 
 
-def test_recording_controller_passes_depth_zero_through():
+def test_decision_logging_passes_depth_zero_through():
     inner = _SkipEveryOther()
-    wrapped = RecordingController(inner)
+    wrapped = DecisionLoggingController(inner)
     assert wrapped.decides_depth_zero
     pair = load_pair("tiny", device="cpu")
     engine = SpeculativeEngine(pair)

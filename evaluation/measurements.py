@@ -1,7 +1,7 @@
-"""One measured request as a plain (JSON-ready) record, the recording wrapper around the learned
-controller, and the reduction of records to the reported figures.
+"""Measurements: one measured request as a plain (JSON-ready) dict, the decision-logging wrapper around the
+learned controller, and the reduction of measurements to the reported figures.
 
-A raw run record: ``tokens``, ``num_tokens``, ``total_s`` (prefill + decode), ``ttft_s``, ``decode_s``,
+A measurement: ``tokens``, ``num_tokens``, ``total_s`` (prefill + decode), ``ttft_s``, ``decode_s``,
 ``finish_reason``, ``peak_memory_mb`` and ``cycles``: one row per decode cycle, columns ``CYCLE_FIELDS``
 (transformers' peers: one row per assisted step, verified and depth unknown = -1).
 """
@@ -15,13 +15,13 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from engine.control import Controller, DraftState
-from engine.records import CycleRecord
+from engine.results import CycleRecord
 
 CYCLE_FIELDS = ("emitted", "seconds", "accepted", "verified", "depth")
 
 
 def run_engine(engine, ids: list[int], controller: Controller | None, max_new_tokens: int, seed: int) -> dict:
-    """One ``SpeculativeEngine.generate`` call as a raw run record."""
+    """One ``SpeculativeEngine.generate`` call as a measurement."""
     res = engine.generate(ids, max_new_tokens=max_new_tokens, controller=controller, seed=seed)
     cycles = [
         [c.emitted, c.total_s, c.accepted if c.depth else -1, c.num_verified if c.depth else -1, c.depth]
@@ -41,7 +41,7 @@ def run_engine(engine, ids: list[int], controller: Controller | None, max_new_to
     }
 
 
-class RecordingController(Controller):
+class DecisionLoggingController(Controller):
     """Delegates to ``inner`` and logs every decision, for the action maps of the report.
 
     ``depth_log`` rows: (context_len, depth, top step prob, max frontier path prob, continue 0/1);
@@ -51,9 +51,8 @@ class RecordingController(Controller):
     def __init__(self, inner: Controller):
         self.inner = inner
         self.tree_width = inner.tree_width
-        self.decides_depth_zero = (
-            inner.decides_depth_zero
-        )  # the wrapped policy is asked what it is asked live
+        # the wrapped policy is asked what it is asked live
+        self.decides_depth_zero = inner.decides_depth_zero
         self.depth_log: list[tuple] = []
         self.size_log: list[tuple] = []
 
@@ -91,7 +90,7 @@ class RecordingController(Controller):
         self.inner.observe(record)
 
     def __repr__(self) -> str:
-        return f"RecordingController({self.inner!r})"
+        return f"DecisionLoggingController({self.inner!r})"
 
 
 # ---------------------------------------------------------------------------------------------- reduction

@@ -1,8 +1,8 @@
 """Record traces (``envs.trace``): a target-law trajectory per prompt and sample, and at every position the
 draft tree the engine would build there up to (max_depth, tree_width).
 
-    python -m envs.record --pair tiny --prompts prompts.jsonl --out traces/tiny
-    python -m envs.record --prompts prompts.jsonl --out traces/qwen --max-depth 8 --tree-width 4
+    python -m envs.record_traces --pair tiny --prompts prompts.jsonl --out traces/tiny
+    python -m envs.record_traces --prompts prompts.jsonl --out traces/qwen --max-depth 8 --tree-width 4
 
 Recording into an --out that already holds traces resumes it: traces with the same settings are kept, and
 traces recorded with other settings are refused (one ``error:`` line, before any model loads where the
@@ -51,7 +51,7 @@ real text at depth 8, width 4). 64 beat 16 and 32 on the 2-core CPU by 1.3-1.9x.
 TRAJECTORY_CONTROLLER = {"depth": 4, "verify": 4, "tree_width": 1}
 """Controller that generates the trajectory. It changes only the speed of recording: the engine draws one
 target sample per emitted token, so for a given seed the trajectory is the same for every controller
-(tests/envs/test_record.py checks this, greedy and sampled)."""
+(tests/envs/test_record_traces.py checks this, greedy and sampled)."""
 MATCH_KEYS = ("pair", "dtype", "sampling", "tree_width", "max_depth", "max_new_tokens", "seed", "prompt_ids")
 """An existing trace is kept on resume only if these meta entries equal the requested ones."""
 SETTING_KEYS = ("pair", "sampling", "tree_width", "max_depth", "max_new_tokens", "seed")
@@ -475,14 +475,16 @@ def load_traces(directory: str | Path) -> list[Trace]:
         p for p in directory.glob("*.npz") if not p.name.endswith(".tmp.npz")
     )  # .tmp: crashed save
     if not paths:
-        raise TraceError(f"no trace files (*.npz) in {directory}: record some with python -m envs.record")
+        raise TraceError(
+            f"no trace files (*.npz) in {directory}: record some with python -m envs.record_traces"
+        )
     return [Trace.load(p) for p in paths]
 
 
 # ---------------------------------------------------------------------------------------------- command line
 def build_parser() -> argparse.ArgumentParser:
     ap = ArgumentParser(
-        prog="python -m envs.record",
+        prog="python -m envs.record_traces",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

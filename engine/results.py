@@ -1,4 +1,5 @@
-"""Per-cycle records, the generation result and its summary statistics."""
+"""The generation result: what ``SpeculativeEngine.generate`` returns, its per-cycle records and its summary
+statistics."""
 
 from __future__ import annotations
 

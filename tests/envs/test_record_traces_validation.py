@@ -1,4 +1,4 @@
-"""``python -m envs.record`` checks its arguments, prompts and --out before any model loads (issue 14): nothing
+"""``python -m envs.record_traces`` checks its arguments, prompts and --out before any model loads (issue 14): nothing
 recorded is never a success, a null id never becomes a file ``None__s0.npz``, and an --out holding traces
 recorded with other settings is refused (one ``error:`` line, traces untouched) unless ``--overwrite``."""
 
@@ -10,8 +10,8 @@ import pytest
 
 from engine import SamplingConfig
 from engine.errors import InputError
-from envs import record
-from envs.record import RecordError, draft_trees, load_traces, main, read_prompts, record_prompts
+from envs import record_traces
+from envs.record_traces import RecordError, draft_trees, load_traces, main, read_prompts, record_prompts
 from tests_helpers import one_error_line
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -52,7 +52,9 @@ def argv(prompts, out, *extra):
 
 @pytest.fixture()
 def no_models(monkeypatch):
-    monkeypatch.setattr(record, "load_pair", lambda *a, **k: pytest.fail("models loaded before the checks"))
+    monkeypatch.setattr(
+        record_traces, "load_pair", lambda *a, **k: pytest.fail("models loaded before the checks")
+    )
 
 
 @pytest.mark.parametrize(
@@ -153,7 +155,9 @@ def test_other_settings_in_out_are_refused_unless_overwrite(prompts_file, tmp_pa
 
     # settings the command line knows before loading: refused without loading the models
     with monkeypatch.context() as m:
-        m.setattr(record, "load_pair", lambda *a, **k: pytest.fail("models loaded before the --out check"))
+        m.setattr(
+            record_traces, "load_pair", lambda *a, **k: pytest.fail("models loaded before the --out check")
+        )
         assert main(argv(prompts_file, out, "--tree-width", "3")) == 2
         one_error_line(capsys, "--out", "other settings", "tree_width", "--overwrite")
         assert main(argv(prompts_file, out, "--seed", "4")) == 2

@@ -1,4 +1,4 @@
-"""Trace recording (envs.record): the recorded tree at a position is the tree the engine drafts live there
+"""Trace recording (envs.record_traces): the recorded tree at a position is the tree the engine drafts live there
 (docs/design.md section 3), recording resumes, bad trace files fail loudly, and the command line runs."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from engine import SamplingConfig, SpeculativeEngine
-from envs.record import draft_trees, load_traces, main, read_prompts, record_prompts, record_trace
+from envs.record_traces import draft_trees, load_traces, main, read_prompts, record_prompts, record_trace
 from envs.trace import FORMAT_VERSION, Trace, TraceError
 from policies import StaticController
 
