@@ -32,12 +32,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from engine.cli import ArgumentParser, check_pair_spec
+from engine.cli import ArgumentParser, add_dataclass_args, apply_preset, check_pair_spec, from_args
 from engine.errors import DraftpilotError
 from engine.files import DirectoryLock, atomic_write_json
 from evaluation.checkpoint import prepare_output, stored_config
 from evaluation.config import QUICK, EvalConfig
-from policies.cli import add_dataclass_args, apply_preset, from_args
 
 
 def build_parser(prog: str = "python evaluate.py") -> argparse.ArgumentParser:

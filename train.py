@@ -37,12 +37,20 @@ from pathlib import Path
 
 import torch
 
-from engine.cli import ArgumentParser, check_pair_spec
+from engine.cli import (
+    ArgumentParser,
+    add_dataclass_args,
+    apply_preset,
+    check_pair_spec,
+    from_args,
+    given_flags,
+    load_config,
+    save_config,
+)
 from engine.errors import DraftpilotError
 from engine.features import device_features
 from engine.files import DirectoryLock, atomic_write_json
 from envs import workspace
-from policies.cli import add_dataclass_args, apply_preset, from_args, given_flags, load_config, save_config
 from policies.ppo import PPOConfig
 
 

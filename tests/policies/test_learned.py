@@ -338,7 +338,7 @@ def test_train_command_line_config(tmp_path):
     )  # explicit flags beat --quick
     assert config.size_steps == train.QUICK["size_steps"] and config.ppo.n_steps == train.QUICK_PPO["n_steps"]
     assert config.progress is False
-    from policies.cli import load_config, save_config
+    from engine.cli import load_config, save_config
 
     assert load_config(train.TrainConfig, save_config(config, tmp_path / "c.json")) == config
     with pytest.raises(ValueError, match="backend"):

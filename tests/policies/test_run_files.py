@@ -18,9 +18,9 @@ import torch
 
 import policies.ppo as ppo
 import train
+from engine.cli import save_config
 from engine.files import DirectoryBusyError, sha256_file, user_hmac
 from policies import load_policy
-from policies.cli import save_config
 from policies.ppo import MANIFEST, CheckpointError, read_trainer_state, verify_checkpoint
 
 pytestmark = pytest.mark.usefixtures("single_thread")
