@@ -37,6 +37,8 @@ from engine.errors import DraftpilotError
 from engine.files import DirectoryLock, atomic_write_json
 from evaluation.checkpoint import prepare_output, stored_config
 from evaluation.config import QUICK, EvalConfig
+from evaluation.report import summary_lines, write_exactness_report, write_report
+from evaluation.runner import Setup, evaluate, exactness_only
 
 
 def build_parser(prog: str = "python evaluate.py") -> argparse.ArgumentParser:
@@ -67,9 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_argv(
             argv, "python evaluate.py exactness" if audit_only else "python evaluate.py"
         )
-        config = (
-            config.resolved()
-        )  # absolute paths, the policy file pinned: what config.json and a resume compare
+        # absolute paths, the policy file pinned: what config.json and a resume compare
+        config = config.resolved()
         out = Path(config.out)
         check_pair_spec(
             config.pair,
@@ -83,21 +84,13 @@ def main(argv: list[str] | None = None) -> int:
             # every check before anything in --out changes: the output directory, then the inputs (prompts,
             # policy, models); only then an earlier evaluation is removed (--restart) and config.json written
             prepare_output(out, config, audit_only=audit_only, clear=False)
-            from evaluation.runner import Setup
-
             setup = Setup(config)
             state = prepare_output(out, config, audit_only=audit_only)
             atomic_write_json(out / "config.json", stored_config(config), default=str)
             if audit_only:
-                from evaluation.report import write_exactness_report
-                from evaluation.runner import exactness_only
-
                 results = exactness_only(config, setup)
                 path = write_exactness_report(results, out)
             else:
-                from evaluation.report import summary_lines, write_report
-                from evaluation.runner import evaluate
-
                 results = evaluate(config, checkpoint=state, setup=setup)
                 path = write_report(results, out)
                 state.path.unlink(missing_ok=True)

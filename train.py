@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from engine import SamplingConfig, SpeculativeEngine
 from engine.cli import (
     ArgumentParser,
     add_dataclass_args,
@@ -51,7 +52,15 @@ from engine.errors import DraftpilotError
 from engine.features import device_features
 from engine.files import DirectoryLock, atomic_write_json
 from envs import workspace
-from policies.ppo import PPOConfig
+from envs.backends import LiveBackend, ReplayBackend
+from envs.environments import EnvConfig
+from envs.oracle import oracle_throughput, static_grid
+from envs.prompts import interleave_languages, load_suite
+from envs.record_traces import MAX_TRACE_DEPTH
+from envs.replay import replay_generate, throughput
+from policies import AnalyticController, StaticController
+from policies.learned import load_policy, save_policy
+from policies.ppo import CoTrainer, PPOConfig, has_checkpoint, verify_checkpoint
 
 
 @dataclass
@@ -156,8 +165,6 @@ class TrainConfig:
             raise ValueError(
                 f"temperature (--temperature) must be a finite number >= 0, got {self.temperature}"
             )
-        from envs.record_traces import MAX_TRACE_DEPTH
-
         if self.max_depth > MAX_TRACE_DEPTH or self.tree_width**2 * self.max_depth > 32767:
             raise ValueError(
                 f"--max-depth {self.max_depth}, --tree-width {self.tree_width} do not fit the trace format "
@@ -254,8 +261,6 @@ def ensure_traces(config: TrainConfig, pair, prompts: list[dict], tag: str):
 
 
 def select_prompts(config: TrainConfig):
-    from envs.prompts import interleave_languages, load_suite
-
     langs = [x.strip() for x in config.languages.split(",") if x.strip()]
     train = load_suite(
         config.prompts, split=config.train_split, languages=langs, limit_per_language=config.train_prompts
@@ -271,17 +276,12 @@ def select_prompts(config: TrainConfig):
 
 # ----------------------------------------------------------------------------------------- training
 def replay_eval(traces, profile):
-    from envs.replay import replay_generate, throughput
-
     return lambda controller: throughput([replay_generate(rt, controller, profile) for rt in traces])
 
 
 def baselines(train_traces, val_traces, profile, config: TrainConfig) -> dict:
     """Static grid (train: the baseline depth; validation: the best static a user could tune there),
     analytic, autoregressive and the oracle on the validation traces."""
-    from envs.oracle import oracle_throughput, static_grid
-    from policies import AnalyticController, StaticController
-
     width, depth = config.tree_width, config.max_depth
     grid_train = static_grid(train_traces, profile)
     best_train = max(grid_train, key=grid_train.get)
@@ -314,8 +314,6 @@ def run_directory(config: TrainConfig) -> Path:
 def train(config: TrainConfig, resume: Path | None = None, retrain: bool = False) -> dict:
     """Train (or reuse, or resume) one run; returns its metrics and ``policy`` (the policy file's path). The
     run directory is locked for the whole call (``DirectoryBusyError`` if another process holds it)."""
-    from policies.ppo import verify_checkpoint
-
     config = effective_config(config)
     run = Path(resume) if resume is not None else run_directory(config)
     check_pair_spec(
@@ -345,9 +343,6 @@ def _reuse(run: Path, config: TrainConfig, retrain: bool) -> dict | None:
     config compared is the one stored inside ``policy.pt``), else None; refuses a policy trained with another
     config or an interrupted run (without --retrain). Removes nothing: ``_clear_outputs`` does, once every
     input has been checked."""
-    from policies.learned import load_policy
-    from policies.ppo import has_checkpoint
-
     policy = run / "policy.pt"
     if not retrain and policy.is_file():
         try:
@@ -365,9 +360,8 @@ def _reuse(run: Path, config: TrainConfig, retrain: bool) -> dict | None:
         metrics = meta.get("metrics") or {}
         if not (run / "metrics.json").is_file():  # a run killed between the policy and its metrics
             atomic_write_json(run / "metrics.json", metrics)
-        save_config(
-            config, run / "config.json"
-        )  # the config the policy was trained with (a stale one may sit there)
+        # the config the policy was trained with (a stale one may sit there)
+        save_config(config, run / "config.json")
         print(f"reusing {run}: it was trained with this exact config (--retrain to train again)", flush=True)
         return {**metrics, "policy": str(policy)}
     if not retrain and has_checkpoint(run / "checkpoint"):
@@ -392,12 +386,6 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
     """Load the inputs (prompts, models, cost profile: every refusal happens here, before the run directory
     changes), then (a fresh run) clear an earlier run's outputs, write ``config.json`` and train."""
     from torch.utils.tensorboard import SummaryWriter
-
-    from envs.backends import LiveBackend, ReplayBackend
-    from envs.environments import EnvConfig
-    from policies import StaticController
-    from policies.learned import save_policy
-    from policies.ppo import CoTrainer
 
     started = time.perf_counter()
     train_prompts, val_prompts = select_prompts(config)  # a bad prompt file fails before any model loads
@@ -425,8 +413,6 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
 
     feats = device_features(profile, config.tree_width)
     if config.backend == "live":
-        from engine import SamplingConfig, SpeculativeEngine
-
         engine = SpeculativeEngine(pair, SamplingConfig(temperature=config.temperature))
         prompts = [pair.encode(p["prompt"]) for p in train_prompts]
         backend = LiveBackend(engine, prompts, config.tree_width, config.max_new_tokens, profile)

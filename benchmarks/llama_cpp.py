@@ -52,6 +52,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
+
+from engine.measure_costs import device_name  # noqa: E402
+from engine.weights import DEFAULT_PAIRS, WeightsError, convert_to_hf, fetch_gguf  # noqa: E402
+from envs.prompts import LANGUAGES, interleave_languages, language_of, load_suite  # noqa: E402
+
 SOURCE_PACKAGE = "llama-cpp-python"
 SOURCE_VERSION = "0.3.36"
 """The llama-cpp-python sdist whose vendored llama.cpp is built; also the cache key of the binaries."""
@@ -627,13 +633,11 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     languages = [x.strip() for x in args.languages.split(",") if x.strip()]
-    from envs.prompts import LANGUAGES  # the suite's language codes
 
     if not languages or set(languages) - set(LANGUAGES):
         ap.error(
             f"--languages takes a comma-separated subset of {','.join(LANGUAGES)}, got {args.languages!r}"
         )
-    from engine.weights import DEFAULT_PAIRS
 
     if args.pair not in DEFAULT_PAIRS:
         ap.error(f"--pair must be one of {sorted(DEFAULT_PAIRS)}, got {args.pair!r}")
@@ -648,8 +652,6 @@ def main(argv: list[str] | None = None) -> int:
         except (LlamaCppUnavailable, OSError, tarfile.TarError, StopIteration) as err:
             return skip(f"cannot build llama.cpp: {err}")
 
-    from engine.weights import WeightsError, convert_to_hf, fetch_gguf
-
     target_spec, draft_spec = DEFAULT_PAIRS[args.pair]
     try:
         target, draft = fetch_gguf(target_spec, progress=False), fetch_gguf(draft_spec, progress=False)
@@ -658,8 +660,6 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = AutoTokenizer.from_pretrained(convert_to_hf(target_spec, progress=False))
     except (WeightsError, OSError) as err:
         return skip(f"cannot get the {args.pair} GGUF files or tokenizer: {err}")
-
-    from envs.prompts import interleave_languages, language_of, load_suite
 
     prompts = interleave_languages(
         load_suite(split=args.split, languages=languages, limit_per_language=args.prompts_per_language)
@@ -724,10 +724,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: llama.cpp run failed: {err}", file=sys.stderr)
         return 1
     load_after = _loadavg()
-
-    import torch
-
-    from engine.measure_costs import device_name
 
     summary = summarize(runs, names)
     conditions = {

@@ -36,6 +36,10 @@ import torch
 
 from engine.errors import DraftpilotError, InputError, is_int
 from engine.files import atomic_write_json
+from engine.models import resolve_device, resolve_dtype, resolve_weights
+from engine.random_pair import RANDOM_PAIR_CONFIGS
+from engine.tiny import tiny_config
+from engine.weights import DEFAULT_PAIRS
 
 CLI_ERRORS = (DraftpilotError, OSError)
 """What a command line reports as one line: deliberate errors and unusable files; anything else is a bug and
@@ -75,13 +79,8 @@ class PairLimits:
 def pair_limits(name: str) -> PairLimits:
     """Vocabulary and context limit of a named pair (``InputError`` for an unknown name)."""
     if name == "tiny":
-        from engine.tiny import tiny_config
-
         config = tiny_config()
         return PairLimits(config.vocab_size, config.max_position_embeddings)
-    from engine.random_pair import RANDOM_PAIR_CONFIGS
-    from engine.weights import DEFAULT_PAIRS
-
     if name not in DEFAULT_PAIRS or name not in RANDOM_PAIR_CONFIGS:
         raise InputError(
             f"--pair {name!r} is not a known pair; known: tiny, {', '.join(sorted(DEFAULT_PAIRS))}"
@@ -95,8 +94,6 @@ def pair_limits(name: str) -> PairLimits:
 
 def check_device(device: str) -> torch.device:
     """``--device``: auto, cpu, cuda or cuda:N, and present on this machine."""
-    from engine.models import resolve_device
-
     try:
         dev = resolve_device(device)
     except (RuntimeError, ValueError) as err:
@@ -128,8 +125,6 @@ def check_pair_args(
     """Check the arguments of ``load_pair`` that can be checked without loading anything: the pair name
     (unless ``custom``: --target/--draft were given), device, dtype, weight formats and --draft-vocab.
     Returns the named pair's limits (None for a custom pair)."""
-    from engine.models import resolve_dtype, resolve_weights
-
     limits = None if custom else pair_limits(str(pair))
     dev = check_device(device)
     for flag, call in (

@@ -10,15 +10,12 @@ and [0, ``SIZE_OBS_HIGH``] (the environments' Box bounds).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine.control import DraftState
+from engine.cost_profile import CostProfile
 from engine.results import CycleRecord
-
-if TYPE_CHECKING:
-    from engine.cost_profile import CostProfile
 
 FEATURE_VERSION = 1
 MAX_WIDTH = 8

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import DraftpilotError
+from engine.weights import cache_dir
 
 
 class DirectoryBusyError(DraftpilotError, RuntimeError):
@@ -197,8 +198,6 @@ def user_key_path() -> Path:
     env = os.environ.get(KEY_ENV)
     if env:
         return Path(env).expanduser()
-    from engine.weights import cache_dir
-
     return cache_dir() / "secret" / "signing.key"
 
 

@@ -9,9 +9,12 @@ from typing import Any
 
 import torch
 
+from engine import native, quant
 from engine.attention import use_rowwise_attention
 from engine.errors import DraftpilotError, InputError
 from engine.quant import INTEGER_FORMATS, WEIGHT_FORMATS
+from engine.tiny import build_tiny_pair
+from engine.weights import DEFAULT_PAIRS, ensure_default_pair, load_quantized_spec
 
 
 class IncompatiblePairError(DraftpilotError, ValueError):
@@ -36,8 +39,6 @@ DEFAULT_CUDA_WEIGHTS = "bfloat16"
 def default_cpu_weights() -> tuple[str, str]:
     """(target, draft) formats of ``weights="auto"`` on the CPU: kquant / kquant-strict when the compiled
     kernels load here, else int4 / int4-strict (with a one-line warning saying why)."""
-    from engine import native
-
     if native.available():
         return DEFAULT_CPU_WEIGHTS, DEFAULT_CPU_DRAFT_WEIGHTS
     global _fallback_warned
@@ -187,8 +188,6 @@ def load_pair(
     if (name is None) == (target is None and draft is None) or (target is None) != (draft is None):
         raise InputError("give either a pair name, or both target= and draft=")
     if name == "tiny":
-        from engine.tiny import build_tiny_pair
-
         tgt, dft, tok = build_tiny_pair(dtype=_dense_dtype(fmt, dtype, dev))
         if draft_fmt != fmt:
             dft = dft.to(_dense_dtype(draft_fmt, dtype, dev))
@@ -196,7 +195,7 @@ def load_pair(
         info = _convert(tgt, fmt), _convert(dft, draft_fmt, head_rows=rows)
         return _make_pair(tgt.to(dev), dft.to(dev), tok, tok, "tiny", fmt, draft_fmt, info, draft_vocab)
     if random_weights:
-        from engine.random_pair import build_random_pair
+        from engine.random_pair import build_random_pair  # random_pair builds on this module: a cycle
 
         if name is None:
             raise InputError("random_weights=True needs a pair name (the architecture to build)")
@@ -216,8 +215,6 @@ def load_pair(
         )
     specs = None
     if name is not None:
-        from engine.weights import DEFAULT_PAIRS, ensure_default_pair
-
         if name not in DEFAULT_PAIRS:
             raise InputError(f"unknown pair {name!r}; known: tiny, {', '.join(DEFAULT_PAIRS)}")
         target, draft = ensure_default_pair(name, progress=progress)
@@ -273,10 +270,8 @@ def _head_rows(model: torch.nn.Module, tokenizer: Any, draft_vocab: int | None) 
     """The token ids a restricted draft head keeps (None: all)."""
     if not draft_vocab:
         return None
-    from engine.quant import draft_vocab_ids
-
     always = set(getattr(tokenizer, "all_special_ids", None) or []) | _eos_ids(model, tokenizer)
-    return draft_vocab_ids(draft_vocab, model.get_output_embeddings().out_features, always)
+    return quant.draft_vocab_ids(draft_vocab, model.get_output_embeddings().out_features, always)
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
@@ -297,12 +292,8 @@ def _convert(
 ) -> dict | None:
     """Put ``model`` in weight format ``fmt`` (integer formats: from ``spec``'s GGUF blocks when given, else
     from its float weights) with its LM head restricted to ``head_rows``; returns the conversion info."""
-    from engine import quant
-
     if fmt in INTEGER_FORMATS:
         if spec is not None:
-            from engine.weights import load_quantized_spec
-
             return load_quantized_spec(model, spec, fmt, progress=progress, head_rows=head_rows)
         return quant.quantize_model(model, fmt, head_rows)
     if head_rows is not None:

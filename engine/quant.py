@@ -47,6 +47,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine import kquant
 from engine.errors import DraftpilotError, InputError
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4", "int4-strict", "kquant", "kquant-strict")
@@ -427,8 +428,6 @@ def _kquant_fields(
 ) -> tuple[str, dict[str, torch.Tensor], np.ndarray]:
     """One tensor in a kquant format: (layout "k4"/"k6", its tensors, the float64 weights it applies).
     ``exact``: the GGUF blocks' own conversion (Q4_K -> k4, Q6_K -> k6), None for other sources."""
-    from engine import kquant
-
     if exact is not None and qtype == "Q4_K":
         codes, meta = exact()
         return "k4", {"codes": codes, "meta": meta}, kquant.unpack_k4(codes, meta, reference.shape[1])
@@ -462,14 +461,12 @@ def build_module(
         return Int4Linear(codes, sz, bias)
     for kind, fields in (("k4", ("codes", "meta")), ("k6", ("lo", "hi", "meta"))):
         if f"{module}.{kind}_meta" in state:
-            from engine.kquant import KQuantLinear
-
             tensors = {f: state[f"{module}.{kind}_{f}"] for f in fields}
             if rows is not None:
                 tensors = {f: t[rows] for f, t in tensors.items()}
             if in_features is None:
                 raise QuantizationError(f"{module}: a kquant layer needs its input width")
-            return KQuantLinear(kind, tensors, in_features, bias)
+            return kquant.KQuantLinear(kind, tensors, in_features, bias)
     if f"{module}.codes8" in state:
         codes, scales = state[f"{module}.codes8"], state[f"{module}.scales"]
         if rows is not None:
@@ -611,8 +608,6 @@ def ensure_quantized_gguf(
         for lin in tqdm(list(gguf_linears(gguf_path)), desc=f"{name} -> {fmt}", disable=not progress):
             exact = None
             if fmt in KQUANT_FORMATS and lin.qtype in ("Q4_K", "Q6_K"):
-                from engine import kquant
-
                 convert = kquant.q4_k_to_k4 if lin.qtype == "Q4_K" else kquant.q6_k_to_k6
                 exact = lambda lin=lin, convert=convert: convert(lin.raw, lin.rows, lin.cols)  # noqa: E731
             elif lin.qtype == "Q4_K":

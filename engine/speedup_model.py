@@ -9,10 +9,8 @@ device (``engine.cost_profile.CostProfile``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the profile module is only needed by the empirical functions' callers
-    from engine.cost_profile import CostProfile
+from engine.cost_profile import CostProfile
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:

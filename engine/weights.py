@@ -30,6 +30,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from engine.errors import DraftpilotError
+from engine.quant import QuantizationError, ensure_quantized_gguf, load_quantized
 
 CONVERTED_STAMP = "draftpilot-converted.json"
 _CHUNK = 8 << 20  # 8 MiB: large enough for fast hashing, small enough to never matter for RAM
@@ -249,8 +250,6 @@ def ensure_quantized(
 ) -> Path:
     """The cached integer-format (``engine.quant``) conversion of ``spec``'s GGUF linear weights, built once
     from the GGUF blocks (Q4_K codes kept as they are for int4)."""
-    from engine.quant import ensure_quantized_gguf
-
     root = Path(cache) if cache is not None else cache_dir()
     return ensure_quantized_gguf(
         fetch_gguf(spec, root, progress), spec.name, spec.sha256, fmt, root, progress
@@ -267,8 +266,6 @@ def load_quantized_spec(
 ) -> dict:
     """Swap ``model``'s linears for ``spec``'s cached ``fmt`` conversion (built on first use). A cache that
     cannot be read (truncated or corrupt file) is deleted and rebuilt once."""
-    from engine.quant import QuantizationError, load_quantized
-
     path = ensure_quantized(spec, fmt, cache, progress)
     try:
         return load_quantized(model, path, head_rows)

@@ -16,17 +16,14 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine.control import Controller, DraftState
+from engine.cost_profile import CostProfile
 from engine.engine import SpeculativeEngine
 from engine.results import CycleRecord
 from envs.replay import ReplayTrace, charge_times, replay_cycles, replay_generate, throughput
-
-if TYPE_CHECKING:
-    from engine.cost_profile import CostProfile
 
 
 class ReplayBackend:

@@ -8,7 +8,6 @@ which one a pluggable ``Controller`` makes (static, analytic or a learned policy
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import gymnasium as gym
 import numpy as np
@@ -24,10 +23,8 @@ from engine.features import (
     device_features,
     size_observation,
 )
+from envs.backends import Backend
 from envs.replay import SIZE_LADDER
-
-if TYPE_CHECKING:
-    from envs.backends import Backend
 
 
 class NoDecisionError(DraftpilotError, ValueError):

@@ -11,17 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from engine.control import Controller, DraftState, StaticController
+from engine.cost_profile import CostProfile
 from engine.results import CycleRecord
 from envs.replay import SIZE_LADDER, ReplayTrace, replay_generate, throughput
-
-if TYPE_CHECKING:
-    from engine.cost_profile import CostProfile
 
 
 @dataclass

@@ -18,19 +18,16 @@ from __future__ import annotations
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine.attention import MAX_VERIFY_NODES
 from engine.control import Controller, DraftState, decision, verify_size
+from engine.cost_profile import CostProfile
 from engine.errors import InputError
 from engine.results import CycleRecord
 from engine.tree import MAX_TREE_NODES, clamp_verify, depth_limit
 from envs.trace import Trace, TraceError
-
-if TYPE_CHECKING:
-    from engine.cost_profile import CostProfile
 
 SIZE_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 

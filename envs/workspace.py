@@ -19,7 +19,13 @@ import torch
 
 from engine import lean
 from engine.cost_profile import CostProfile
+from engine.errors import DraftpilotError, InputError
+from engine.measure_costs import ProfileConfig, measure_profile
 from engine.models import ModelPair, load_pair
+from engine.sampling import SamplingConfig
+from envs.record_traces import record_prompts
+from envs.replay import ReplayTrace
+from envs.trace import Trace
 
 
 def load_models(
@@ -69,8 +75,6 @@ def pair_dir(pair: ModelPair, cache_dir: str | Path) -> Path:
 
 def load_profile_arg(path: str | Path) -> CostProfile:
     """``CostProfile.load`` of a profile given on a command line: what is wrong with it names ``--profile``."""
-    from engine.errors import DraftpilotError, InputError
-
     try:
         return CostProfile.load(path)
     except (DraftpilotError, OSError) as err:
@@ -86,8 +90,6 @@ def ensure_profile(
 ) -> CostProfile:
     """The profile at ``path`` if given, else the cached one for this pair/device/dtype, measured (and
     cached) the first time: the contexts traces visit, the full size ladder, 3 repetitions."""
-    from engine.measure_costs import ProfileConfig, measure_profile
-
     if path:
         return load_profile_arg(path)
     cached = pair_dir(pair, cache_dir) / "profile.json"
@@ -118,13 +120,8 @@ def ensure_traces(
     seed: int = 0,
     progress: bool = True,
     tag: str = "traces",
-) -> list:
+) -> list[ReplayTrace]:
     """``ReplayTrace``s of ``prompts`` (one per prompt), recorded the first time, then read from the cache."""
-    from engine.sampling import SamplingConfig
-    from envs.record_traces import record_prompts
-    from envs.replay import ReplayTrace
-    from envs.trace import Trace
-
     if temperature == 0:
         seed = 0  # greedy trajectories do not depend on the seed: one cached trace set serves every seed
     mode = "greedy" if temperature == 0 else f"t{temperature:g}"

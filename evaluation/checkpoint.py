@@ -25,6 +25,8 @@ from pathlib import Path
 
 from engine.errors import DraftpilotError
 from engine.files import sha256_file
+from evaluation.plots import FIGURES
+from evaluation.report import write_json
 
 IGNORED_FIELDS = ("progress", "restart", "out")
 """Config fields that do not change what is measured: they may differ between sittings (``out`` is where
@@ -58,8 +60,6 @@ def prepare_output(
     results, figures, config, partial file); returns the ``Checkpoint`` of the full evaluation (resumed when
     ``out`` holds a partial one with the same stored config, refused with another), None for the exactness
     audit alone. ``clear=False`` only checks: nothing in ``out`` changes."""
-    from evaluation.plots import FIGURES
-
     out = Path(out)
     if config.restart:
         if not clear:
@@ -131,8 +131,6 @@ class Checkpoint:
 
     def save(self) -> None:
         """Write atomically (a kill during the write leaves the previous checkpoint intact)."""
-        from evaluation.report import write_json
-
         data = {
             "config": self.config,
             "tuning": self.tuning,

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
+from engine import SpeculativeEngine
 from evaluation.measurements import itl_samples, run_engine
 
 
@@ -36,8 +37,6 @@ def run_pass(
     bar=None,
 ) -> dict:
     """All ``prompts`` (id, token ids) through ``workers`` threads; raw requests and the pass wall time."""
-    from engine import SpeculativeEngine
-
     todo: queue.Queue = queue.Queue()
     for item in prompts:
         todo.put(item)

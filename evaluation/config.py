@@ -7,6 +7,10 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from envs.prompts import interleave_languages, load_suite
+from envs.record_traces import read_prompts
+from evaluation.llama_peer import parse_spec_setting
+
 ENGINE_CONTROLLERS = (
     "autoregressive",
     "static_chain",
@@ -132,8 +136,6 @@ class EvalConfig:
     result and measured prompts kept); a partial run with another config or a finished one is an error."""
 
     def __post_init__(self) -> None:
-        from evaluation.llama_peer import parse_spec_setting
-
         parse_spec_setting(self.llama_spec)  # a bad setting fails before any model loads
         for name in (
             "tune_prompts_per_language",
@@ -268,9 +270,6 @@ def find_policy(config: EvalConfig, runs_dir: str | Path = "runs") -> Path:
 
 def select_prompts(config: EvalConfig) -> tuple[list[dict], list[dict], list[str]]:
     """(tune prompts, measured prompts, warnings), each list interleaved by language."""
-    from envs.prompts import interleave_languages, load_suite
-    from envs.record_traces import read_prompts
-
     langs = config.language_list()
     warnings: list[str] = []
     has_splits = config.prompts is None or any("split" in item for item in read_prompts(config.prompts))

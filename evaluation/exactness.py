@@ -21,6 +21,7 @@ import torch
 from scipy import stats
 from tqdm.auto import tqdm
 
+from engine import SpeculativeEngine
 from engine.sampling import SamplingConfig, verify_chain
 
 P_FLOOR = 1e-3
@@ -118,8 +119,6 @@ def sampled_test(
     """Two-sample test of the first ``k`` emitted tokens: autoregressive vs ``controller_factory()`` on our
     engine at ``temperature``, ``samples`` requests per arm and prompt, every request with its own seed.
     The speculative arm generates ``budget`` tokens (default k; more lets it draft deeper)."""
-    from engine import SpeculativeEngine
-
     engine = SpeculativeEngine(pair, SamplingConfig(temperature=temperature), engine_config)
     controller = controller_factory()
     per_prompt = []

@@ -17,6 +17,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from engine.weights import DEFAULT_PAIRS, cache_dir, fetch_gguf
+
 LLAMA_PEERS = ("llama_cpp", "llama_cpp_spec")
 BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "llama_cpp.py"
 
@@ -59,8 +61,6 @@ class LlamaPeer:
     @classmethod
     def find(cls, config, pair, threads: int) -> tuple[LlamaPeer | None, str | None]:
         """The peer for ``pair`` (None and the reason when the programs or GGUF files are missing)."""
-        from engine.weights import DEFAULT_PAIRS, cache_dir, fetch_gguf
-
         if config.pair not in DEFAULT_PAIRS:
             return (
                 None,

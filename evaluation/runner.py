@@ -11,12 +11,31 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
+from engine import SamplingConfig, SpeculativeEngine
 from engine.errors import DraftpilotError, InputError
-from evaluation.config import LLAMA_PEERS, PEERS, EvalConfig, find_policy, select_prompts
+from envs import workspace
+from envs.oracle import oracle_throughput
+from envs.prompts import language_of
+from envs.replay import replay_generate, throughput
+from evaluation.checkpoint import Checkpoint, stored_config
+from evaluation.concurrency import run_load
+from evaluation.config import LLAMA_PEERS, OPEN_PROMPTS, PEERS, EvalConfig, find_policy, select_prompts
+from evaluation.exactness import greedy_audit, law_checks, sampled_test
+from evaluation.llama_peer import LlamaPeer
 from evaluation.measurements import DecisionLoggingController, run_engine
 from evaluation.peers import SCHEDULES, run_peer
+from evaluation.summary import conditions, summarize
+from evaluation.tuning import tune_static
+from policies import (
+    AnalyticController,
+    ConfidenceController,
+    HeuristicController,
+    StaticController,
+    load_policy,
+)
 
 STATIC = ("static_chain", "static_tree")
 DEFAULT_WIDTH, DEFAULT_DEPTH = 4, 8
@@ -28,9 +47,6 @@ class Setup:
     """What every part of the evaluation shares: config, prompts, models, profile, policy, W and D_max."""
 
     def __init__(self, config: EvalConfig):
-        from envs import workspace
-        from policies import load_policy
-
         self.config = config
         self.names = config.controller_names()
         self.tune_prompts, self.test_prompts, self.warnings = select_prompts(config)
@@ -56,10 +72,6 @@ class Setup:
         self.pair = workspace.load_models_of(config)
         self.llama = None
         if any(n in LLAMA_PEERS for n in self.names):
-            import torch
-
-            from evaluation.llama_peer import LlamaPeer
-
             self.llama, why = LlamaPeer.find(config, self.pair, threads=torch.get_num_threads())
             if self.llama is None:
                 self.names = [n for n in self.names if n not in LLAMA_PEERS]
@@ -81,8 +93,6 @@ class Setup:
     @property
     def profile(self):
         """The cost profile, loaded (or measured once and cached) on first use only."""
-        from envs import workspace
-
         if self._profile is None:
             config = self.config
             self._profile = workspace.ensure_profile(
@@ -95,14 +105,10 @@ class Setup:
         return self._profile
 
     def learned(self):
-        from policies import load_policy
-
         return load_policy(self.policy_path, profile=self.profile)  # device features of this device's profile
 
     def factories(self, static_best: dict[str, dict]) -> dict[str, Callable[[], object] | None]:
         """Engine controller name -> factory of a fresh controller (None: autoregressive)."""
-        from policies import AnalyticController, ConfidenceController, HeuristicController, StaticController
-
         made: dict[str, Callable[[], object] | None] = {"autoregressive": None}
         for name in self.names:
             if name in STATIC and name in static_best:
@@ -139,8 +145,6 @@ def live_runs(
     """Every prompt, every controller in turn (order rotated per prompt and repetition), ``reps`` times.
     ``done``: runs of an earlier sitting; a (repetition, prompt) they cover for every controller is reused,
     not measured again. ``on_prompt(runs so far)`` is called after each newly measured (repetition, prompt)."""
-    from envs.prompts import language_of
-
     temperature = setup.config.temperature
     names = list(controllers)
     earlier: dict[tuple[int, str], dict[str, dict]] = defaultdict(dict)
@@ -177,10 +181,6 @@ def live_runs(
 
 def replay_section(setup: Setup, controllers: dict[str, object]) -> dict:
     """Hindsight oracle and replay predictions on the measured prompts' traces (width W)."""
-    from envs import workspace
-    from envs.oracle import oracle_throughput
-    from envs.replay import replay_generate, throughput
-
     config = setup.config
     started = time.perf_counter()
     traces = workspace.ensure_traces(
@@ -212,8 +212,6 @@ def replay_section(setup: Setup, controllers: dict[str, object]) -> dict:
 
 def exactness_section(setup: Setup, runs: list[dict], factories: dict, engine_names: list[str]) -> dict:
     """Greedy (or same-seed) token audit from the live runs; sampled two-sample test and law checks."""
-    from evaluation.exactness import greedy_audit
-
     config = setup.config
     first = [r for r in runs if r["rep"] == 0]
     tokens = {
@@ -234,8 +232,6 @@ def exactness_section(setup: Setup, runs: list[dict], factories: dict, engine_na
 
 def exactness_prompts(setup: Setup) -> list[dict]:
     """The sampled test's prompts: the built-in open-ended ones (in the evaluated languages), or the split's."""
-    from evaluation.config import OPEN_PROMPTS
-
     if setup.config.exactness_prompt_set == "split":
         return list(setup.test_prompts)
     languages = {p.get("language") for p in setup.test_prompts}
@@ -243,8 +239,6 @@ def exactness_prompts(setup: Setup) -> list[dict]:
 
 
 def audit_sampled(setup: Setup, factories: dict) -> dict:
-    from evaluation.exactness import law_checks, sampled_test
-
     config = setup.config
     spec = next(
         (
@@ -280,12 +274,6 @@ def evaluate(config: EvalConfig, checkpoint=None, setup: Setup | None = None) ->
     measured prompt are saved to it as they complete, and an earlier partial run with the same config is
     resumed from it. ``setup``: the evaluation's ``Setup`` if the caller built it already (to check every
     input before it writes anything)."""
-    from engine import SamplingConfig, SpeculativeEngine
-    from evaluation.checkpoint import Checkpoint, stored_config
-    from evaluation.concurrency import run_load
-    from evaluation.summary import conditions, summarize
-    from evaluation.tuning import tune_static
-
     started = time.perf_counter()
     state = checkpoint
     if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
@@ -427,11 +415,6 @@ def exactness_only(config: EvalConfig, setup: Setup | None = None) -> dict:
     """``python evaluate.py exactness``: greedy token audit of every engine controller on the measured
     prompts (fixed static settings instead of a grid search: chain (4, 4), tree (4, 8, W)), then the sampled
     two-sample test and the law checks."""
-    from engine import SamplingConfig, SpeculativeEngine
-    from evaluation.checkpoint import stored_config
-    from evaluation.exactness import greedy_audit
-    from evaluation.summary import conditions
-
     started = time.perf_counter()
     setup = setup or Setup(config)
     fixed = {

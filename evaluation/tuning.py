@@ -10,23 +10,21 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
+from engine.cost_profile import CostProfile
+from engine.engine import SpeculativeEngine
+from engine.models import ModelPair
+from envs import workspace
+from envs.oracle import static_grid
+from envs.replay import ReplayTrace
 from evaluation.measurements import run_engine
-
-if TYPE_CHECKING:
-    from engine.cost_profile import CostProfile
-    from engine.engine import SpeculativeEngine
-    from engine.models import ModelPair
-    from envs.replay import ReplayTrace
+from policies import StaticController
 
 
 def replay_ranking(traces: Sequence[ReplayTrace], profile: CostProfile) -> list[dict]:
     """Distinct static configurations, best replay throughput first (ties: smaller depth, then size)."""
-    from envs.oracle import static_grid
-
     grid = static_grid(traces, profile)
     seen: dict[tuple[int, int], dict] = {}
     for (depth, size), tps in grid.items():
@@ -47,8 +45,6 @@ def confirm_live(
     bar=None,
 ) -> list[dict]:
     """Run every candidate on every tune prompt (candidate order rotated per prompt); adds live figures."""
-    from policies import StaticController
-
     totals = [[0, 0.0] for _ in candidates]
     for index, (_, ids) in enumerate(prompts):
         order = list(range(len(candidates)))
@@ -94,8 +90,6 @@ def tune_static(
     progress: bool,
 ) -> dict[str, dict]:
     """kind ("static_chain", "static_tree") -> {"width", "replay_grid", "confirmed", "best"}."""
-    from envs import workspace
-
     widths = {"static_chain": 1, "static_tree": tree_width}
     encoded = [(p["id"], pair.encode(p["prompt"])) for p in tune_prompts]
     out: dict[str, dict] = {}

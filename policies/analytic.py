@@ -17,15 +17,11 @@ an exponential average of accepted / predicted over past cycles.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from engine.control import Controller, DraftState
+from engine.cost_profile import CostProfile
 from engine.results import CycleRecord
-
-if TYPE_CHECKING:
-    from engine.cost_profile import CostProfile
 
 LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 

@@ -32,13 +32,14 @@ import math
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from engine.attention import MAX_VERIFY_NODES
 from engine.control import Controller, DraftState
+from engine.cost_profile import CostProfile
 from engine.errors import DraftpilotError, is_int
 from engine.features import (
     DEPTH_OBS_DIM,
@@ -50,11 +51,8 @@ from engine.features import (
     size_observation,
 )
 from engine.files import atomic_save, load_plain
-
-if TYPE_CHECKING:
-    from engine.cost_profile import CostProfile
-    from engine.models import ModelPair
-    from engine.results import CycleRecord
+from engine.models import ModelPair
+from engine.results import CycleRecord
 
 FORMAT = "draftpilot-policy"
 FORMAT_VERSION = 1

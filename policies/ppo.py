@@ -50,13 +50,12 @@ from engine.files import (
     user_hmac,
     user_key_path,
 )
+from envs.backends import Backend
 from envs.environments import DepthEnv, EnvConfig, NoDecisionError, SizeEnv, reference_rho
 from policies.learned import Actor, LearnedController
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # tensorboard is imported where a run writes its logs
     from torch.utils.tensorboard import SummaryWriter
-
-    from envs.backends import Backend
 
 ACTIVATION_NAMES = {torch.nn.Tanh: "tanh", torch.nn.ReLU: "relu"}
 CLIP_OBS, OBS_EPS = 10.0, 1e-8

@@ -6,6 +6,8 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
+from engine import SpeculativeEngine
+
 
 def one_error_line(capsys, *needles: str) -> str:
     """The captured stderr is exactly one ``error: ...`` line containing every needle."""
@@ -49,8 +51,6 @@ def write_gguf(path, tensors) -> None:
 
 def assert_greedy_identity(pair, prompts, controllers, max_new_tokens: int = 24) -> None:
     """Every controller's greedy output equals autoregressive decoding of the same pair, token for token."""
-    from engine import SpeculativeEngine
-
     engine = SpeculativeEngine(pair)
     for prompt in prompts:
         ids = pair.encode(prompt)

@@ -11,6 +11,8 @@ import pytest
 import generate
 from engine import measure_costs
 from engine.cost_profile import CostProfile
+from engine.errors import InputError
+from engine.models import load_pair
 from tests_helpers import one_error_line
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -189,9 +191,6 @@ def test_generate_checks_model_paths_before_loading(tmp_path, capsys, no_models)
 
 def test_load_pair_reports_an_unloadable_model_in_one_error(tmp_path):
     """A directory with a config.json that transformers cannot load: one InputError naming the model."""
-    from engine.errors import InputError
-    from engine.models import load_pair
-
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "llama"}')

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine import load_pair
+from engine import SpeculativeEngine, load_pair
+from engine.control import StaticController
 from engine.cost_profile import PROFILE_VERSION, CostProfile, ProfileError, spread_to_sigma
 from engine.measure_costs import ProfileConfig, main, measure_profile
 from engine.random_pair import build_random_pair, parameter_count, random_pair_configs
@@ -286,9 +287,6 @@ def test_random_qwen_pair_on_meta_has_the_right_shapes():
 
 
 def test_random_pair_small_override_runs_the_engine():
-    from engine import SpeculativeEngine
-    from engine.control import StaticController
-
     small = dict(
         hidden_size=32,
         intermediate_size=64,

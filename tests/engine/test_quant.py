@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import SpeculativeEngine, load_pair
+from engine.attention import rowwise_attention
 from engine.engine import forward_logits
 from engine.kvcache import keep_entries, new_cache
 from engine.quant import (
@@ -155,8 +156,6 @@ def test_rowwise_attention_is_row_exact_and_sdpa_is_the_negative_control(masked)
     each row bitwise what a one-row call over that row's keys gives; PyTorch's SDPA over all rows at once
     (transformers' default) does not."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    from engine.attention import rowwise_attention
 
     torch.manual_seed(0)
     q, kv = torch.randn(1, 4, 8, 64), 100

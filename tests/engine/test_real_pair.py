@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from engine import SamplingConfig, SpeculativeEngine, load_pair
+from engine.engine import forward_logits
+from engine.kvcache import keep_entries, new_cache
 from policies import StaticController
 
 pytestmark = pytest.mark.slow
@@ -83,9 +85,6 @@ def test_default_formats_are_quantized_and_exact(real_pair_default):
 def test_default_target_is_batch_invariant(real_pair_default):
     """Rows of a 6-row verification forward are bitwise the one-row decode steps (the guarantee greedy
     exactness rests on, on the real shapes)."""
-    from engine.engine import forward_logits
-    from engine.kvcache import keep_entries, new_cache
-
     model = real_pair_default.target
     ids = real_pair_default.encode("Explain recursion.") + [1000 + i for i in range(6)]
     ctx = len(ids) - 6

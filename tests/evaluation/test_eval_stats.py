@@ -7,7 +7,9 @@ import pytest
 
 from evaluation.exactness import fisher_combined, homogeneity_test
 from evaluation.measurements import aggregate, itl_samples, per_prompt
+from evaluation.plots import verified_size_rows
 from evaluation.stats import paired_bootstrap_ratio, ratio_of_aggregates
+from evaluation.summary import replay_vs_live, targets
 
 
 def synthetic_prompts(n: int, seed: int, speedup: float = 1.3):
@@ -99,8 +101,6 @@ def test_reduction_takes_the_median_over_repetitions():
 
 
 def test_replay_vs_live_separates_machine_drift_from_prediction_error():
-    from evaluation.summary import replay_vs_live, targets
-
     replay = {
         "predicted": {"autoregressive": {"tokens_per_s": 4.4}, "learned": {"tokens_per_s": 5.5}},
         "oracle_tokens_per_s": 6.0,
@@ -131,8 +131,6 @@ def test_replay_vs_live_separates_machine_drift_from_prediction_error():
 
 
 def test_action_map_plots_the_nodes_verified_not_the_ladder_value_asked_for():
-    from evaluation.plots import verified_size_rows
-
     # (ctx, depth, nodes drafted, top p, size asked): a depth-2 chain asked for 32 verifies 2
     rows = [(80, 2, 2, 0.9, 32), (81, 1, 1, 0.4, 1), (82, 4, 16, 0.7, 6)]
     got = verified_size_rows(rows)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from evaluation import runner
-from evaluation.checkpoint import differing_fields
+from evaluation.checkpoint import differing_fields, prepare_output
 from tests_evaluation_helpers import run_cli, tiny_args
 
 CONTROLLERS = ["autoregressive", "static_chain", "learned"]
@@ -133,7 +133,6 @@ def test_config_comparison_ignores_progress_and_restart_only():
 def _partial_for(argv):
     """A partial evaluation (no runs yet) as the command ``argv`` would leave it."""
     import evaluate
-    from evaluation.checkpoint import prepare_output
 
     config = evaluate.config_from_argv(argv).resolved()
     state = prepare_output(config.out, config)
@@ -191,8 +190,6 @@ def test_the_same_out_given_relative_or_absolute_resumes(workdir, tiny_policy, m
 
 def test_resume_with_a_replaced_policy_file_is_refused(workdir, tiny_policy, tmp_path):
     import torch
-
-    from evaluation.checkpoint import prepare_output
 
     policy = tmp_path / "policy.pt"
     policy.write_bytes(tiny_policy.read_bytes())

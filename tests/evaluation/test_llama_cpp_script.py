@@ -12,6 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from engine import load_pair
+from evaluation.config import EvalConfig
+from evaluation.llama_peer import LlamaPeer, _benchmark_module
+from evaluation.runner import Setup
 from tests_evaluation_helpers import load_benchmark
 
 # Captured verbatim (stderr, with llama.cpp's timestamp prefixes): llama-completion -n 32, 2 threads.
@@ -242,9 +246,6 @@ def test_grid_lists_parse(script):
 def test_evaluation_llama_peer_runs_through_fake_binaries(fake_bin, tmp_path):
     """evaluation.llama_peer: one record per request with run_engine's keys, tokens re-encoded with our
     tokenizer, the speculative row given its --spec-draft-n-max / p-min."""
-    from engine import load_pair
-    from evaluation.llama_peer import LlamaPeer
-
     pair = load_pair("tiny", device="cpu")
     binaries = _benchmark_find(fake_bin)
     peer = LlamaPeer(binaries, tmp_path / "t.gguf", tmp_path / "d.gguf", (16, 0.75), 2, pair)
@@ -260,22 +261,15 @@ def test_evaluation_llama_peer_runs_through_fake_binaries(fake_bin, tmp_path):
 
 
 def _benchmark_find(bin_dir):
-    from evaluation.llama_peer import _benchmark_module
-
     return _benchmark_module().find_binaries(bin_dir)
 
 
 @pytest.mark.parametrize("text", ["16", "0,0.5", "8,1.5", "a,b"])
 def test_evaluation_refuses_a_bad_llama_setting(text):
-    from evaluation.config import EvalConfig
-
     with pytest.raises(ValueError, match="llama_spec"):
         EvalConfig(llama_spec=text)
 
 
 def test_evaluation_leaves_llama_rows_out_for_a_pair_without_gguf():
-    from evaluation.config import EvalConfig
-    from evaluation.runner import Setup
-
     setup = Setup(EvalConfig(pair="tiny", device="cpu", controllers="autoregressive,llama_cpp"))
     assert "llama_cpp" not in setup.names and any("GGUF" in w for w in setup.warnings)

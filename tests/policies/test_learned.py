@@ -13,11 +13,13 @@ import torch
 
 import train
 from engine import SamplingConfig, SpeculativeEngine
+from engine.cli import load_config, save_config
 from engine.features import FEATURE_VERSION
 from envs.backends import ReplayBackend
 from envs.environments import DepthEnv, EnvConfig, SizeEnv
 from policies import LearnedController, PolicyFileError, StaticController, load_policy
 from policies.learned import HASH_KEY, payload_digest, save_policy
+from policies.ppo import CoTrainer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -57,8 +59,6 @@ def tiny_data(tmp_path_factory):
 
 def new_trainer(data, seed=0, env_config=None, baseline_depth=2):
     """A CoTrainer on the tiny traces (baseline: StaticController(baseline_depth, 2))."""
-    from policies.ppo import CoTrainer
-
     config = data["config"]
     return CoTrainer(
         ReplayBackend(data["train"], data["profile"]),
@@ -195,7 +195,6 @@ def test_training_is_deterministic_given_the_seed(tiny_data):
 def test_checkpoint_resume_restores_the_trainer(tiny_data, tmp_path):
     trainer = make_trainer(tiny_data, steps=(128, 128))
     trainer.save(tmp_path / "ckpt")
-    from policies.ppo import CoTrainer
 
     config = tiny_data["config"]
     fresh = CoTrainer(
@@ -338,7 +337,6 @@ def test_train_command_line_config(tmp_path):
     )  # explicit flags beat --quick
     assert config.size_steps == train.QUICK["size_steps"] and config.ppo.n_steps == train.QUICK_PPO["n_steps"]
     assert config.progress is False
-    from engine.cli import load_config, save_config
 
     assert load_config(train.TrainConfig, save_config(config, tmp_path / "c.json")) == config
     with pytest.raises(ValueError, match="backend"):

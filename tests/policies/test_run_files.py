@@ -20,8 +20,15 @@ import policies.ppo as ppo
 import train
 from engine.cli import save_config
 from engine.files import DirectoryBusyError, sha256_file, user_hmac
-from policies import load_policy
-from policies.ppo import MANIFEST, CheckpointError, read_trainer_state, verify_checkpoint
+from envs.backends import ReplayBackend
+from envs.environments import EnvConfig
+from envs.trace import Trace
+from evaluation import plots
+from evaluation.checkpoint import Checkpoint
+from evaluation.config import EvalConfig
+from evaluation.report import write_json
+from policies import StaticController, load_policy
+from policies.ppo import MANIFEST, CheckpointError, CoTrainer, read_trainer_state, verify_checkpoint
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -165,11 +172,6 @@ def test_tampered_or_missing_checkpoint_files_are_refused(base):
 
 
 def test_a_kill_while_checkpointing_keeps_the_previous_checkpoint(base, monkeypatch):
-    from envs.backends import ReplayBackend
-    from envs.environments import EnvConfig
-    from policies import StaticController
-    from policies.ppo import CoTrainer
-
     run = copy_run(base, "killed-save")
     config = quick_config(base["tmp"])
     pair = train.load_models(config)
@@ -236,12 +238,6 @@ def _write_text_dies(monkeypatch):
 
 
 def _writers(tmp_path):
-    from envs.trace import Trace
-    from evaluation import plots
-    from evaluation.checkpoint import Checkpoint
-    from evaluation.config import EvalConfig
-    from evaluation.report import write_json
-
     trace = Trace(
         "p",
         3,
@@ -290,8 +286,6 @@ def test_a_write_killed_midway_leaves_the_old_file_intact(kind, tmp_path, monkey
 
 
 def test_a_killed_trace_write_leaves_nothing_the_reader_picks_up(tmp_path, monkeypatch):
-    from envs.trace import Trace
-
     trace = Trace(
         "p",
         3,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine import Controller, DraftState, SpeculativeEngine
+from engine import Controller, DraftState, EngineConfig, SpeculativeEngine
 from policies import StaticController
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -111,8 +111,6 @@ class Alternating(StaticController):
 
 
 def test_mixed_depth_zero_cycles_stay_exact_and_the_draft_catches_up(tiny_pair):
-    from engine import EngineConfig
-
     engine = SpeculativeEngine(tiny_pair, config=EngineConfig(validate_caches=True))
     ids = tiny_pair.encode("The quick brown fox")
     ar = engine.generate(ids, max_new_tokens=24)
