@@ -1,4 +1,4 @@
-"""The article's cost model numbers (section 6-7)."""
+"""The article's speedup model (docs/design.md section 6.1): expected tokens per cycle, speedup, best gamma."""
 
 import pytest
 
