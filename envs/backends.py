@@ -1,9 +1,10 @@
 """Episode backends: where the cycles of an episode come from.
 
-Both speak the protocol of ``envs.replay.replay_cycles``: ``send(reply)`` returns the next message,
-``("depth", DraftState)``, ``("size", DraftState)`` or ``("cycle", CycleRecord)``, and raises
-``StopIteration`` when the request is finished. The environments answer the messages; they never know
-which backend they drive.
+Both speak the protocol of ``envs.replay.replay_cycles`` (``Episode``): ``send(reply)`` returns the next
+message (``envs.replay.Message``: ``("depth", DraftState)``, ``("size", DraftState)`` or ``("cycle",
+CycleRecord)``) and raises ``StopIteration`` when the request is finished. The environments answer the
+messages; apart from the environment id checking ``Backend.kind``, they never know which backend they
+drive.
 
 * ``ReplayBackend``: exact replay of recorded traces; times from a cost profile.
 * ``LiveBackend``: the real engine on real models; times are the engine's device-synchronised clocks.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Sequence
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -23,10 +25,52 @@ from engine.control import Controller, DraftState
 from engine.cost_profile import CostProfile
 from engine.engine import SpeculativeEngine
 from engine.results import CycleRecord
-from envs.replay import ReplayTrace, charge_times, replay_cycles, replay_generate, throughput
+from envs.replay import (
+    Message,
+    ReplayTrace,
+    Reply,
+    charge_times,
+    replay_cycles,
+    replay_generate,
+    throughput,
+)
+
+
+class Episode(Protocol):
+    """One request driven message by message (a ``replay_cycles`` generator, or a ``LiveLoop``)."""
+
+    def send(self, reply: Reply, /) -> Message:
+        """Answer the last message (None to start) and return the next; ``StopIteration`` at the end."""
+        ...
+
+    def close(self) -> None:
+        """Abandon the request (a live one releases its engine thread)."""
+        ...
+
+
+class Backend(Protocol):
+    """What the environments (``envs.environments``) drive."""
+
+    kind: Literal["replay", "live"]
+    """Which backend this is: the environment ids name it (``draftpilot/Replay*`` or ``draftpilot/Live*``)."""
+    width: int
+    """Tree width W of every episode."""
+    num_episodes: int
+    profile: CostProfile | None
+    """Cost profile (replay: the times; live: device features and optional recharging)."""
+
+    def new_episode(self, index: int, rng: np.random.Generator, depth_zero: bool = False) -> Episode: ...
+
+    def throughput_of(self, controller: Controller | None) -> float:
+        """Decode tokens per second of ``controller`` (None: autoregressive) over every episode."""
+        ...
 
 
 class ReplayBackend:
+    """Exact replay of recorded traces, times from a cost profile (``time_noise``: with its measured noise)."""
+
+    kind = "replay"
+
     def __init__(self, traces: Sequence[ReplayTrace], profile: CostProfile, time_noise: bool = False):
         if not traces:
             raise ValueError("no traces: record some with `python -m envs.record_traces`")
@@ -40,11 +84,11 @@ class ReplayBackend:
     def __deepcopy__(self, memo):
         return self  # read-only after construction; gymnasium deep-copies make() kwargs
 
-    def new_episode(self, index: int, rng: np.random.Generator, depth_zero: bool = False):
+    def new_episode(self, index: int, rng: np.random.Generator, depth_zero: bool = False) -> Episode:
         noise_rng = np.random.default_rng(int(rng.integers(2**31))) if self.time_noise else None
         return replay_cycles(self.traces[index], self.profile, noise_rng, depth_zero=depth_zero)
 
-    def throughput_of(self, controller: Controller) -> float:
+    def throughput_of(self, controller: Controller | None) -> float:
         return throughput([replay_generate(rt, controller, self.profile) for rt in self.traces])
 
 
@@ -108,7 +152,7 @@ class LiveLoop:
         except BaseException as err:  # noqa: BLE001 - re-raised in the environment's thread
             self.questions.put(("error", err))
 
-    def send(self, reply):
+    def send(self, reply: Reply, /) -> Message:
         if not self._started:
             self._started = True
             self._thread.start()
@@ -133,6 +177,10 @@ class LiveLoop:
 
 
 class LiveBackend:
+    """The real engine on real prompts; times from the engine's clocks (or recharged from a profile)."""
+
+    kind = "live"
+
     def __init__(
         self,
         engine: SpeculativeEngine,
@@ -168,11 +216,6 @@ class LiveBackend:
             depth_zero=depth_zero,
         )
 
-    def throughput_of(self, controller: Controller) -> float:
+    def throughput_of(self, controller: Controller | None) -> float:
         results = [self.engine.generate(p, self.max_new_tokens, controller=controller) for p in self.prompts]
-        tokens = sum(len(r.tokens) - 1 for r in results)
-        return tokens / sum(sum(c.total_s for c in r.cycles) for r in results)
-
-
-Backend = ReplayBackend | LiveBackend
-"""What the environments drive (``envs.environments``): either backend, same protocol."""
+        return throughput([r.cycles for r in results])  # the cycles emit every token after the first

@@ -1,6 +1,10 @@
 """Gymnasium environments for the two decisions (depth: continue/stop; size: how many nodes to verify),
 each over either backend (``envs.backends``: exact replay or the live engine).
 
+``DepthEnv`` and ``SizeEnv`` take any backend; the registered ids name theirs (``envs/__init__.py``:
+``draftpilot/ReplayDepth-v0`` passes ``backend_kind="replay"``) and refuse the other one with
+``WrongBackendError``, so an id in a log says where its numbers came from.
+
 The problems share one episode driver protocol; they differ only in which decision the agent makes and
 which one a pluggable ``Controller`` makes (static, analytic or a learned policy: co-adaptive training).
 """
@@ -25,6 +29,11 @@ from engine.features import (
 )
 from envs.backends import Backend
 from envs.replay import SIZE_LADDER
+
+
+class WrongBackendError(DraftpilotError, ValueError):
+    """An environment id that names one backend was given the other (``draftpilot/LiveDepth-v0`` with a
+    ``ReplayBackend``, or ``draftpilot/ReplayDepth-v0`` with a ``LiveBackend``)."""
 
 
 class NoDecisionError(DraftpilotError, ValueError):
@@ -65,7 +74,21 @@ class _DecisionEnv(gym.Env):
     metadata = {"render_modes": []}
     decision = ""  # "depth" or "size": the backend message the agent answers
 
-    def __init__(self, backend: Backend, other: Controller, config: EnvConfig | None = None):
+    def __init__(
+        self,
+        backend: Backend,
+        other: Controller,
+        config: EnvConfig | None = None,
+        backend_kind: str | None = None,
+    ):
+        kind = getattr(backend, "kind", None)
+        if backend_kind is not None and kind != backend_kind:
+            env_id = f"draftpilot/{backend_kind.capitalize()}{self.decision.capitalize()}-v0"
+            other_id = f"draftpilot/{str(kind).capitalize()}{self.decision.capitalize()}-v0"
+            raise WrongBackendError(
+                f"{env_id} runs on a {backend_kind} backend, got a {type(backend).__name__} (kind {kind!r})"
+                + (f": make {other_id} for it" if kind in ("replay", "live") else "")
+            )
         if other.tree_width != backend.width:
             raise ValueError(
                 f"controller tree_width {other.tree_width} != backend tree width {backend.width}"
@@ -152,7 +175,7 @@ class _DecisionEnv(gym.Env):
         self.rho = float(rho)
 
     def close(self) -> None:
-        if self._loop is not None and hasattr(self._loop, "close"):
+        if self._loop is not None:
             self._loop.close()
         self._loop = None
 
@@ -192,8 +215,14 @@ class DepthEnv(_DecisionEnv):
 
     decision = "depth"
 
-    def __init__(self, backend: Backend, size_controller: Controller, config: EnvConfig | None = None):
-        super().__init__(backend, size_controller, config)
+    def __init__(
+        self,
+        backend: Backend,
+        size_controller: Controller,
+        config: EnvConfig | None = None,
+        backend_kind: str | None = None,
+    ):
+        super().__init__(backend, size_controller, config, backend_kind)
         self.observation_space = gym.spaces.Box(0.0, DEPTH_OBS_HIGH, (DEPTH_OBS_DIM,), np.float32)
         self.action_space = gym.spaces.Discrete(2)
 
@@ -237,8 +266,14 @@ class SizeEnv(_DecisionEnv):
 
     decision = "size"
 
-    def __init__(self, backend: Backend, depth_controller: Controller, config: EnvConfig | None = None):
-        super().__init__(backend, depth_controller, config)
+    def __init__(
+        self,
+        backend: Backend,
+        depth_controller: Controller,
+        config: EnvConfig | None = None,
+        backend_kind: str | None = None,
+    ):
+        super().__init__(backend, depth_controller, config, backend_kind)
         self.observation_space = gym.spaces.Box(0.0, SIZE_OBS_HIGH, (SIZE_OBS_DIM,), np.float32)
         self.action_space = gym.spaces.Discrete(len(self.config.size_ladder))
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -30,6 +31,13 @@ from engine.tree import MAX_TREE_NODES, clamp_verify, depth_limit
 from envs.trace import Trace, TraceError
 
 SIZE_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+Message = tuple[Literal["depth", "size"], DraftState] | tuple[Literal["cycle"], CycleRecord]
+"""What an episode yields: ``("depth", state)`` after each draft step (and at depth 0 when asked), ``("size",
+state)`` once drafting stops, ``("cycle", record)`` after every cycle."""
+Reply = bool | int | None
+"""What the driver sends back: to ``"depth"`` a bool (draft one more level?), to ``"size"`` an int (nodes to
+verify), to ``"cycle"`` None (and None to start an episode)."""
 
 
 @dataclass
@@ -197,7 +205,7 @@ def replay_cycles(
     rng: np.random.Generator | None = None,
     speculative: bool = True,
     depth_zero: bool = False,
-) -> Generator[tuple[str, object], object, None]:
+) -> Generator[Message, Reply, None]:
     """The engine's cycle loop on a trace, as a coroutine: yields ``("depth", DraftState)`` (send a bool:
     continue?), ``("size", DraftState)`` (send the number of nodes to verify) and ``("cycle",
     CycleRecord)`` (send None) after every cycle. Times come from ``profile`` (expected values, or with

@@ -11,7 +11,7 @@ from stable_baselines3.common.env_checker import check_env as sb3_check_env
 
 import envs  # noqa: F401 - registers the environment ids
 from engine import SpeculativeEngine
-from envs import EnvConfig, LiveBackend
+from envs import EnvConfig, LiveBackend, WrongBackendError
 from policies import StaticController
 from tests_envs_helpers import LinearProfile
 
@@ -88,3 +88,34 @@ def test_abandoned_live_episode_releases_the_engine(live_backend_factory):
     loop = env._loop
     env.close()
     assert not loop._thread.is_alive()
+
+
+def test_a_replay_id_refuses_the_live_backend(live_backend_factory):
+    with pytest.raises(WrongBackendError, match=r"ReplaySize-v0 runs on a replay backend, got a LiveBackend"):
+        gym.make(
+            "draftpilot/ReplaySize-v0",
+            backend=live_backend_factory("profile"),
+            depth_controller=StaticController(4, 6, tree_width=2),
+            config=EnvConfig(rho=10.0),
+        )
+
+
+def test_live_throughput_is_every_token_after_the_first_over_the_decode_time(live_backend_factory):
+    """``LiveBackend.throughput_of`` (``envs.replay.throughput`` of the engine's cycles) equals the tokens
+    after the first over the summed cycle times of the same requests."""
+    backend = live_backend_factory("wall")
+    results = []
+    generate = backend.engine.generate
+
+    def recording(*args, **kwargs):
+        results.append(generate(*args, **kwargs))
+        return results[-1]
+
+    backend.engine.generate = recording
+    try:
+        got = backend.throughput_of(StaticController(3, 4, tree_width=2))
+    finally:
+        del backend.engine.generate
+    tokens = sum(len(r.tokens) - 1 for r in results)
+    seconds = sum(c.total_s for r in results for c in r.cycles)
+    assert len(results) == len(backend.prompts) and got == pytest.approx(tokens / seconds, rel=1e-12)

@@ -13,7 +13,7 @@ from stable_baselines3.common.env_checker import check_env as sb3_check_env
 import envs  # noqa: F401 - registers the environment ids
 from engine.sampling import verify_tree
 from engine.tree import DraftTree
-from envs import EnvConfig, ReplayBackend, ReplayTrace, replay_generate, throughput
+from envs import EnvConfig, ReplayBackend, ReplayTrace, WrongBackendError, replay_generate, throughput
 from envs.oracle import OracleController, oracle_plan, oracle_throughput, static_grid
 from envs.replay import SIZE_LADDER
 from policies import AnalyticController, ConfidenceController, HeuristicController, StaticController
@@ -110,6 +110,35 @@ def test_env_checkers_pass_without_warnings(linear_profile, env_id, kw, reward):
         check_env(env.unwrapped)
         sb3_check_env(env.unwrapped)
     assert [str(w.message) for w in caught] == []
+
+
+@pytest.mark.parametrize(
+    "env_id, entry_point, kind",
+    [
+        ("draftpilot/ReplayDepth-v0", "envs.environments:DepthEnv", "replay"),
+        ("draftpilot/ReplaySize-v0", "envs.environments:SizeEnv", "replay"),
+        ("draftpilot/LiveDepth-v0", "envs.environments:DepthEnv", "live"),
+        ("draftpilot/LiveSize-v0", "envs.environments:SizeEnv", "live"),
+    ],
+)
+def test_every_id_names_its_backend(env_id, entry_point, kind):
+    spec = gym.spec(env_id)
+    assert (spec.entry_point, spec.kwargs) == (entry_point, {"backend_kind": kind})
+
+
+@pytest.mark.parametrize(
+    "env_id, kw",
+    [("draftpilot/LiveDepth-v0", "size_controller"), ("draftpilot/LiveSize-v0", "depth_controller")],
+)
+def test_a_live_id_refuses_the_replay_backend(linear_profile, env_id, kw):
+    replay_id = env_id.replace("Live", "Replay")
+    with pytest.raises(
+        WrongBackendError, match=rf"{env_id} runs on a live backend, got a ReplayBackend.*make {replay_id}"
+    ):
+        gym.make(env_id, backend=_backend(linear_profile), **{kw: StaticController(4, 8, tree_width=2)})
+    # the same backend, built directly without an id, is accepted
+    env_class = gym.spec(env_id).entry_point.split(":")[1]
+    assert getattr(envs, env_class)(_backend(linear_profile), StaticController(4, 8, tree_width=2)).width == 2
 
 
 def _rollout(env, seed, actions):
