@@ -32,8 +32,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from engine.cli import ArgumentParser, add_dataclass_args, apply_preset, check_pair_spec, from_args
-from engine.errors import DraftpilotError
+from engine.cli import CLI_ERRORS, ArgumentParser, add_dataclass_args, apply_preset, from_args, report_error
 from engine.files import DirectoryLock, atomic_write_json
 from evaluation.checkpoint import prepare_output, stored_config
 from evaluation.config import QUICK, EvalConfig
@@ -72,14 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         # absolute paths, the policy file pinned: what config.json and a resume compare
         config = config.resolved()
         out = Path(config.out)
-        check_pair_spec(
-            config.pair,
-            config.device,
-            dtype=config.dtype,
-            weights=config.weights,
-            draft_weights=config.draft_weights,
-            draft_vocab=config.draft_vocab,
-        )
+        config.check()
         with DirectoryLock(out, "output directory (--out)"):
             # every check before anything in --out changes: the output directory, then the inputs (prompts,
             # policy, models); only then an earlier evaluation is removed (--restart) and config.json written
@@ -94,9 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                 results = evaluate(config, checkpoint=state, setup=setup)
                 path = write_report(results, out)
                 state.path.unlink(missing_ok=True)
-    except (DraftpilotError, ValueError, OSError) as err:
-        print(f"error: {' '.join(str(err).split()) or type(err).__name__}", file=sys.stderr)  # one line
-        return 2
+    except (*CLI_ERRORS, ValueError) as err:  # a config dataclass refuses a value with ValueError
+        return report_error(err)
     print(f"\nreport: {path}")
     if audit_only:
         for name, a in results["exactness"]["token_audit"].items():

@@ -39,13 +39,15 @@ import torch
 
 from engine import SamplingConfig, SpeculativeEngine
 from engine.cli import (
+    CLI_ERRORS,
     ArgumentParser,
+    ModelConfig,
     add_dataclass_args,
     apply_preset,
-    check_pair_spec,
     from_args,
     given_flags,
     load_config,
+    report_error,
     save_config,
 )
 from engine.errors import DraftpilotError
@@ -64,25 +66,10 @@ from policies.ppo import CoTrainer, PPOConfig, has_checkpoint, verify_checkpoint
 
 
 @dataclass
-class TrainConfig:
-    """One training run (saved as ``config.json`` in the run directory)."""
+class TrainConfig(ModelConfig):
+    """One training run (saved as ``config.json`` in the run directory); the model fields (pair, formats,
+    device, threads) come from ``engine.cli.ModelConfig``; the device also runs the policy networks."""
 
-    pair: str = "qwen2.5-coder"
-    """Model pair: a named pair (qwen2.5-coder, tiny) or "TARGET::DRAFT" paths / hub ids."""
-    dtype: str = "auto"
-    """Dense model dtype when no integer weight format is asked for (float32, bfloat16, ...)."""
-    weights: str = "auto"
-    """Weight format of the target's linears (auto: kquant on CPU -- int4 where the compiled kernels cannot be
-    built -- bfloat16 on CUDA, or the --dtype named; float32, bfloat16, int8, int4, int4-strict, kquant,
-    kquant-strict)."""
-    draft_weights: str = "auto"
-    """Weight format of the draft's linears (auto: kquant-strict when --weights is auto on CPU, else as --weights)."""
-    draft_vocab: int = 0
-    """Tokens the draft's LM head keeps (0: the whole vocabulary); a cheaper draft step, exact either way."""
-    device: str = "auto"
-    """auto (CUDA when present), cpu, cuda, ...: the live engine and the policy networks."""
-    threads: int = 0
-    """torch intra-op threads for the models (0: torch's default)."""
     prompts: str | None = None
     """Prompt suite JSONL ({"id", "language", "task", "split", "prompt"} per line); none: the built-in suite."""
     train_split: str = "train"
@@ -137,6 +124,7 @@ class TrainConfig:
     """PPO hyperparameters (flags below, same names)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if isinstance(self.ppo, dict):
             self.ppo = PPOConfig(**self.ppo)
         if self.backend not in ("replay", "live"):
@@ -157,8 +145,6 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.eval_every < 1:
             raise ValueError(f"eval_every (--eval-every) must be >= 1, got {self.eval_every}")
-        if self.threads < 0:
-            raise ValueError(f"threads (--threads) must be >= 0 (0: torch's default), got {self.threads}")
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"seed (--seed) must be in [0, 2**32), got {self.seed}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -236,7 +222,7 @@ QUICK_PPO = {"n_envs": 2, "n_steps": 128, "batch_size": 64, "n_epochs": 2}
 
 # ----------------------------------------------------------------------------------------- data
 def load_models(config: TrainConfig):
-    return workspace.load_models_of(config)
+    return config.load()
 
 
 def ensure_profile(config: TrainConfig, pair):
@@ -316,14 +302,7 @@ def train(config: TrainConfig, resume: Path | None = None, retrain: bool = False
     run directory is locked for the whole call (``DirectoryBusyError`` if another process holds it)."""
     config = effective_config(config)
     run = Path(resume) if resume is not None else run_directory(config)
-    check_pair_spec(
-        config.pair,
-        config.device,
-        dtype=config.dtype,
-        weights=config.weights,
-        draft_weights=config.draft_weights,
-        draft_vocab=config.draft_vocab,
-    )
+    config.check()
     select_prompts(config)  # a bad prompt file fails before the run directory is touched
     with DirectoryLock(
         run, "run directory (--resume)" if resume is not None else "run directory (--run-dir/--run-name)"
@@ -493,7 +472,9 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
 
 # ----------------------------------------------------------------------------------------- command line
 def build_parser() -> argparse.ArgumentParser:
-    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(
+        prog="python train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_dataclass_args(ap, TrainConfig)
     add_dataclass_args(ap, PPOConfig, group="PPO")
     ap.add_argument("--quick", action="store_true", help="tiny budget (plumbing check; explicit flags win)")
@@ -559,9 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config, resume, retrain = config_from_argv(argv)
         metrics = train(config, resume, retrain)
-    except (DraftpilotError, ValueError, OSError) as err:
-        print(f"error: {' '.join(str(err).split()) or type(err).__name__}", file=sys.stderr)  # one line
-        return 2
+    except (*CLI_ERRORS, ValueError) as err:  # a config dataclass refuses a value with ValueError
+        return report_error(err)
     static = metrics["static_best_on_val"]
     print(f"\nexported policy: {metrics['policy']}")
     print(f"validation throughput (replay, {len(metrics['val_prompts'])} held-out prompts, tokens/s):")

@@ -5,11 +5,20 @@ and flags generated from config dataclasses (every default and help text written
 the docstring written under it, ``field: int = 3`` then ``\"\"\"what it is\"\"\"``; the flag is ``--field-name``;
 booleans get ``--flag`` / ``--no-flag``; ``X | None`` fields accept ``none``), with the config saved as JSON.
 
+    @dataclass
+    class ToolConfig(ModelConfig):                 # --pair, --dtype, ..., --device, --threads
+        out: str = field(kw_only=True)
+        \"\"\"Where to write the result.\"\"\"     # the help of --out
+
     def main(argv=None) -> int:
-        args = build_parser().parse_args(argv)     # argparse errors exit 2 already
+        ap = ArgumentParser(prog="python -m tool")
+        add_dataclass_args(ap, ToolConfig)
+        args = ap.parse_args(argv)                 # argparse errors: one line, exit 2 already
         try:
-            limits = check_pair_args(args.pair, args.device, **format_kwargs(args))
-            out = check_output_file(args.out)
+            config = from_args(ToolConfig, args)   # the dataclass checks its own ranges
+            limits = config.check()                # pair, device, formats: before any model loads
+            out = check_output_file(config.out)
+            pair = config.load()
             ...
         except CLI_ERRORS as err:
             return report_error(err)
@@ -36,7 +45,7 @@ import torch
 
 from engine.errors import DraftpilotError, InputError, is_int
 from engine.files import atomic_write_json
-from engine.models import resolve_device, resolve_dtype, resolve_weights
+from engine.models import ModelPair, load_pair, resolve_device, resolve_dtype, resolve_weights, split_pair
 from engine.random_pair import RANDOM_PAIR_CONFIGS
 from engine.tiny import tiny_config
 from engine.weights import DEFAULT_PAIRS
@@ -202,9 +211,10 @@ def check_pair_spec(
 ) -> PairLimits | None:
     """``check_pair_args`` for a run config's ``pair``: a named pair, or ``TARGET::DRAFT`` (model paths or hub
     ids, each checked by ``check_model_path``); errors name ``--pair``."""
-    custom = "::" in str(pair)
+    paths = split_pair(str(pair))
+    custom = paths is not None
     if custom:
-        target, draft = str(pair).split("::", 1)
+        target, draft = paths
         check_model_path(target, "--pair (target)")
         check_model_path(draft, "--pair (draft)")
     return check_pair_args(
@@ -258,6 +268,56 @@ def _check_writable_dir(directory: Path, what: str) -> None:
     os.unlink(name)
 
 
+@dataclass
+class ModelConfig:
+    """The model pair and where it runs: the fields of every command line that loads a pair (``train.py``,
+    ``evaluate.py``, ``generate.py``, ``python -m engine.measure_costs``, ``python -m envs.record_traces``),
+    each of whose configs extends this one."""
+
+    pair: str = "qwen2.5-coder"
+    """Model pair: a named pair (qwen2.5-coder, tiny) or "TARGET::DRAFT" paths / hub ids."""
+    dtype: str = "auto"
+    """Dense model dtype when no integer weight format is asked for (float32, bfloat16, ...)."""
+    weights: str = "auto"
+    """Weight format of the target's linears (auto: kquant on CPU -- int4 where the compiled kernels cannot be
+    built -- bfloat16 on CUDA, or the --dtype named; float32, bfloat16, int8, int4, int4-strict, kquant,
+    kquant-strict)."""
+    draft_weights: str = "auto"
+    """Weight format of the draft's linears (auto: kquant-strict when --weights is auto on CPU, else as --weights)."""
+    draft_vocab: int = 0
+    """Tokens the draft's LM head keeps (0: the whole vocabulary); a cheaper draft step, exact either way."""
+    device: str = "auto"
+    """auto (CUDA when present), cpu, cuda, cuda:N."""
+    threads: int = 0
+    """torch intra-op threads for the models (0: torch's default)."""
+
+    def __post_init__(self) -> None:
+        if not is_int(self.threads) or self.threads < 0:
+            raise InputError(
+                f"threads (--threads) must be an integer >= 0 (0: torch's default), got {self.threads!r}"
+            )
+
+    def format_kwargs(self) -> dict[str, Any]:
+        """The weight-format arguments of ``load_pair``."""
+        return dict(
+            dtype=self.dtype,
+            weights=self.weights,
+            draft_weights=self.draft_weights,
+            draft_vocab=self.draft_vocab,
+        )
+
+    def check(self) -> PairLimits | None:
+        """Everything about the pair that can be checked before a model loads (``check_pair_spec``); the
+        named pair's limits, None for TARGET::DRAFT."""
+        return check_pair_spec(self.pair, self.device, **self.format_kwargs())
+
+    def load(self, **kwargs: Any) -> ModelPair:
+        """Set torch's threads (when > 0), then ``load_pair`` (extra ``kwargs``: e.g. ``random_weights``)."""
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        return load_pair(self.pair, device=self.device, **self.format_kwargs(), **kwargs)
+
+
 # ------------------------------------------------------------------------------ flags from dataclasses
 class ConfigFileError(DraftpilotError, ValueError):
     """A saved config file that cannot be read back (not JSON, not an object, fields this code does not know)."""
@@ -283,8 +343,9 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _base_type(annotation: Any) -> tuple[type, bool]:
-    """(scalar type, accepts None) of a field annotation such as ``int``, ``str | None``."""
+def _base_type(annotation: Any) -> tuple[Any, bool]:
+    """(scalar type, accepts None) of a field annotation such as ``int``, ``str | None``,
+    ``tuple[int, ...]``."""
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -292,18 +353,37 @@ def _base_type(annotation: Any) -> tuple[type, bool]:
     return annotation, False
 
 
-def _parser_for(kind: type, optional: bool):
+def int_tuple(text: str) -> tuple[int, ...]:
+    """A ``tuple[int, ...]`` field's flag value: comma-separated integers (``--contexts 128,512``)."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    return values
+
+
+def _parser_for(kind: Any, optional: bool):
+    convert = int_tuple if typing.get_origin(kind) is tuple else kind
+
     def parse(text: str):
         if optional and text.lower() in ("none", ""):
             return None
-        return kind(text)
+        return convert(text)
 
-    parse.__name__ = kind.__name__  # argparse names the type in its error messages
+    parse.__name__ = "int_list" if convert is int_tuple else kind.__name__  # argparse names it in errors
     return parse
 
 
+def _show(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, group: str | None = None) -> None:
-    """One flag per field of ``cls`` (a dataclass with string-evaluable annotations)."""
+    """One flag per field of ``cls`` (a dataclass with string-evaluable annotations); a field without a
+    default (``field(kw_only=True)``) is a required flag, a ``tuple[int, ...]`` one takes comma-separated
+    integers."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     target = parser.add_argument_group(group) if group else parser
@@ -311,8 +391,12 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, group: str | 
         if not f.init:
             continue
         flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        help_text = f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%")
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required:
+            default, help_text = None, f"{docs.get(f.name, '')} (required)".replace("%", "%%")
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            help_text = f"{docs.get(f.name, '')} (default: {_show(default)})".replace("%", "%%")
         kind, optional = _base_type(hints[f.name])
         if dataclasses.is_dataclass(kind):  # nested config: its own flags, added by the caller
             continue
@@ -330,7 +414,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, group: str | 
                 dest=f.name,
                 type=_parser_for(kind, optional),
                 default=default,
-                metavar=kind.__name__.upper(),
+                required=required,
+                metavar="INTS" if typing.get_origin(kind) is tuple else kind.__name__.upper(),
                 help=help_text,
             )
 

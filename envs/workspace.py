@@ -41,26 +41,13 @@ def load_models(
     (``engine.quant``); ``threads`` > 0 sets torch's intra-op threads first."""
     if threads:
         torch.set_num_threads(threads)
-    formats = dict(
-        dtype=dtype, device=device, weights=weights, draft_weights=draft_weights, draft_vocab=draft_vocab
-    )
-    if "::" in pair:
-        target, draft = pair.split("::", 1)
-        return load_pair(target=target, draft=draft, **formats)
-    return load_pair(pair, **formats)
-
-
-def load_models_of(config) -> ModelPair:
-    """``load_models`` with the fields of a run config (``train.TrainConfig``, ``evaluation.EvalConfig``:
-    pair, dtype, device, threads, weights, draft_weights, draft_vocab)."""
-    return load_models(
-        config.pair,
-        config.dtype,
-        config.device,
-        config.threads,
-        config.weights,
-        config.draft_weights,
-        config.draft_vocab,
+    return load_pair(
+        pair,
+        dtype=dtype,
+        device=device,
+        weights=weights,
+        draft_weights=draft_weights,
+        draft_vocab=draft_vocab,
     )
 
 

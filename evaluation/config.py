@@ -7,8 +7,9 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from engine.cli import ModelConfig
 from envs.prompts import interleave_languages, load_suite
-from envs.record_traces import read_prompts
+from envs.record_traces import MAX_TRACE_DEPTH, read_prompts
 from evaluation.llama_peer import parse_spec_setting
 
 ENGINE_CONTROLLERS = (
@@ -32,25 +33,10 @@ BASELINE = "autoregressive"
 
 
 @dataclass
-class EvalConfig:
-    """One evaluation run (saved as ``config.json`` in the output directory)."""
+class EvalConfig(ModelConfig):
+    """One evaluation run (saved as ``config.json`` in the output directory); the model fields (pair, formats,
+    device, threads) come from ``engine.cli.ModelConfig``."""
 
-    pair: str = "qwen2.5-coder"
-    """Model pair: a named pair (qwen2.5-coder, tiny) or "TARGET::DRAFT" paths / hub ids."""
-    dtype: str = "auto"
-    """Dense model dtype when no integer weight format is asked for (float32, bfloat16, ...)."""
-    weights: str = "auto"
-    """Weight format of the target's linears (auto: kquant on CPU -- int4 where the compiled kernels cannot be
-    built -- bfloat16 on CUDA, or the --dtype named; float32, bfloat16, int8, int4, int4-strict, kquant,
-    kquant-strict)."""
-    draft_weights: str = "auto"
-    """Weight format of the draft's linears (auto: kquant-strict when --weights is auto on CPU, else as --weights)."""
-    draft_vocab: int = 0
-    """Tokens the draft's LM head keeps (0: the whole vocabulary); a cheaper draft step, exact either way."""
-    device: str = "auto"
-    """auto (CUDA when present), cpu, cuda, ..."""
-    threads: int = 0
-    """torch intra-op threads for the models (0: torch's default)."""
     policy: str | None = None
     """Exported learned policy (policy.pt); none: the newest runs/*/policy.pt."""
     controllers: str = "all"
@@ -136,6 +122,7 @@ class EvalConfig:
     result and measured prompts kept); a partial run with another config or a finished one is an error."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         parse_spec_setting(self.llama_spec)  # a bad setting fails before any model loads
         for name in (
             "tune_prompts_per_language",
@@ -153,15 +140,11 @@ class EvalConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"seed (--seed) must be in [0, 2**32), got {self.seed}")
-        if self.threads < 0:
-            raise ValueError(f"threads (--threads) must be >= 0 (0: torch's default), got {self.threads}")
         depth, width = self.max_depth or 1, self.tree_width or 1
-        if (
-            depth > 127 or width * width * depth > 32767
-        ):  # envs.record_traces.MAX_TRACE_DEPTH, the trace format
+        if depth > MAX_TRACE_DEPTH or width * width * depth > 32767:  # the trace format
             raise ValueError(
                 f"--max-depth {self.max_depth}, --tree-width {self.tree_width} do not fit the trace format "
-                "(max_depth <= 127 and tree_width^2 * max_depth <= 32767)"
+                f"(max_depth <= {MAX_TRACE_DEPTH} and tree_width^2 * max_depth <= 32767)"
             )
         if self.exactness_prompt_set not in ("open", "split"):
             raise ValueError(f"exactness_prompt_set must be open or split, got {self.exactness_prompt_set!r}")

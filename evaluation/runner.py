@@ -69,7 +69,7 @@ class Setup:
         if "static_tree" in self.names and self.tree_width == 1:
             self.names.remove("static_tree")
             self.warnings.append("tree_width is 1: the static tree is the static chain, measured once")
-        self.pair = workspace.load_models_of(config)
+        self.pair = config.load()
         self.llama = None
         if any(n in LLAMA_PEERS for n in self.names):
             self.llama, why = LlamaPeer.find(config, self.pair, threads=torch.get_num_threads())

@@ -25,7 +25,7 @@ def no_models(monkeypatch):
     def refuse(*args, **kwargs):
         pytest.fail("models were loaded before the arguments were checked")
 
-    monkeypatch.setattr(generate, "load_pair", refuse)
+    monkeypatch.setattr("engine.cli.load_pair", refuse)  # every command line loads its pair there
     monkeypatch.setattr(measure_costs, "measure_profile_cli", refuse)
 
 
@@ -49,7 +49,7 @@ PROFILE_BASE = ["--pair", "tiny", "--quick", "--reps", "1"]
         (["--sizes", "0,65"], ["--sizes", "64"]),
         (["--chunks", "0,1"], ["--chunks"]),
         (["--contexts", "4", "--chunks", "1,8"], ["--contexts", "largest chunk"]),
-        (["--threads", "0"], ["--threads"]),
+        (["--threads", "-1"], ["--threads"]),
         (["--device", "bogus"], ["--device", "bogus"]),
         (["--device", "cuda:7"], ["--device", "cuda:7"]),
         (["--dtype", "float8"], ["--dtype", "float8"]),

@@ -10,7 +10,6 @@ import pytest
 
 from engine import SamplingConfig
 from engine.errors import InputError
-from envs import record_traces
 from envs.record_traces import RecordError, draft_trees, load_traces, main, read_prompts, record_prompts
 from tests_helpers import one_error_line
 
@@ -52,8 +51,9 @@ def argv(prompts, out, *extra):
 
 @pytest.fixture()
 def no_models(monkeypatch):
+    # every command line loads its pair through engine.cli.ModelConfig.load
     monkeypatch.setattr(
-        record_traces, "load_pair", lambda *a, **k: pytest.fail("models loaded before the checks")
+        "engine.cli.load_pair", lambda *a, **k: pytest.fail("models loaded before the checks")
     )
 
 
@@ -155,9 +155,7 @@ def test_other_settings_in_out_are_refused_unless_overwrite(prompts_file, tmp_pa
 
     # settings the command line knows before loading: refused without loading the models
     with monkeypatch.context() as m:
-        m.setattr(
-            record_traces, "load_pair", lambda *a, **k: pytest.fail("models loaded before the --out check")
-        )
+        m.setattr("engine.cli.load_pair", lambda *a, **k: pytest.fail("models loaded before the --out check"))
         assert main(argv(prompts_file, out, "--tree-width", "3")) == 2
         one_error_line(capsys, "--out", "other settings", "tree_width", "--overwrite")
         assert main(argv(prompts_file, out, "--seed", "4")) == 2

@@ -258,7 +258,7 @@ def test_generate_reports_a_bad_policy_in_one_line(good, tmp_path, capsys, monke
     import generate
 
     monkeypatch.setattr(
-        generate, "load_pair", lambda *a, **k: pytest.fail("models loaded before the policy was checked")
+        "engine.cli.load_pair", lambda *a, **k: pytest.fail("models loaded before the policy was checked")
     )
     bad = write(tmp_path / "bad.pt", BAD_EDITS["max_depth -1"][0](payload_of(good)))
     assert generate.main(["--pair", "tiny", "--prompt", "hi", "--policy", str(bad)]) == 2
