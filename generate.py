@@ -28,6 +28,7 @@ from engine.cli import (
     check_model_path,
     check_positive,
     from_args,
+    given_flags,
     report_error,
     warn,
 )
@@ -88,10 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         # everything that can be checked without the models first: a bad flag fails at once
         config = from_args(GenerateConfig, args)
+        for name in ("target", "draft"):  # an optional field reads "" as none: here it is an empty path
+            if name in given_flags(parser, argv) and getattr(config, name) is None:
+                raise InputError(f"--{name}: the model path is empty")
         sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
         engine_config = EngineConfig(draft_mode=config.draft_mode)
         check_positive(max_new_tokens=config.max_new_tokens)
