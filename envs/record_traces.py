@@ -46,6 +46,7 @@ from engine.cli import (
 from engine.control import StaticController
 from engine.engine import MAX_SEED, SpeculativeEngine, forward_logits
 from engine.errors import DraftpilotError, InputError, is_int
+from engine.files import DirectoryLock
 from engine.kvcache import keep_entries, new_cache
 from engine.models import ModelPair, pair_name
 from engine.sampling import SamplingConfig, check_finite, score_logprobs
@@ -393,7 +394,10 @@ def record_prompts(
     """Record ``DIR/<id>__s<s>.npz`` for every prompt and sample s (seed ``seed + s``); traces already there
     with the same ``MATCH_KEYS`` are kept; unreadable ones are recorded again, and so are traces recorded with
     other settings when ``replace_mismatched`` (a cache's behaviour), else they are refused with a
-    ``RecordError`` before anything is recorded (the command line without --overwrite)."""
+    ``RecordError`` before anything is recorded (the command line without --overwrite). Without
+    ``replace_mismatched`` the directory is also locked for the whole recording (a second recorder into it
+    fails at once with ``DirectoryBusyError``); a cache directory is not locked: its writers record the
+    same settings, every trace file is written atomically, so concurrent runs sharing a cache never mix."""
     check_record_settings(
         max_depth=max_depth,
         tree_width=tree_width,
@@ -408,6 +412,55 @@ def record_prompts(
         else _check_prompts(list(prompts), "prompts")
     )
     out = Path(out_dir)
+    if not replace_mismatched:
+        with DirectoryLock(out, "--out"):
+            return _record_into(
+                pair,
+                items,
+                out,
+                sampling,
+                max_depth,
+                tree_width,
+                max_new_tokens,
+                seed,
+                samples_per_prompt,
+                chat,
+                chunk,
+                progress,
+                replace_mismatched,
+            )
+    return _record_into(
+        pair,
+        items,
+        out,
+        sampling,
+        max_depth,
+        tree_width,
+        max_new_tokens,
+        seed,
+        samples_per_prompt,
+        chat,
+        chunk,
+        progress,
+        replace_mismatched,
+    )
+
+
+def _record_into(
+    pair: ModelPair,
+    items: list[dict],
+    out: Path,
+    sampling: SamplingConfig,
+    max_depth: int,
+    tree_width: int,
+    max_new_tokens: int,
+    seed: int,
+    samples_per_prompt: int,
+    chat: bool,
+    chunk: int,
+    progress: bool,
+    replace_mismatched: bool,
+) -> RecordSummary:
     out.mkdir(parents=True, exist_ok=True)
     plan = []  # per prompt: (item, [(prompt ids, sample, path, wanted meta) per sample])
     for item in items:

@@ -10,6 +10,7 @@ import pytest
 
 from engine import SamplingConfig
 from engine.errors import InputError
+from engine.files import DirectoryBusyError, DirectoryLock
 from envs.record_traces import RecordError, draft_trees, load_traces, main, read_prompts, record_prompts
 from tests_helpers import one_error_line
 
@@ -191,3 +192,19 @@ def test_library_refusal_of_other_settings(tiny_pair, tmp_path):
         tiny_pair, prompts, tmp_path, SamplingConfig(), replace_mismatched=False, **small
     )
     assert (summary.recorded, summary.skipped) == (0, 1)  # same settings: resumed, not refused
+
+
+def test_a_second_recorder_into_one_out_fails_at_once(tiny_pair, tmp_path):
+    """Two recorders into one --out must not mix: the second is refused while the first holds it, and
+    nothing is written; a cache directory (replace_mismatched) is shared, its traces written atomically."""
+    small = {"max_depth": 2, "tree_width": 2, "max_new_tokens": 8, "progress": False}
+    prompts = [{"id": "a", "prompt": "def f():"}]
+    out = tmp_path / "out"
+    with DirectoryLock(out, "--out"):  # the first recorder, mid-run
+        with pytest.raises(DirectoryBusyError, match="--out .* in use"):
+            record_prompts(tiny_pair, prompts, out, SamplingConfig(), replace_mismatched=False, **small)
+        assert list(out.iterdir()) == []
+        summary = record_prompts(tiny_pair, prompts, out, SamplingConfig(), **small)  # a cache: not locked
+        assert summary.recorded == 1
+    summary = record_prompts(tiny_pair, prompts, out, SamplingConfig(), replace_mismatched=False, **small)
+    assert (summary.recorded, summary.skipped) == (0, 1)
