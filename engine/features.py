@@ -17,7 +17,8 @@ from engine.control import DraftState
 from engine.cost_profile import CostProfile
 from engine.results import CycleRecord
 
-FEATURE_VERSION = 1
+FEATURE_VERSION = 2
+"""2: the history features gained the draft lag (version 1 policies cannot see it; retrain them)."""
 MAX_WIDTH = 8
 """Frontier entries observed by the depth policy (wider frontiers are cut, narrower padded with 0)."""
 MAX_NODES = 64
@@ -26,6 +27,9 @@ HISTORY = 16
 """Cycles the history features look back over."""
 NUM_DEVICE_FEATURES = 3
 DEPTH_SCALE, NODES_SCALE, LOG_CONTEXT_SCALE = 16.0, 64.0, float(np.log(32768.0))
+MAX_LAG = 128
+"""Draft lag (tokens) beyond which the lag feature saturates."""
+NUM_HISTORY_FEATURES = 5
 
 
 def device_features(profile: CostProfile, tree_width: int, context: int = 512) -> np.ndarray:
@@ -43,11 +47,23 @@ def device_features(profile: CostProfile, tree_width: int, context: int = 512) -
 
 
 def history_features(history: Sequence[CycleRecord]) -> np.ndarray:
-    """[4]: EMA of accepted length (decay 0.7 over the last 16 cycles), last accepted, last depth,
-    last verified size, each scaled to about [0, 1]."""
+    """[5]: EMA of accepted length (decay 0.7 over the drafting cycles among the last 16 cycles), last
+    accepted, last depth, last verified size, and the draft lag, each scaled to about [0, 1].
+
+    The draft lag is the tokens committed by autoregressive steps since the last drafting cycle (all of
+    them when none drafted yet): the draft model has not seen them, so the next drafting cycle first runs
+    the draft over all of them (a catch-up forward whose cost grows with the lag). Without it a policy
+    cannot tell "drafting now is cheap" (right after a drafting cycle) from "drafting now pays a long
+    catch-up" (after a run of autoregressive steps)."""
+    lag = 0
+    for r in reversed(history):
+        if r.depth > 0:
+            break
+        lag += r.emitted
+    lag_feature = min(lag, MAX_LAG) / MAX_LAG
     recent = [r for r in history[-HISTORY:] if r.depth > 0]
     if not recent:
-        return np.zeros(4, dtype=np.float32)
+        return np.asarray([0.0, 0.0, 0.0, 0.0, lag_feature], dtype=np.float32)
     ema = recent[0].accepted
     for r in recent[1:]:
         ema = 0.7 * ema + 0.3 * r.accepted
@@ -58,6 +74,7 @@ def history_features(history: Sequence[CycleRecord]) -> np.ndarray:
             last.accepted / DEPTH_SCALE,
             last.depth / DEPTH_SCALE,
             last.num_verified / NODES_SCALE,
+            lag_feature,
         ],
         dtype=np.float32,
     )
@@ -105,6 +122,6 @@ def size_observation(state: DraftState, device: np.ndarray) -> np.ndarray:
     return np.clip(obs, 0.0, SIZE_OBS_HIGH).astype(np.float32)
 
 
-DEPTH_OBS_DIM = 2 * MAX_WIDTH + 3 + 4 + NUM_DEVICE_FEATURES
-SIZE_OBS_DIM = MAX_NODES + 7 + 3 + 4 + NUM_DEVICE_FEATURES
+DEPTH_OBS_DIM = 2 * MAX_WIDTH + 3 + NUM_HISTORY_FEATURES + NUM_DEVICE_FEATURES
+SIZE_OBS_DIM = MAX_NODES + 7 + 3 + NUM_HISTORY_FEATURES + NUM_DEVICE_FEATURES
 DEPTH_OBS_HIGH = SIZE_OBS_HIGH = 64.0

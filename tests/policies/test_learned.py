@@ -15,6 +15,7 @@ import train
 from engine import SamplingConfig, SpeculativeEngine
 from engine.cli import load_config, save_config
 from engine.features import FEATURE_VERSION
+from engine.results import CycleRecord
 from envs.backends import ReplayBackend
 from envs.environments import DepthEnv, EnvConfig, SizeEnv
 from policies import LearnedController, PolicyFileError, StaticController, load_policy
@@ -361,3 +362,70 @@ def test_a_size_phase_with_no_size_decision_is_skipped(tiny_data):
     trainer = new_trainer(tiny_data, env_config=EnvConfig(depth_zero=True), baseline_depth=0)
     log = trainer.run_phase("size", 256, 0)
     assert log.steps == 0 and trainer.history == [log] and "size" not in trainer.models
+
+
+def test_the_draft_lag_counts_the_tokens_of_autoregressive_steps_since_the_last_draft():
+    from engine.features import MAX_LAG, history_features
+
+    def rec(depth, emitted):
+        return CycleRecord(100, depth, depth, depth, max(depth - 1, 0), emitted)
+
+    assert history_features([])[4] == 0.0
+    assert history_features([rec(0, 1)] * 3)[4] == pytest.approx(3 / MAX_LAG)  # none drafted yet
+    assert history_features([rec(2, 3), rec(0, 1), rec(0, 1)])[4] == pytest.approx(2 / MAX_LAG)
+    assert history_features([rec(0, 1), rec(2, 3)])[4] == 0.0  # just drafted: the draft is up to date
+    assert history_features([rec(0, 1)] * (MAX_LAG + 50))[4] == 1.0  # saturates
+
+
+def _timed(depth, emitted, seconds):
+    return CycleRecord(100, depth, depth, depth, max(depth - 1, 0), emitted, verify_s=seconds)
+
+
+def test_speculation_guard_switches_drafting_off_while_it_measures_slower():
+    from policies import SpeculationGuard
+
+    guard = SpeculationGuard(window=3, baseline=2, backoff=4, max_backoff=8)
+    assert not guard.allows_drafting()  # the baseline steps come first
+    for _ in range(2):
+        guard.observe(_timed(0, 1, 0.05))  # 20 tokens/s autoregressive
+    assert guard.allows_drafting()
+    for _ in range(3):
+        guard.observe(_timed(2, 1, 0.08))  # 12.5 tokens/s drafting: slower
+    assert not guard.allows_drafting() and guard.vetoes == 1
+    for _ in range(4):
+        guard.observe(_timed(0, 1, 0.05))
+    assert guard.allows_drafting()  # the pause is over: the policy may draft again
+    for _ in range(3):
+        guard.observe(_timed(2, 3, 0.08))  # 37.5 tokens/s: drafting pays, it stays on
+    assert guard.allows_drafting() and guard.vetoes == 1
+    guard.reset()
+    assert not guard.allows_drafting() and guard.vetoes == 0
+
+
+def test_a_guarded_policy_stays_exact_and_the_guard_only_says_no(tiny_pair):
+    """Greedy identity with the guard forcing autoregressive steps between drafting cycles."""
+    from engine import SpeculativeEngine
+    from policies import SpeculationGuard
+
+    class AlwaysDraft(StaticController):
+        decides_depth_zero = True
+
+    engine = SpeculativeEngine(tiny_pair)
+    prompt = list(range(40, 60))
+    reference = engine.generate(prompt, 40).tokens
+    assert len(reference) == 40
+    inner = LearnedController(
+        None,
+        None,
+        size_ladder=[1, 2],
+        tree_width=1,
+        max_depth=4,
+        device_feats=np.zeros(3),
+        fallback=AlwaysDraft(3, 3),
+        depth_zero=True,
+        guard=SpeculationGuard(window=2, baseline=2, backoff=3, max_backoff=6),
+    )
+    result = engine.generate(prompt, 40, inner)
+    assert result.tokens == reference
+    depths = [r.depth for r in result.cycles]
+    assert depths[:2] == [0, 0] and any(d > 0 for d in depths)
