@@ -21,6 +21,7 @@ rounding: batched forwards round differently, which can swap near-ties in float3
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import re
@@ -412,38 +413,22 @@ def record_prompts(
         else _check_prompts(list(prompts), "prompts")
     )
     out = Path(out_dir)
-    if not replace_mismatched:
-        with DirectoryLock(out, "--out"):
-            return _record_into(
-                pair,
-                items,
-                out,
-                sampling,
-                max_depth,
-                tree_width,
-                max_new_tokens,
-                seed,
-                samples_per_prompt,
-                chat,
-                chunk,
-                progress,
-                replace_mismatched,
-            )
-    return _record_into(
-        pair,
-        items,
-        out,
-        sampling,
-        max_depth,
-        tree_width,
-        max_new_tokens,
-        seed,
-        samples_per_prompt,
-        chat,
-        chunk,
-        progress,
-        replace_mismatched,
-    )
+    with DirectoryLock(out, "--out") if not replace_mismatched else contextlib.nullcontext():
+        return _record_into(
+            pair,
+            items,
+            out,
+            sampling,
+            max_depth,
+            tree_width,
+            max_new_tokens,
+            seed,
+            samples_per_prompt,
+            chat,
+            chunk,
+            progress,
+            replace_mismatched,
+        )
 
 
 def _record_into(
