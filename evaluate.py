@@ -41,7 +41,7 @@ from evaluation.runner import Setup, evaluate, exactness_only
 
 
 def build_parser(prog: str = "python evaluate.py") -> argparse.ArgumentParser:
-    ap = ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog=prog, description=__doc__)
     add_dataclass_args(ap, EvalConfig)
     ap.add_argument(
         "--quick",

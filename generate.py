@@ -79,11 +79,7 @@ class GenerateConfig(ModelConfig):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = ArgumentParser(
-        prog="python generate.py",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = ArgumentParser(prog="python generate.py", description=__doc__)
     add_dataclass_args(ap, GenerateConfig)
     return ap
 

@@ -472,9 +472,7 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
 
 # ----------------------------------------------------------------------------------------- command line
 def build_parser() -> argparse.ArgumentParser:
-    ap = ArgumentParser(
-        prog="python train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = ArgumentParser(prog="python train.py", description=__doc__)
     add_dataclass_args(ap, TrainConfig)
     add_dataclass_args(ap, PPOConfig, group="PPO")
     ap.add_argument("--quick", action="store_true", help="tiny budget (plumbing check; explicit flags win)")

@@ -58,7 +58,12 @@ keeps its traceback."""
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with the project's failure shape: a bad flag (unknown, missing value, wrong type) prints one
     line ``error: <what is wrong>`` to stderr and exits 2, like every other refused input (``--help`` still
-    prints the usage)."""
+    prints the usage). The description is printed as written (``RawDescriptionHelpFormatter``): every command
+    passes its module docstring, examples included."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # noqa: D102 - argparse's hook
         sys.stderr.write(f"error: {message}\n")

@@ -56,8 +56,8 @@ def history_features(history: Sequence[CycleRecord]) -> np.ndarray:
     cannot tell "drafting now is cheap" (right after a drafting cycle) from "drafting now pays a long
     catch-up" (after a run of autoregressive steps)."""
     lag = 0
-    for r in reversed(history):
-        if r.depth > 0:
+    for r in reversed(history):  # stops at MAX_LAG: the feature saturates there (this runs every cycle)
+        if r.depth > 0 or lag >= MAX_LAG:
             break
         lag += r.emitted
     lag_feature = min(lag, MAX_LAG) / MAX_LAG

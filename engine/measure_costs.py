@@ -463,11 +463,7 @@ class MeasureCostsConfig(ModelConfig):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = ArgumentParser(
-        prog="python -m engine.measure_costs",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = ArgumentParser(prog="python -m engine.measure_costs", description=__doc__)
     add_dataclass_args(ap, MeasureCostsConfig)
     add_dataclass_args(ap, ProfileConfig, "grids and repetitions")
     ap.add_argument("--quick", action="store_true", help="small grids, 2 reps (explicit flags win)")

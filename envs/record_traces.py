@@ -563,11 +563,7 @@ class RecordConfig(ModelConfig):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = ArgumentParser(
-        prog="python -m envs.record_traces",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = ArgumentParser(prog="python -m envs.record_traces", description=__doc__)
     add_dataclass_args(ap, RecordConfig)
     return ap
 

@@ -69,6 +69,13 @@ def run_main(argv: list[str]) -> tuple[int, str, str]:
     return rc, out.getvalue(), err.getvalue()
 
 
+def _quick_argv(base: dict, run: Path) -> list[str]:
+    """The train.py flags of the base run's config, aimed at ``run``."""
+    cache = str(base["tmp"] / "cache")
+    return ["--pair", "tiny", "--quick", "--languages", "it,en", "--no-progress", "--cache-dir", cache,
+            "--run-dir", str(run.parent), "--run-name", run.name]  # fmt: skip
+
+
 def one_error_line(stderr: str) -> str:
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in stderr, stderr
@@ -345,22 +352,7 @@ def test_an_interrupted_run_needs_resume_or_retrain(base):
     run = copy_run(base, "interrupted")
     (run / "policy.pt").unlink()
     (run / "metrics.json").unlink()
-    rc, _, stderr = run_main(
-        [
-            "--pair",
-            "tiny",
-            "--quick",
-            "--languages",
-            "it,en",
-            "--no-progress",
-            "--cache-dir",
-            str(base["tmp"] / "cache"),
-            "--run-dir",
-            str(run.parent),
-            "--run-name",
-            run.name,
-        ]
-    )
+    rc, _, stderr = run_main(_quick_argv(base, run))
     line = one_error_line(stderr)
     assert rc == 2 and f"--resume {run}" in line and "--retrain" in line
     assert verify_checkpoint(run / "checkpoint") is not None  # nothing was removed
@@ -469,20 +461,7 @@ def test_refused_runs_leave_the_run_directory_as_it_was(base, tmp_path):
     bad_prompts.write_text("{not json\n")
     bad_profile = tmp_path / "profile.json"
     bad_profile.write_text("{}")
-    common = [
-        "--pair",
-        "tiny",
-        "--quick",
-        "--languages",
-        "it,en",
-        "--no-progress",
-        "--cache-dir",
-        str(base["tmp"] / "cache"),
-        "--run-dir",
-        str(run.parent),
-        "--run-name",
-        run.name,
-    ]
+    common = _quick_argv(base, run)
     cases = [
         ["--resume", str(run), "--rounds", "5"],
         [*common, "--seed", "1"],
