@@ -12,6 +12,8 @@ bootstrap intervals; targets with pass/fail lines; load (--concurrency N); exact
                                                         # language, 64 tokens, 1 rep, confirm_top 1
     python evaluate.py --temperature 0.7 --concurrency 4 --controllers learned,static_chain,hf_assisted_default
     python evaluate.py exactness --quick                # only the exactness audit (exactness.md)
+    python evaluate.py shift --out runs/shift           # static settings tuned on one slice (language,
+                                                        # task, temperature), measured on another
     python evaluate.py --pair tiny --quick --policy runs/p/policy.pt   # plumbing check in seconds
 
 Writes OUT/report.md, OUT/results.json (config, conditions, every raw measurement), OUT/*.png and
@@ -34,6 +36,7 @@ from pathlib import Path
 
 from engine.cli import CLI_ERRORS, ArgumentParser, add_dataclass_args, apply_preset, from_args, report_error
 from engine.files import DirectoryLock, atomic_write_json
+from evaluation import shift
 from evaluation.checkpoint import prepare_output, stored_config
 from evaluation.config import QUICK, EvalConfig
 from evaluation.report import summary_lines, write_exactness_report, write_report
@@ -59,8 +62,33 @@ def config_from_argv(argv: list[str], prog: str = "python evaluate.py") -> EvalC
     return from_args(EvalConfig, args)
 
 
+def shift_main(argv: list[str]) -> int:
+    """``python evaluate.py shift``: the shift evaluation (``evaluation.shift``)."""
+    ap = ArgumentParser(prog="python evaluate.py shift", description=shift.__doc__)
+    add_dataclass_args(ap, shift.ShiftConfig)
+    try:
+        config = from_args(shift.ShiftConfig, ap.parse_args(argv))
+        config.check()
+        out = shift.check_out(config)
+        with DirectoryLock(out, "output directory (--out)"):
+            results = shift.run_shift(config)
+            path = shift.write_shift_report(results, out)
+    except (*CLI_ERRORS, ValueError) as err:
+        return report_error(err)
+    s = results["summary"]
+    print(f"\nreport: {path}")
+    print(
+        f"  learned / static tuned on another slice (mean of {s['off_diagonal_cells']} cells): "
+        f"{s['off_diagonal_mean']:.3f}x; lowest diagonal cell {s['diagonal_min']:.3f}x; lowest learned / "
+        f"oracle {s['learned_over_oracle_min']:.3f}x"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "shift":
+        return shift_main(argv[1:])
     audit_only = bool(argv) and argv[0] == "exactness"
     if audit_only:
         argv = argv[1:]

@@ -35,6 +35,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine import SamplingConfig, SpeculativeEngine
@@ -50,13 +51,15 @@ from engine.cli import (
     report_error,
     save_config,
 )
-from engine.errors import DraftpilotError
+from engine.cost_profile import CostProfile
+from engine.errors import DraftpilotError, InputError
 from engine.features import device_features
 from engine.files import DirectoryLock, atomic_write_json
 from envs import workspace
 from envs.backends import LiveBackend, ReplayBackend
 from envs.environments import EnvConfig
 from envs.oracle import oracle_throughput, static_grid
+from envs.profiles import ProfileMix
 from envs.prompts import interleave_languages, load_suite
 from envs.record_traces import MAX_TRACE_DEPTH
 from envs.replay import replay_generate, throughput
@@ -86,6 +89,12 @@ class TrainConfig(ModelConfig):
     """Tokens generated per prompt (trajectory length of each trace)."""
     temperature: float = 0.0
     """0: greedy traces; > 0: sampled trajectories (the policy is then trained for sampling)."""
+    temperatures: str = ""
+    """Comma list of sampling temperatures to train and validate across (e.g. 0,0.7,1): the traces of every
+    temperature are mixed, and the policy observes the request's temperature, so one policy file serves
+    them all; empty: --temperature alone. Replay backend only."""
+    samples_per_prompt: int = 1
+    """Sampled trajectories per prompt at each temperature > 0 (seeds seed, seed + 1, ...); greedy has one."""
     tree_width: int = 1
     """Draft tree width W of the traces and of the exported controller (1: chains; wider trees pay where
     verifying more rows costs little more than one)."""
@@ -96,6 +105,14 @@ class TrainConfig(ModelConfig):
     speculation off where it does not pay."""
     profile: str | None = None
     """Cost profile JSON; none: measured on first use and cached under cache_dir."""
+    train_profiles: str = ""
+    """Comma list of cost profile JSONs to train across (randomised device: each episode draws one, rescaled
+    to --profile's one-token verify time; validation averages over them); the policy file still carries
+    --profile's device features (load_policy(profile=...) conditions it on another device). Empty: --profile
+    alone."""
+    profile_perturbation: float = 0.0
+    """Randomised device: each episode also scales the draft cost, the verification slope and the overhead by
+    independent log-uniform factors in [1/(1+p), 1+p] (0: the profiles as measured)."""
     backend: str = "replay"
     """replay (exact traces + cost profile) or live (the real engine, wall-clock reward)."""
     reward: str = "average"
@@ -140,6 +157,7 @@ class TrainConfig(ModelConfig):
             "max_new_tokens",
             "tree_width",
             "max_depth",
+            "samples_per_prompt",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -151,11 +169,39 @@ class TrainConfig(ModelConfig):
             raise ValueError(
                 f"temperature (--temperature) must be a finite number >= 0, got {self.temperature}"
             )
+        if not (math.isfinite(self.profile_perturbation) and 0 <= self.profile_perturbation <= 10):
+            raise ValueError(
+                f"profile_perturbation (--profile-perturbation) must be in [0, 10], got {self.profile_perturbation}"
+            )
+        if (self.train_profiles.strip() or self.profile_perturbation) and self.backend == "live":
+            raise ValueError("--train-profiles and --profile-perturbation need --backend replay")
+        temps = self.temperature_list()  # a bad list fails here, before anything loads
+        if len(temps) > 1 and self.backend == "live":
+            raise ValueError("--temperatures with several temperatures needs --backend replay")
         if self.max_depth > MAX_TRACE_DEPTH or self.tree_width**2 * self.max_depth > 32767:
             raise ValueError(
                 f"--max-depth {self.max_depth}, --tree-width {self.tree_width} do not fit the trace format "
                 f"(max_depth <= {MAX_TRACE_DEPTH} and tree_width^2 * max_depth <= 32767)"
             )
+
+    def temperature_list(self) -> list[float]:
+        """The temperatures trained across: ``temperatures`` parsed, or ``[temperature]``."""
+        if not self.temperatures.strip():
+            return [self.temperature]
+        out = []
+        for item in self.temperatures.split(","):
+            try:
+                value = float(item)
+            except ValueError:
+                value = float("nan")
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(
+                    f"temperatures (--temperatures) must be a comma list of finite numbers >= 0, got "
+                    f"{self.temperatures!r}"
+                )
+            if value not in out:
+                out.append(value)
+        return out
 
 
 class RunDirectoryError(DraftpilotError, ValueError):
@@ -175,6 +221,10 @@ def effective_config(config: TrainConfig) -> TrainConfig:
     paths = {
         name: str(Path(getattr(config, name)).resolve()) for name in PATH_FIELDS if getattr(config, name)
     }
+    if config.train_profiles.strip():  # each path of the list absolute, like the other paths
+        paths["train_profiles"] = ",".join(
+            str(Path(p.strip()).resolve()) for p in config.train_profiles.split(",") if p.strip()
+        )
     config = replace(config, **paths)
     if config.backend == "live":
         config = replace(config, ppo=replace(config.ppo, n_envs=1))
@@ -232,18 +282,24 @@ def ensure_profile(config: TrainConfig, pair):
 
 
 def ensure_traces(config: TrainConfig, pair, prompts: list[dict], tag: str):
-    return workspace.ensure_traces(
-        pair,
-        prompts,
-        config.cache_dir,
-        temperature=config.temperature,
-        tree_width=config.tree_width,
-        max_depth=config.max_depth,
-        max_new_tokens=config.max_new_tokens,
-        seed=config.seed,
-        progress=config.progress,
-        tag=tag,
-    )
+    """The traces of ``prompts`` at every temperature of the config (``samples_per_prompt`` per prompt at
+    temperatures > 0), temperature by temperature."""
+    traces = []
+    for temperature in config.temperature_list():
+        traces += workspace.ensure_traces(
+            pair,
+            prompts,
+            config.cache_dir,
+            temperature=temperature,
+            tree_width=config.tree_width,
+            max_depth=config.max_depth,
+            max_new_tokens=config.max_new_tokens,
+            seed=config.seed,
+            samples_per_prompt=config.samples_per_prompt,
+            progress=config.progress,
+            tag=f"{tag} (temperature {temperature:g})" if temperature else tag,
+        )
+    return traces
 
 
 def select_prompts(config: TrainConfig):
@@ -263,6 +319,40 @@ def select_prompts(config: TrainConfig):
 # ----------------------------------------------------------------------------------------- training
 def replay_eval(traces, profile):
     return lambda controller: throughput([replay_generate(rt, controller, profile) for rt in traces])
+
+
+def profile_mix(config: TrainConfig, profile) -> ProfileMix | None:
+    """The randomised-device mix (``envs.profiles``) of --train-profiles / --profile-perturbation, or None."""
+    paths = [p.strip() for p in config.train_profiles.split(",") if p.strip()]
+    if not paths and not config.profile_perturbation:
+        return None
+    members = []
+    for path in paths:
+        try:
+            members.append(CostProfile.load(path))
+        except (DraftpilotError, OSError) as err:
+            raise InputError(f"--train-profiles: {err}") from None
+    return ProfileMix(members or [profile], reference=profile, perturbation=config.profile_perturbation)
+
+
+def validation(val_traces, profile, mix: ProfileMix | None):
+    """Validation throughput of a controller: on ``profile``, or the mean over the mix's measured profiles
+    (each unperturbed, the controller conditioned on each one's device features)."""
+    if mix is None:
+        return replay_eval(val_traces, profile)
+
+    def mean_over_mix(controller) -> float:
+        own = controller.device_feats
+        values = []
+        try:
+            for member in mix.members():
+                controller.device_feats = device_features(member, controller.tree_width)
+                values.append(replay_eval(val_traces, member)(controller))
+        finally:
+            controller.device_feats = own
+        return float(np.mean(values))
+
+    return mean_over_mix
 
 
 def baselines(train_traces, val_traces, profile, config: TrainConfig) -> dict:
@@ -370,6 +460,7 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
     train_prompts, val_prompts = select_prompts(config)  # a bad prompt file fails before any model loads
     pair = load_models(config)
     profile = ensure_profile(config, pair)
+    mix = profile_mix(config, profile)
     if fresh:
         _clear_outputs(run)
     save_config(config, run / "config.json")
@@ -396,7 +487,7 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
         prompts = [pair.encode(p["prompt"]) for p in train_prompts]
         backend = LiveBackend(engine, prompts, config.tree_width, config.max_new_tokens, profile)
     else:
-        backend = ReplayBackend(train_traces, profile, time_noise=config.time_noise)
+        backend = ReplayBackend(train_traces, profile, time_noise=config.time_noise, profiles=mix)
     torch.set_num_threads(1)  # the policy networks are tiny; threads only add overhead
     policy_device = "cuda" if config.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
     writer = SummaryWriter(str(run / "tb" / "validation"))
@@ -409,7 +500,7 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
         config.ppo,
         env_config,
         baseline,
-        replay_eval(val_traces, profile),
+        validation(val_traces, profile, mix),
         max_depth=config.max_depth,
         device_feats=feats,
         seed=config.seed,
@@ -437,9 +528,14 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
     best_tps, depth_actor, size_actor = trainer.best
     if depth_actor is None:  # validation never ran on a complete controller
         depth_actor, size_actor = trainer.actor("depth"), trainer.actor("size")
-        best_tps = replay_eval(val_traces, profile)(trainer.joint())
+        best_tps = validation(val_traces, profile, mix)(trainer.joint())
+    validated = {}
+    if mix is not None:  # validation averaged over the mix: report the deployment profile's figure too
+        validated["learned_on_val_mix"] = best_tps
+        best_tps = replay_eval(val_traces, profile)(trainer.controller(depth_actor, size_actor))
     metrics = {
         **base,
+        **validated,
         "learned_on_val": best_tps,
         "learned_over_static": best_tps / base["static_best_on_val"],
         "learned_over_analytic": best_tps / base["analytic_on_val"],

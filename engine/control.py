@@ -46,9 +46,15 @@ class DraftState:
     """Hard cap on depth this cycle (budget, context limit); the engine stops there regardless."""
     history: Sequence[CycleRecord]
     """Records of this request's previous cycles, oldest first."""
+    temperature: float = 0.0
+    """The request's sampling temperature (0: greedy). Draft scores are already temperature-scaled; how
+    well they predict acceptance still depends on it (a sampled target accepts a deterministic draft less
+    often than the greedy one does)."""
 
     @classmethod
-    def before_drafting(cls, context_len: int, max_depth: int, history: Sequence[CycleRecord]) -> DraftState:
+    def before_drafting(
+        cls, context_len: int, max_depth: int, history: Sequence[CycleRecord], temperature: float = 0.0
+    ) -> DraftState:
         """The depth-0 state (asked of controllers with ``decides_depth_zero``): nothing drafted yet."""
         empty = np.zeros(0, dtype=np.float32)
         return cls(
@@ -59,6 +65,7 @@ class DraftState:
             context_len=context_len,
             max_depth=max_depth,
             history=history,
+            temperature=temperature,
         )
 
 

@@ -217,7 +217,8 @@ class SpeculativeEngine:
         if not controller.decides_depth_zero:
             return True, 0.0
         t0 = self.clock()
-        answer = controller.should_continue(DraftState.before_drafting(len(req.tokens), cap, req.cycles))
+        state = DraftState.before_drafting(len(req.tokens), cap, req.cycles, self.sampling.temperature)
+        answer = controller.should_continue(state)
         go = decision(answer, controller)
         return go, self.clock() - t0
 
@@ -435,6 +436,7 @@ class SpeculativeEngine:
             context_len=ctx,
             max_depth=cap,
             history=req.cycles,
+            temperature=self.sampling.temperature,
         )
 
     def _finish_reason(self, req: _Request, prompt_len: int, max_new_tokens: int) -> str | None:

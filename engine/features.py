@@ -17,8 +17,10 @@ from engine.control import DraftState
 from engine.cost_profile import CostProfile
 from engine.results import CycleRecord
 
-FEATURE_VERSION = 2
-"""2: the history features gained the draft lag (version 1 policies cannot see it; retrain them)."""
+FEATURE_VERSION = 3
+"""2: the history features gained the draft lag (version 1 policies cannot see it; retrain them).
+3: the common part gained the request's sampling temperature (one policy serves greedy and sampled
+decoding; version 2 policies were trained for one temperature: retrain them)."""
 MAX_WIDTH = 8
 """Frontier entries observed by the depth policy (wider frontiers are cut, narrower padded with 0)."""
 MAX_NODES = 64
@@ -30,6 +32,10 @@ DEPTH_SCALE, NODES_SCALE, LOG_CONTEXT_SCALE = 16.0, 64.0, float(np.log(32768.0))
 MAX_LAG = 128
 """Draft lag (tokens) beyond which the lag feature saturates."""
 NUM_HISTORY_FEATURES = 5
+MAX_TEMPERATURE = 2.0
+"""Temperatures above this are observed as this (the feature saturates)."""
+NUM_STATE_FEATURES = 4
+"""depth, depth cap, log context, temperature."""
 
 
 def device_features(profile: CostProfile, tree_width: int, context: int = 512) -> np.ndarray:
@@ -95,6 +101,7 @@ def _common(state: DraftState, device: np.ndarray) -> np.ndarray:
                     state.depth / DEPTH_SCALE,
                     state.max_depth / DEPTH_SCALE,
                     np.log(max(state.context_len, 1)) / LOG_CONTEXT_SCALE,
+                    min(float(state.temperature), MAX_TEMPERATURE),
                 ],
                 dtype=np.float32,
             ),
@@ -106,7 +113,8 @@ def _common(state: DraftState, device: np.ndarray) -> np.ndarray:
 
 def depth_observation(state: DraftState, device: np.ndarray) -> np.ndarray:
     """Depth decision (continue/stop): path probabilities exp(score) of the frontier (sorted), the last
-    step's conditional probabilities (sorted), then depth, cap, context and history, device features."""
+    step's conditional probabilities (sorted), then depth, cap, context, temperature, history and device
+    features."""
     frontier = np.exp(np.asarray(state.frontier_scores, dtype=np.float32))
     step = np.sort(np.asarray(state.step_probs, dtype=np.float32))[::-1]
     obs = np.concatenate([_padded(frontier, MAX_WIDTH), _padded(step, MAX_WIDTH), _common(state, device)])
@@ -122,6 +130,7 @@ def size_observation(state: DraftState, device: np.ndarray) -> np.ndarray:
     return np.clip(obs, 0.0, SIZE_OBS_HIGH).astype(np.float32)
 
 
-DEPTH_OBS_DIM = 2 * MAX_WIDTH + 3 + NUM_HISTORY_FEATURES + NUM_DEVICE_FEATURES
-SIZE_OBS_DIM = MAX_NODES + 7 + 3 + NUM_HISTORY_FEATURES + NUM_DEVICE_FEATURES
+NUM_COMMON_FEATURES = NUM_STATE_FEATURES + NUM_HISTORY_FEATURES + NUM_DEVICE_FEATURES
+DEPTH_OBS_DIM = 2 * MAX_WIDTH + NUM_COMMON_FEATURES
+SIZE_OBS_DIM = MAX_NODES + 7 + NUM_COMMON_FEATURES
 DEPTH_OBS_HIGH = SIZE_OBS_HIGH = 64.0

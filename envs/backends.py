@@ -25,6 +25,7 @@ from engine.control import Controller, DraftState
 from engine.cost_profile import CostProfile
 from engine.engine import SpeculativeEngine
 from engine.results import CycleRecord
+from envs.profiles import PerturbedProfile, ProfileMix
 from envs.replay import (
     Message,
     ReplayTrace,
@@ -71,22 +72,41 @@ class ReplayBackend:
 
     kind = "replay"
 
-    def __init__(self, traces: Sequence[ReplayTrace], profile: CostProfile, time_noise: bool = False):
+    def __init__(
+        self,
+        traces: Sequence[ReplayTrace],
+        profile: CostProfile,
+        time_noise: bool = False,
+        profiles: ProfileMix | None = None,
+    ):
+        """``profiles``: draw each episode's cost profile from this mix (``sample_profile``) instead of
+        ``profile``, which stays the one ``throughput_of`` and the environments' rho refer to."""
         if not traces:
             raise ValueError("no traces: record some with `python -m envs.record_traces`")
         widths = {rt.width for rt in traces}
         if len(widths) != 1:
             raise ValueError(f"traces of one tree width expected, got widths {sorted(widths)}")
         self.traces, self.profile, self.time_noise = list(traces), profile, time_noise
+        self.profiles = profiles
         self.width = self.traces[0].width
         self.num_episodes = len(self.traces)
 
     def __deepcopy__(self, memo):
         return self  # read-only after construction; gymnasium deep-copies make() kwargs
 
-    def new_episode(self, index: int, rng: np.random.Generator, depth_zero: bool = False) -> Episode:
+    def sample_profile(self, rng: np.random.Generator) -> CostProfile | PerturbedProfile:
+        """The cost profile of the next episode: ``profile``, or a draw from the mix."""
+        return self.profile if self.profiles is None else self.profiles.sample(rng)
+
+    def new_episode(
+        self,
+        index: int,
+        rng: np.random.Generator,
+        depth_zero: bool = False,
+        profile: CostProfile | PerturbedProfile | None = None,
+    ) -> Episode:
         noise_rng = np.random.default_rng(int(rng.integers(2**31))) if self.time_noise else None
-        return replay_cycles(self.traces[index], self.profile, noise_rng, depth_zero=depth_zero)
+        return replay_cycles(self.traces[index], profile or self.profile, noise_rng, depth_zero=depth_zero)
 
     def throughput_of(self, controller: Controller | None) -> float:
         return throughput([replay_generate(rt, controller, self.profile) for rt in self.traces])

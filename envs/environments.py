@@ -111,8 +111,10 @@ class _DecisionEnv(gym.Env):
         for k in range(self.backend.num_episodes):
             self.episode_index = (first + k) % self.backend.num_episodes
             self.close()  # an unfinished live request must release its engine thread
+            self._draw_profile()
+            kwargs = {} if self.profile is self.backend.profile else {"profile": self.profile}
             self._loop = self.backend.new_episode(
-                self.episode_index, self.np_random, depth_zero=self.config.depth_zero
+                self.episode_index, self.np_random, depth_zero=self.config.depth_zero, **kwargs
             )
             self.other.reset()
             self.ep_tokens, self.ep_seconds, self._continues = 0, 0.0, 0
@@ -120,6 +122,18 @@ class _DecisionEnv(gym.Env):
             if not terminated:
                 return obs, info
         raise NoDecisionError(f"no episode of this backend has a {self.decision} decision to make")
+
+    def _draw_profile(self) -> None:
+        """A backend with a profile mix (randomised training) gives every episode its own cost profile: the
+        times, the dense draft-step credit and the device features all follow it, and so does the other
+        decision's controller when it observes device features (a learned one in co-adaptive training)."""
+        sample = getattr(self.backend, "sample_profile", None)
+        if sample is None or getattr(self.backend, "profiles", None) is None:
+            return
+        self.profile = sample(self.np_random)
+        self.device = device_features(self.profile, self.width)
+        if hasattr(self.other, "device_feats"):
+            self.other.device_feats = self.device
 
     def step(self, action):
         if self._loop is None:

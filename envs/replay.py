@@ -82,6 +82,7 @@ class ReplayTrace:
         if self.max_new_tokens < len(trace.tokens):
             raise TraceError(f"{trace.prompt_id}: max_new_tokens {self.max_new_tokens} < trajectory length")
         self.max_context = int(meta.get("max_context", 2**31 - 1))
+        self.temperature = float((meta.get("sampling") or {}).get("temperature", 0.0))
         self.engine_max_depth = engine_max_depth
         self.engine_max_verify = engine_max_verify
         self.engine_max_tree_nodes = engine_max_tree_nodes
@@ -149,7 +150,9 @@ class ReplayTrace:
         """The DraftState the live engine shows a controller after draft step ``depth`` at position t
         (depth 0: before the first step, empty arrays)."""
         if depth == 0:
-            return DraftState.before_drafting(self.context_len(t), self.depth_cap(t), history)
+            return DraftState.before_drafting(
+                self.context_len(t), self.depth_cap(t), history, self.temperature
+            )
         pos = self.position(t)
         view = pos.views.get(depth)
         if view is None:
@@ -169,6 +172,7 @@ class ReplayTrace:
             context_len=self.context_len(t),
             max_depth=self.depth_cap(t),
             history=history,
+            temperature=self.temperature,
         )
 
     def num_drafted(self, t: int, depth: int) -> int:

@@ -105,12 +105,16 @@ def ensure_traces(
     max_depth: int = 8,
     max_new_tokens: int = 64,
     seed: int = 0,
+    samples_per_prompt: int = 1,
     progress: bool = True,
     tag: str = "traces",
 ) -> list[ReplayTrace]:
-    """``ReplayTrace``s of ``prompts`` (one per prompt), recorded the first time, then read from the cache."""
+    """``ReplayTrace``s of ``prompts`` (``samples_per_prompt`` per prompt, prompt by prompt; sample s drawn
+    with seed ``seed + s``; greedy trajectories have one sample), recorded the first time, then read from
+    the cache."""
     if temperature == 0:
         seed = 0  # greedy trajectories do not depend on the seed: one cached trace set serves every seed
+        samples_per_prompt = 1
     mode = "greedy" if temperature == 0 else f"t{temperature:g}"
     directory = (
         pair_dir(pair, cache_dir) / "traces" / f"{mode}-w{tree_width}-d{max_depth}-n{max_new_tokens}-s{seed}"
@@ -124,6 +128,7 @@ def ensure_traces(
         tree_width=tree_width,
         max_new_tokens=max_new_tokens,
         seed=seed,
+        samples_per_prompt=samples_per_prompt,
         progress=progress,
     )
     if summary.recorded:

@@ -3,6 +3,7 @@ and the learned controller inside the real engine (tiny pair)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 import train
 from engine import SamplingConfig, SpeculativeEngine
 from engine.cli import load_config, save_config
+from engine.errors import InputError
 from engine.features import FEATURE_VERSION
 from engine.results import CycleRecord
 from envs.backends import ReplayBackend
@@ -429,3 +431,95 @@ def test_a_guarded_policy_stays_exact_and_the_guard_only_says_no(tiny_pair):
     assert result.tokens == reference
     depths = [r.depth for r in result.cycles]
     assert depths[:2] == [0, 0] and any(d > 0 for d in depths)
+
+
+def test_the_temperature_is_observed_by_both_decisions_and_reaches_them_from_engine_and_replay(tiny_pair):
+    """Feature version 3: the request's temperature is in the common part of both observations (saturating at
+    MAX_TEMPERATURE); the engine shows a controller its sampling temperature, replay the trace's."""
+    from engine.control import DraftState, StaticController
+    from engine.features import MAX_TEMPERATURE, depth_observation, size_observation
+
+    def state(temperature):
+        scores = np.asarray([-0.1, -0.5], dtype=np.float32)
+        return DraftState(1, scores, np.exp(scores), scores, 40, 8, [], temperature=temperature)
+
+    device = np.zeros(3, dtype=np.float32)
+    for observe in (depth_observation, size_observation):
+        cold, warm, hot = (observe(state(t), device) for t in (0.0, 0.7, 50.0))
+        diff = np.flatnonzero(cold != warm)
+        assert len(diff) == 1 and warm[diff[0]] == pytest.approx(0.7)  # exactly one feature: the temperature
+        assert hot[diff[0]] == pytest.approx(MAX_TEMPERATURE)
+
+    class Recording(StaticController):
+        def should_continue(self, state):
+            seen.append(state.temperature)
+            return super().should_continue(state)
+
+    for temperature in (0.0, 0.7):
+        seen = []
+        engine = SpeculativeEngine(tiny_pair, SamplingConfig(temperature=temperature))
+        engine.generate(tiny_pair.encode("hello"), max_new_tokens=8, controller=Recording(2, 2), seed=1)
+        assert seen and set(seen) == {temperature}  # depth 0 and after every draft step
+
+    from envs.replay import ReplayTrace, replay_generate
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "envs"))
+    from tests_envs_helpers import make_synthetic_trace
+
+    trace = make_synthetic_trace(0, width=1)
+    trace.meta["sampling"] = {"temperature": 0.7, "top_k": 0, "top_p": 1.0}
+    seen = []
+    replay_generate(ReplayTrace(trace), Recording(2, 2, tree_width=1))
+    assert seen and set(seen) == {0.7}
+
+
+def test_train_temperatures_are_checked_before_anything_loads():
+    import train
+
+    assert train.TrainConfig(temperatures="0, 0.7,1,0.7").temperature_list() == [0.0, 0.7, 1.0]
+    assert train.TrainConfig(temperature=0.5).temperature_list() == [0.5]
+    for bad in ("0,abc", "0,-1", "nan", "0,,inf"):
+        with pytest.raises(ValueError, match="--temperatures"):
+            train.TrainConfig(temperatures=bad)
+    with pytest.raises(ValueError, match="--backend replay"):
+        train.TrainConfig(temperatures="0,0.7", backend="live")
+    for bad in (-0.1, float("nan"), 11.0):
+        with pytest.raises(ValueError, match="--profile-perturbation"):
+            train.TrainConfig(profile_perturbation=bad)
+    with pytest.raises(ValueError, match="--backend replay"):
+        train.TrainConfig(train_profiles="a.json", backend="live")
+
+
+def test_training_across_temperatures_and_randomised_profiles(tmp_path):
+    """One run over greedy and sampled traces and a profile mix (two measured profiles, perturbed): it trains,
+    validates over the mix, and reports the deployment profile's figure next to the mix's."""
+    first = train.train(quick_config(tmp_path, run_name="plain", tree_width=1))
+    profile = Path(tmp_path / "cache").rglob("profile.json").__next__()
+    other = tmp_path / "steeper.json"
+    from engine.cost_profile import CostProfile
+
+    data = CostProfile.load(profile).to_dict()
+    for key in ("verify_table", "verify_chain_table"):  # rows: sizes; a steeper verification curve
+        data[key] = [[v * (1 + 0.5 * i) for v in row] for i, row in enumerate(data[key])]
+    CostProfile(**data).save(other)
+    config = quick_config(
+        tmp_path,
+        run_name="mixed",
+        tree_width=1,
+        temperatures="0,0.8",
+        train_profiles=f"{profile},{other}",
+        profile_perturbation=0.5,
+    )
+    metrics = train.train(config)
+    assert np.isfinite(metrics["learned_on_val_mix"]) and np.isfinite(metrics["learned_on_val"])
+    assert len(metrics["train_prompts"]) == len(first["train_prompts"])  # same prompts, two temperatures
+    stored = json.loads((tmp_path / "runs" / "mixed" / "config.json").read_text())
+    assert stored["temperatures"] == "0,0.8" and all(
+        Path(p).is_absolute() for p in stored["train_profiles"].split(",")
+    )
+    ctrl = load_policy(metrics["policy"])
+    assert ctrl.meta["train_config"]["profile_perturbation"] == 0.5
+    # a missing profile of the mix: refused before the run directory changes
+    with pytest.raises(InputError, match="--train-profiles"):
+        train.train(quick_config(tmp_path, run_name="bad", train_profiles=str(tmp_path / "nope.json")))
+    assert not (tmp_path / "runs" / "bad" / "config.json").exists()
