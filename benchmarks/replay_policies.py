@@ -4,6 +4,7 @@ policy was trained or selected on (default: the test split).
 
     python benchmarks/replay_policies.py --policy runs/main/policy.pt runs/thr/policy.pt
     python benchmarks/replay_policies.py --policy runs/main/policy.pt --split test --prompts-per-language 3
+    python benchmarks/replay_policies.py --policy runs/devices/policy.pt runs/on-b/policy.pt --profile b.json
 
 Traces come from the shared cache (recorded on first use with the policy's width, depth and length).
 """
@@ -34,19 +35,28 @@ def main() -> int:
     ap.add_argument("--prompts-per-language", type=int, default=2)
     ap.add_argument("--tune-prompts-per-language", type=int, default=2)
     ap.add_argument("--cache-dir", default="runs/cache")
+    ap.add_argument(
+        "--profile",
+        help="cost profile JSON of the device to compare on (every policy is conditioned on its device "
+        "features, load_policy(profile=...)); default: the first policy's training profile",
+    )
+    ap.add_argument(
+        "--max-new-tokens", type=int, help="trace length (default: the first policy's training length)"
+    )
     ap.add_argument("--out", help="write the numbers as JSON here")
     args = ap.parse_args()
 
-    policies = {p: load_policy(p) for p in args.policy}
+    held_out = workspace.load_profile_arg(args.profile) if args.profile else None
+    policies = {p: load_policy(p, profile=held_out) for p in args.policy}
     first = next(iter(policies.values()))
     config = first.meta["train_config"]
     pair = workspace.load_models(config["pair"], config["dtype"], config["device"], config["threads"])
-    profile = workspace.ensure_profile(pair, args.cache_dir, config.get("profile"))
+    profile = held_out or workspace.ensure_profile(pair, args.cache_dir, config.get("profile"))
     kw = {
         "temperature": config["temperature"],
         "tree_width": first.tree_width,
         "max_depth": first.max_depth,
-        "max_new_tokens": config["max_new_tokens"],
+        "max_new_tokens": args.max_new_tokens or config["max_new_tokens"],
         "seed": config["seed"],
     }
     measured = workspace.ensure_traces(

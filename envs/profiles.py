@@ -1,4 +1,4 @@
-"""Randomised cost profiles for training one policy that serves devices it never saw (docs/design.md 5.4).
+"""Randomised cost profiles for training one policy that serves devices it never saw (docs/architecture.md, "Training").
 
 A policy observes its device only through ``engine.features.device_features`` (ratios of the cost profile:
 draft step / one-token verify, verify(16) / verify(1), verify(64) / verify(1)). Trained on one profile, it
