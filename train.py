@@ -375,6 +375,18 @@ def baselines(train_traces, val_traces, profile, config: TrainConfig) -> dict:
     }
 
 
+def starting_rho(base: dict, config: TrainConfig) -> float:
+    """The average reward's starting rho (and its floor): the static baseline's validation throughput, or
+    autoregressive decoding's when the policy may choose depth 0 and that is faster. rho should be the best
+    throughput known to be reachable: a lower one makes time look cheap and teaches drafting where it does
+    not pay. Measured on the default pair (2026-12-01), where the static chain runs below autoregressive
+    decoding: validation 23.01 -> 24.23 tokens/s, test replay 1.019x -> 1.023x autoregressive."""
+    rho = base["static_train_on_val"]
+    if config.depth_zero:
+        rho = max(rho, base["autoregressive_on_val"])
+    return rho
+
+
 def run_directory(config: TrainConfig) -> Path:
     """``run_dir/run_name``, or ``run_dir/<pair>-<reward>-s<seed>-<timestamp>`` without a name."""
     name = config.run_name
@@ -492,9 +504,7 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
     policy_device = "cuda" if config.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
     writer = SummaryWriter(str(run / "tb" / "validation"))
     writer.add_text("config", "```\n" + json.dumps(asdict(config), indent=1) + "\n```")
-    env_config = EnvConfig(
-        reward=config.reward, rho=base["static_train_on_val"], depth_zero=config.depth_zero
-    )
+    env_config = EnvConfig(reward=config.reward, rho=starting_rho(base, config), depth_zero=config.depth_zero)
     trainer = CoTrainer(
         backend,
         config.ppo,

@@ -523,3 +523,10 @@ def test_training_across_temperatures_and_randomised_profiles(tmp_path):
     with pytest.raises(InputError, match="--train-profiles"):
         train.train(quick_config(tmp_path, run_name="bad", train_profiles=str(tmp_path / "nope.json")))
     assert not (tmp_path / "runs" / "bad" / "config.json").exists()
+
+
+def test_rho_starts_at_the_best_known_throughput_autoregressive_included_when_depth_zero_is_a_choice():
+    base = {"static_train_on_val": 21.0, "autoregressive_on_val": 24.0}
+    assert train.starting_rho(base, train.TrainConfig()) == 24.0  # depth 0 on: autoregressive is reachable
+    assert train.starting_rho(base, train.TrainConfig(depth_zero=False)) == 21.0  # every cycle drafts
+    assert train.starting_rho({**base, "static_train_on_val": 30.0}, train.TrainConfig()) == 30.0
