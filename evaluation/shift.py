@@ -35,11 +35,13 @@ from engine.cost_profile import CostProfile
 from engine.engine import SpeculativeEngine
 from engine.errors import InputError
 from engine.files import atomic_path, atomic_write_json
+from engine.measure_costs import device_name
 from engine.sampling import SamplingConfig
 from envs import workspace
 from envs.oracle import oracle_plan, static_grid
 from envs.prompts import LANGUAGES, interleave_languages, load_suite
 from envs.replay import SIZE_LADDER, ReplayTrace, replay_generate
+from evaluation.config import find_policy
 from evaluation.measurements import run_engine
 from evaluation.stats import paired_bootstrap_ratio
 from policies import AnalyticController, ConfidenceController, StaticController, load_policy
@@ -222,7 +224,7 @@ def evaluate_axis(
             "tune_replay_tokens_per_s": tps,
             "tune_prompts": [rt.trace.prompt_id for rt in tune[a]],
         }
-    tests = {}
+    tests, rows_of = {}, {}
     for b in names:
         traces = test[b]
         rows: dict[str, list[tuple[int, float]]] = {"autoregressive": per_trace(traces, None, profile)}
@@ -236,6 +238,7 @@ def evaluate_axis(
         rows["static_hindsight"] = per_trace(traces, StaticController(hd, hv, tree_width=width), profile)
         plans = [oracle_plan(rt, profile) for rt in traces]
         rows["oracle"] = [(p.tokens, p.total_s) for p in plans]
+        rows_of[b] = rows
         tests[b] = {
             "prompts": [f"{rt.trace.prompt_id}#seed{rt.trace.meta.get('seed', 0)}" for rt in traces],
             "hindsight_static": [hd, hv],
@@ -253,10 +256,7 @@ def evaluate_axis(
                 "static": [tuned[a]["depth"], tuned[a]["verify"]],
                 "static_tokens_per_s": tests[b]["tokens_per_s"][f"static@{a}"],
                 "learned_over_static": ratio(
-                    [tuple(r) for r in tests[b]["per_trace"]["learned"]],
-                    [tuple(r) for r in tests[b]["per_trace"][f"static@{a}"]],
-                    resamples,
-                    seed,
+                    rows_of[b]["learned"], rows_of[b][f"static@{a}"], resamples, seed
                 ),
                 "static_over_in_slice": tests[b]["tokens_per_s"][f"static@{a}"]
                 / tests[b]["tokens_per_s"][f"static@{b}"],
@@ -313,18 +313,7 @@ def pick_live_prompts(prompts: Sequence[dict], count: int) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------- driver
 def conditions(config: ShiftConfig, profile: CostProfile) -> dict:
-    cpu = ""
-    try:
-        cpu = next(
-            (
-                line.split(":", 1)[1].strip()
-                for line in open("/proc/cpuinfo")
-                if line.startswith("model name")
-            ),
-            "",
-        )
-    except OSError:
-        pass
+    cpu = device_name(torch.device("cpu"))
     return {
         "cpu": cpu,
         "threads": torch.get_num_threads(),
@@ -335,8 +324,6 @@ def conditions(config: ShiftConfig, profile: CostProfile) -> dict:
 
 
 def run_shift(config: ShiftConfig) -> dict:
-    from evaluation.config import find_policy
-
     axes, temps = config.axis_list(), config.temperature_list()
     policy_path = find_policy(config)  # type: ignore[arg-type]  # reads .policy only
     learned = load_policy(policy_path)
@@ -364,6 +351,7 @@ def run_shift(config: ShiftConfig) -> dict:
         "confidence": lambda: ConfidenceController(0.4, max_depth=max_depth, tree_width=width),
     }
     pools: dict[str, dict] = {}
+    greedy: dict[str, list[ReplayTrace]] = {}
     greedy_tune = interleave_languages(
         load_suite(split="tune", limit_per_language=config.tune_prompts_per_language)
     )
@@ -375,8 +363,10 @@ def run_shift(config: ShiftConfig) -> dict:
         tune: dict[str, list[ReplayTrace]] = {}
         test: dict[str, list[ReplayTrace]] = {}
         if axis in ("language", "task"):
-            tune_all = traces_of(greedy_tune, 0.0, "tune traces (greedy)")
-            test_all = traces_of(greedy_test, 0.0, "test traces (greedy)")
+            if not greedy:  # both greedy axes slice the same traces: load them once
+                greedy["tune"] = traces_of(greedy_tune, 0.0, "tune traces (greedy)")
+                greedy["test"] = traces_of(greedy_test, 0.0, "test traces (greedy)")
+            tune_all, test_all = greedy["tune"], greedy["test"]
             names = [
                 n for n in slice_names(axis, greedy_test, temps) if n in slice_names(axis, greedy_tune, temps)
             ]
