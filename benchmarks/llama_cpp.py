@@ -530,6 +530,11 @@ def summarize(runs: list[dict], names: list[str]) -> dict[str, dict]:
             "median_tok_s": statistics.median(r["tok_s"] for r in mine),
             "aggregate_tok_s": tokens / seconds if seconds > 0 else float("nan"),
             "mean_tokens": statistics.mean(r["tokens"] for r in mine),
+            "prefill_tok_s": (
+                sum(r["prompt_tokens"] for r in mine) / sum(r["prompt_s"] for r in mine)
+                if all(r.get("prompt_tokens", -1) > 0 and r.get("prompt_s") for r in mine)
+                else None
+            ),
             "languages": {},
         }
         for lang in dict.fromkeys(r["language"] for r in mine):
@@ -550,7 +555,7 @@ def print_table(summary: dict[str, dict], languages: list[str]) -> None:
     base = summary.get(AUTOREGRESSIVE.name, {}).get("aggregate_tok_s")
     head = (
         f"{'setting':22s} {'median':>8s} {'aggr.':>8s} {'vs AR':>6s} {'accept':>7s} {'tokens':>7s} "
-        f"{'=AR':>5s}  "
+        f"{'=AR':>5s} {'prefill':>8s}  "
     )
     print(head + "  ".join(f"{lang:>6s}" for lang in languages))
     for name, row in summary.items():
@@ -559,13 +564,14 @@ def print_table(summary: dict[str, dict], languages: list[str]) -> None:
         agree = f"{row['agrees_with_ar']}/{row['prompts']}" if "agrees_with_ar" in row else "-"
         print(
             f"{name:22s} {row['median_tok_s']:8.2f} {row['aggregate_tok_s']:8.2f} {ratio:>6s} {accept:>7s} "
-            f"{row['mean_tokens']:7.1f} {agree:>5s}  "
+            f"{row['mean_tokens']:7.1f} {agree:>5s} {row.get('prefill_tok_s') or float('nan'):8.1f}  "
             + "  ".join(f"{row['languages'].get(lang, float('nan')):6.2f}" for lang in languages)
         )
     print(
         "(decoding tok/s, prompt excluded; median over prompts; aggregate = sum tokens / sum decode time;\n"
         " per-language columns are aggregates; tokens = mean generated per prompt, EOS included;\n"
-        " =AR: prompts whose text agrees with autoregressive up to the shorter one)"
+        " =AR: prompts whose text agrees with autoregressive up to the shorter one;\n"
+        " prefill = prompt tokens / prompt-processing seconds, all prompts)"
     )
 
 
@@ -605,6 +611,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-build", action="store_true", help="never build llama.cpp; skip without binaries")
     ap.add_argument("--jobs", type=int, default=1, help="parallel compile jobs of a build (default 1)")
+    ap.add_argument(
+        "--suite",
+        help="JSONL prompt suite (default: the built-in prompts/suite.jsonl; prompts/long.jsonl has "
+        "~1.3-2.2k-token contexts: use --ctx-size 4096 --max-new-tokens 512)",
+    )
     ap.add_argument("--split", default="test")
     ap.add_argument("--languages", default="it,en,zh,es")
     ap.add_argument("--prompts-per-language", type=int, default=1)
@@ -662,7 +673,9 @@ def main(argv: list[str] | None = None) -> int:
         return skip(f"cannot get the {args.pair} GGUF files or tokenizer: {err}")
 
     prompts = interleave_languages(
-        load_suite(split=args.split, languages=languages, limit_per_language=args.prompts_per_language)
+        load_suite(
+            args.suite, split=args.split, languages=languages, limit_per_language=args.prompts_per_language
+        )
     )
     if not prompts:
         ap.error(f"no {args.split} prompts for languages {languages}")

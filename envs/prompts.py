@@ -4,7 +4,8 @@
 Spanish): the same content, task and split in each, so request and answer lengths are comparable across
 languages. Each line is ``{"id": "<lang>-<task>-<NN>", "language", "task", "split", "prompt"}``; the
 splits are ``train`` (the learned policy, 20 per language), ``tune`` (static grids, 8) and ``test``
-(reporting only, 12; never tune on it).
+(reporting only, 12; never tune on it). ``prompts/long.jsonl`` (``LONG_SUITE``) has the same layout for
+long requests: long contexts, long answers.
 
     from envs.prompts import interleave_languages, load_suite
     quick = interleave_languages(load_suite(split="tune", limit_per_language=2))
@@ -19,6 +20,10 @@ from envs.record_traces import read_prompts
 
 DEFAULT_SUITE: Path = Path(__file__).resolve().parents[1] / "prompts" / "suite.jsonl"
 """The shipped suite: 160 prompts, 40 per language (20 train, 8 tune, 12 test)."""
+LONG_SUITE: Path = DEFAULT_SUITE.with_name("long.jsonl")
+"""The shipped long suite: 28 prompts, 7 per language (2 train, 2 tune, 3 test), each an instruction on a
+~1.3-2.2k-token context (a frozen copy of one of the project's modules or design sections) asking for a long
+answer (tests, a detailed explanation): the length axis of the shift evaluation, 512 new tokens."""
 LANGUAGES = ("it", "en", "zh", "es")
 """The suite's languages, in the order ``interleave_languages`` cycles through them."""
 SPLITS = ("train", "tune", "test")

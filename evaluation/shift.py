@@ -3,7 +3,8 @@ meet differs from the traffic a static setting was tuned on.
 
 Static settings are tuned once, on whatever traffic is at hand, then left alone. For every axis of the
 suite (language: it, en, zh, es; task family: code, math, prose = explanation, rewrite and qa; sampling
-temperature) and every pair of slices (A, B), the static (depth, size) grid-searched on A's tune prompts is
+temperature; length: the suite's short answers vs the long suite's ~2k-token contexts and 512-token answers)
+and every pair of slices (A, B), the static (depth, size) grid-searched on A's tune prompts is
 measured on B's test prompts, next to the controllers that adapt on their own: the learned policy (one
 policy file, trained once on the mixed train split), the analytic and the confidence controllers, the
 static setting tuned on B itself (the diagonal), the best static setting on B's test prompts in
@@ -39,7 +40,7 @@ from engine.measure_costs import device_name
 from engine.sampling import SamplingConfig
 from envs import workspace
 from envs.oracle import oracle_plan, static_grid
-from envs.prompts import LANGUAGES, interleave_languages, load_suite
+from envs.prompts import LANGUAGES, LONG_SUITE, interleave_languages, load_suite
 from envs.replay import SIZE_LADDER, ReplayTrace, replay_generate
 from evaluation.config import find_policy
 from evaluation.measurements import run_engine
@@ -48,7 +49,10 @@ from policies import AnalyticController, ConfidenceController, StaticController,
 
 TASK_FAMILIES = {"code": ("code",), "math": ("math",), "prose": ("explanation", "rewrite", "qa")}
 """Task family of each suite task (code vs prose, with math apart: formulas are neither)."""
-AXES = ("language", "task", "temperature")
+AXES = ("language", "task", "temperature", "length")
+LENGTH_SLICES = ("short", "long")
+"""Slices of the length axis: the suite (``--max-new-tokens``, short requests) and the long suite
+(``prompts/long.jsonl``: ~1.3-2.2k-token contexts, ``--long-max-new-tokens`` answers)."""
 LIVE_CONTROLLERS = ("autoregressive", "learned")
 
 
@@ -61,8 +65,8 @@ class ShiftConfig(ModelConfig):
     newest runs/*/policy.pt."""
     out: str | None = None
     """Output directory (shift.md, shift.json, shift.png); none: runs/shift-<timestamp>."""
-    axes: str = "language,task,temperature"
-    """Comma list of the axes to evaluate (language, task, temperature)."""
+    axes: str = "language,task,temperature,length"
+    """Comma list of the axes to evaluate (language, task, temperature, length)."""
     temperatures: str = "0,0.7,1"
     """Slices of the temperature axis (the language and task axes are greedy)."""
     max_new_tokens: int = 128
@@ -75,6 +79,15 @@ class ShiftConfig(ModelConfig):
     """Tune prompts per language of every temperature slice (the first of the tune split)."""
     sampled_test_prompts_per_language: int = 6
     """Test prompts per language of every temperature slice."""
+    long_suite: str | None = None
+    """JSONL suite of the length axis's long slice (none: the built-in prompts/long.jsonl, 2 tune and 3
+    test prompts per language with ~1.3-2.2k-token contexts)."""
+    long_max_new_tokens: int = 512
+    """Tokens per trace and live run of the long slice."""
+    long_tune_prompts_per_language: int | None = None
+    """Long-suite tune prompts per language (none: all)."""
+    long_test_prompts_per_language: int | None = None
+    """Long-suite test prompts per language (none: all)."""
     live: bool = True
     """Confirm live: every diagonal cell, the worst off-diagonal cell of each axis, every (0 -> T) cell."""
     live_prompts_per_slice: int = 4
@@ -96,6 +109,7 @@ class ShiftConfig(ModelConfig):
             "max_new_tokens",
             "sampled_tune_prompts_per_language",
             "sampled_test_prompts_per_language",
+            "long_max_new_tokens",
             "live_prompts_per_slice",
             "bootstrap",
         ):
@@ -103,7 +117,12 @@ class ShiftConfig(ModelConfig):
                 raise InputError(
                     f"{name} (--{name.replace('_', '-')}) must be >= 1, got {getattr(self, name)}"
                 )
-        for name in ("tune_prompts_per_language", "test_prompts_per_language"):
+        for name in (
+            "tune_prompts_per_language",
+            "test_prompts_per_language",
+            "long_tune_prompts_per_language",
+            "long_test_prompts_per_language",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InputError(f"{name} (--{name.replace('_', '-')}) must be >= 1, got {value}")
@@ -147,6 +166,8 @@ def slice_names(axis: str, prompts: Sequence[dict], temperatures: Sequence[float
     if axis == "task":
         present = {task_family(p) for p in prompts}
         return [f for f in (*TASK_FAMILIES, "other") if f in present]
+    if axis == "length":
+        return list(LENGTH_SLICES)
     return [temperature_name(t) for t in temperatures]
 
 
@@ -241,6 +262,8 @@ def evaluate_axis(
         rows_of[b] = rows
         tests[b] = {
             "prompts": [f"{rt.trace.prompt_id}#seed{rt.trace.meta.get('seed', 0)}" for rt in traces],
+            "mean_prompt_tokens": float(np.mean([rt.trace.prompt_len for rt in traces])),
+            "mean_decode_tokens": float(np.mean([n for n, _ in rows["autoregressive"]])),
             "hindsight_static": [hd, hv],
             "per_trace": {k: [[int(n), float(s)] for n, s in v] for k, v in rows.items()},
             "tokens_per_s": {k: rate(v) for k, v in rows.items()},
@@ -331,7 +354,9 @@ def run_shift(config: ShiftConfig) -> dict:
     pair = config.load()
     profile = workspace.ensure_profile(pair, config.cache_dir, config.profile, widths=(1, 2, max(width, 1)))
 
-    def traces_of(prompts: list[dict], temperature: float, tag: str) -> list[ReplayTrace]:
+    def traces_of(
+        prompts: list[dict], temperature: float, tag: str, max_new_tokens: int | None = None
+    ) -> list[ReplayTrace]:
         return workspace.ensure_traces(
             pair,
             prompts,
@@ -339,7 +364,7 @@ def run_shift(config: ShiftConfig) -> dict:
             temperature=temperature,
             tree_width=width,
             max_depth=max_depth,
-            max_new_tokens=config.max_new_tokens,
+            max_new_tokens=max_new_tokens or config.max_new_tokens,
             seed=config.seed,
             progress=config.progress,
             tag=tag,
@@ -362,10 +387,25 @@ def run_shift(config: ShiftConfig) -> dict:
     for axis in axes:
         tune: dict[str, list[ReplayTrace]] = {}
         test: dict[str, list[ReplayTrace]] = {}
-        if axis in ("language", "task"):
-            if not greedy:  # both greedy axes slice the same traces: load them once
-                greedy["tune"] = traces_of(greedy_tune, 0.0, "tune traces (greedy)")
-                greedy["test"] = traces_of(greedy_test, 0.0, "test traces (greedy)")
+        if axis in ("language", "task", "length") and not greedy:
+            # the greedy axes and the length axis's short slice share the same traces: load them once
+            greedy["tune"] = traces_of(greedy_tune, 0.0, "tune traces (greedy)")
+            greedy["test"] = traces_of(greedy_test, 0.0, "test traces (greedy)")
+        if axis == "length":
+            long_tune = interleave_languages(
+                load_suite(config.long_suite or LONG_SUITE, split="tune",
+                           limit_per_language=config.long_tune_prompts_per_language)
+            )
+            long_test = interleave_languages(
+                load_suite(config.long_suite or LONG_SUITE, split="test",
+                           limit_per_language=config.long_test_prompts_per_language)
+            )
+            n_long = config.long_max_new_tokens
+            tune["short"], test["short"] = greedy["tune"], greedy["test"]
+            tune["long"] = traces_of(long_tune, 0.0, "tune traces (long)", n_long)
+            test["long"] = traces_of(long_test, 0.0, "test traces (long)", n_long)
+            pools[axis] = {"short": greedy_test, "long": long_test}
+        elif axis in ("language", "task"):
             tune_all, test_all = greedy["tune"], greedy["test"]
             names = [
                 n for n in slice_names(axis, greedy_test, temps) if n in slice_names(axis, greedy_tune, temps)
@@ -419,16 +459,17 @@ def run_live(config, pair, results, pools, learned, width, temps) -> dict:
             d, v = res["tuned"][a]["depth"], res["tuned"][a]["verify"]
             ctrls[f"static@{a}"] = lambda d=d, v=v: StaticController(d, v, tree_width=width)
         temperature = temps[res["slices"].index(b)] if axis == "temperature" else 0.0
-        jobs.append((axis, b, sources, encoded, ctrls, temperature))
+        tokens = config.long_max_new_tokens if (axis, b) == ("length", "long") else config.max_new_tokens
+        jobs.append((axis, b, sources, encoded, ctrls, temperature, tokens))
         total += len(encoded) * len(ctrls)
     with tqdm(total=total, desc="shift live", disable=not config.progress) as bar:
-        for axis, b, sources, encoded, ctrls, temperature in jobs:
+        for axis, b, sources, encoded, ctrls, temperature, tokens in jobs:
             engine = engines.get(temperature)
             if engine is None:
                 engine = engines[temperature] = SpeculativeEngine(
                     pair, SamplingConfig(temperature=temperature)
                 )
-            measured = live_slice(engine, encoded, ctrls, config.max_new_tokens, config.seed, bar)
+            measured = live_slice(engine, encoded, ctrls, tokens, config.seed, bar)
             rows = measured["rows"]
             identical = sum(
                 all(measured["tokens"][n][i] == measured["tokens"]["autoregressive"][i] for n in ctrls)
@@ -437,6 +478,8 @@ def run_live(config, pair, results, pools, learned, width, temps) -> dict:
             entry = {
                 "prompts": [pid for pid, _ in encoded],
                 "temperature": temperature,
+                "max_new_tokens": tokens,
+                "prompt_tokens": [len(ids) for _, ids in encoded],
                 "tokens_per_s": {n: rate(r) for n, r in rows.items()},
                 "identical_to_autoregressive": f"{identical}/{len(encoded)}",
                 "learned_over": {
@@ -499,6 +542,10 @@ def _fmt(ci: dict | None) -> str:
     return f"{ci['ratio']:.3f} [{ci['low']:.2f}, {ci['high']:.2f}]"
 
 
+def _mean_int(values) -> str:
+    return f"{np.mean(values):.0f}" if values else "?"
+
+
 def write_shift_report(results: dict, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "shift.json", results, default=str)
@@ -554,11 +601,15 @@ def write_shift_report(results: dict, out: Path) -> Path:
                 "oracle",
             ]
         )
-        lines += ["| measured on | traces | " + " | ".join(cols) + " |", "|---" * (len(cols) + 2) + "|"]
+        lines += [
+            "| measured on | traces | prompt / new tokens | " + " | ".join(cols) + " |",
+            "|---" * (len(cols) + 3) + "|",
+        ]
         for b in names:
             t = res["test"][b]
             lines.append(
-                f"| {b} | {len(t['prompts'])} | "
+                f"| {b} | {len(t['prompts'])} | {t.get('mean_prompt_tokens', float('nan')):.0f} / "
+                f"{t.get('mean_decode_tokens', float('nan')):.0f} | "
                 + " | ".join(f"{t['tokens_per_s'].get(c, float('nan')):.2f}" for c in cols)
                 + " |"
             )
@@ -581,7 +632,8 @@ def write_shift_report(results: dict, out: Path) -> Path:
         for axis, slices in live.items():
             for b, e in slices.items():
                 lines.append(
-                    f"- {axis} {b} (T {e['temperature']:g}, {len(e['prompts'])} prompts, identical to "
+                    f"- {axis} {b} (T {e['temperature']:g}, {len(e['prompts'])} prompts of "
+                    f"{_mean_int(e.get('prompt_tokens'))} tokens, {e.get('max_new_tokens')} new, identical to "
                     f"autoregressive {e['identical_to_autoregressive']}): "
                     + ", ".join(f"{n} {v:.2f}" for n, v in e["tokens_per_s"].items())
                     + "; learned over "

@@ -42,6 +42,22 @@ def test_task_families_and_slices():
     assert shift.slice_names("language", items, []) == ["it", "zh", "fr"]
     assert shift.slice_names("task", items, []) == ["code", "prose"]
     assert shift.slice_names("temperature", items, [0.0, 0.7, 1.0]) == ["T0", "T0.7", "T1"]
+    assert shift.slice_names("length", items, []) == ["short", "long"]
+
+
+def test_the_long_suite_is_parallel_across_languages_and_long():
+    from envs.prompts import LANGUAGES, LONG_SUITE, load_suite
+
+    items = load_suite(LONG_SUITE)
+    by_lang = {lang: [i for i in items if i["language"] == lang] for lang in LANGUAGES}
+    assert all(len(v) == 7 for v in by_lang.values()) and len(items) == 28
+    for rank, first in enumerate(by_lang["en"]):
+        # same task, split and context in every language (only the instruction is translated)
+        twins = [by_lang[lang][rank] for lang in LANGUAGES]
+        assert {t["split"] for t in twins} == {first["split"]} and {t["task"] for t in twins} == {first["task"]}
+        assert {t["prompt"].split("\n\n", 1)[1] for t in twins} == {first["prompt"].split("\n\n", 1)[1]}
+        assert len(first["prompt"]) > 5000  # ~1.3k tokens and up, with the Qwen2.5 tokenizer
+    assert [len(load_suite(LONG_SUITE, split=s)) for s in ("train", "tune", "test")] == [8, 8, 12]
 
 
 def test_the_static_grid_keeps_no_speculation_where_drafting_never_pays():
@@ -101,6 +117,8 @@ def test_axis_matrix_is_consistent_with_its_own_replays():
         (["--temperatures", "0,0"], "--temperatures"),
         (["--live-prompts-per-slice", "0"], "--live-prompts-per-slice"),
         (["--test-prompts-per-language", "0"], "--test-prompts-per-language"),
+        (["--long-max-new-tokens", "0"], "--long-max-new-tokens"),
+        (["--long-test-prompts-per-language", "0"], "--long-test-prompts-per-language"),
     ],
 )
 def test_bad_flags_are_one_error_line_and_nothing_written(flags, needle, tmp_path):
@@ -113,6 +131,15 @@ def test_bad_flags_are_one_error_line_and_nothing_written(flags, needle, tmp_pat
 
 def test_end_to_end_on_the_tiny_pair_with_live_confirmation(workdir, tiny_policy):
     out = workdir / "shift"
+    long_suite = workdir / "long.jsonl"
+    context = " ".join(f"def f{i}(x): return x + {i}" for i in range(12))
+    long_suite.write_text(
+        "".join(
+            json.dumps({"id": f"{lang}-long-{split}", "language": lang, "task": "code", "split": split,
+                        "prompt": f"Write tests ({lang}):\n\n{context}"}) + "\n"
+            for lang in ("it", "en") for split in ("tune", "test")
+        )
+    )
     rc, stdout, stderr = run_cli(
         [
             "shift",
@@ -127,7 +154,11 @@ def test_end_to_end_on_the_tiny_pair_with_live_confirmation(workdir, tiny_policy
             "--out",
             str(out),
             "--axes",
-            "task,temperature",
+            "task,temperature,length",
+            "--long-suite",
+            str(long_suite),
+            "--long-max-new-tokens",
+            "24",
             "--temperatures",
             "0,0.8",
             "--max-new-tokens",
@@ -152,12 +183,18 @@ def test_end_to_end_on_the_tiny_pair_with_live_confirmation(workdir, tiny_policy
     for name in ("shift.md", "shift.json", "shift.png"):
         assert (out / name).is_file()
     results = json.loads((out / "shift.json").read_text())
-    assert set(results["axes"]) == {"task", "temperature"}
+    assert set(results["axes"]) == {"task", "temperature", "length"}
+    length = results["axes"]["length"]
+    assert length["slices"] == ["short", "long"]
+    assert length["test"]["long"]["prompts"] == ["it-long-test#seed0", "en-long-test#seed0"]
+    assert length["test"]["long"]["mean_prompt_tokens"] > length["test"]["short"]["mean_prompt_tokens"]
+    assert length["test"]["long"]["mean_decode_tokens"] > 16  # the long slice ran to its own token budget
     assert results["axes"]["temperature"]["slices"] == ["T0", "T0.8"]
     sampled = results["axes"]["temperature"]["test"]["T0.8"]
     assert sampled["per_trace"]["learned"] and sampled["tokens_per_s"]["oracle"] > 0
     live = results["live"]
-    assert set(live) == {"task", "temperature"}
+    assert set(live) == {"task", "temperature", "length"}
+    assert live["length"]["long"]["max_new_tokens"] == 24 and live["length"]["short"]["max_new_tokens"] == 16
     for slices in live.values():
         for entry in slices.values():
             n = len(entry["prompts"])
