@@ -87,7 +87,7 @@ def ensure_profile(
         grid = replace(ProfileConfig.quick(), widths=widths)
     else:
         grid = ProfileConfig(
-            contexts=(128, 512, 1024), widths=widths, reps=3, prefill_reps=1, overhead_cycles=6
+            contexts=(128, 512, 1024, 2048), widths=widths, reps=3, prefill_reps=1, overhead_cycles=6
         )
     print(f"measuring the cost profile once ({cached}) ...", flush=True)
     profile = measure_profile(pair, grid, progress=progress)

@@ -127,6 +127,7 @@ def sampled_test(
         ids = pair.encode(item["prompt"])
         base = 10_000_000 * (seed + 1) + 100_000 * index  # distinct seeds: AR even, speculative odd offsets
         arms: dict[str, list[tuple]] = {"autoregressive": [], "speculative": []}
+        spec_cycles = drafting_cycles = 0
         for i in range(samples):
             for arm, ctrl, offset, n in (
                 ("autoregressive", None, 0, k),
@@ -134,6 +135,9 @@ def sampled_test(
             ):
                 res = engine.generate(ids, max_new_tokens=n, controller=ctrl, seed=base + 2 * i + offset)
                 arms[arm].append(tuple(res.tokens[:k]))
+                if ctrl is not None:  # how much speculation the test exercised on this prompt
+                    spec_cycles += len(res.cycles)
+                    drafting_cycles += sum(c.num_drafted > 0 for c in res.cycles)
                 bar.update()
         test = homogeneity_test(arms["autoregressive"], arms["speculative"])
         top = Counter(arms["autoregressive"]).most_common(1)[0]
@@ -142,6 +146,8 @@ def sampled_test(
                 "prompt_id": item["id"],
                 "language": item.get("language", "unknown"),
                 **test,
+                "drafting_cycles": drafting_cycles,
+                "speculative_cycles": spec_cycles,
                 "most_common": {
                     "outcome": list(top[0]),
                     "count_autoregressive": top[1],

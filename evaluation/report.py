@@ -343,7 +343,7 @@ def exactness_md(ex: dict) -> list[str]:
             "",
         ]
         out += _table(
-            ["prompt", "test", "n (AR / spec)", "categories (cells)", "statistic", "dof", "p-value"],
+            ["prompt", "test", "n (AR / spec)", "categories (cells)", "statistic", "dof", "p-value", "drafting cycles"],
             [
                 [
                     p["prompt_id"],
@@ -353,12 +353,18 @@ def exactness_md(ex: dict) -> list[str]:
                     _f(p["statistic"], 2),
                     p["dof"],
                     f"{p['pvalue']:.3g}",
+                    f"{p['drafting_cycles']} / {p['speculative_cycles']}" if "drafting_cycles" in p else "–",
                 ]
                 for p in sampled["prompts"]
             ],
         )
         verdict = "REJECTS equality of laws" if sampled["rejects"] else "does not reject equality of laws"
-        out += [f"Combined (Fisher) p-value: {sampled['fisher_pvalue']:.3g} — {verdict} at 1e-3.", ""]
+        out += [
+            f"Combined (Fisher) p-value: {sampled['fisher_pvalue']:.3g} — {verdict} at 1e-3. Drafting cycles: "
+            "cycles of the speculative arm that drafted at least one token, of all its cycles (a controller "
+            "that never drafts tests nothing but the autoregressive step).",
+            "",
+        ]
         blind = [p["prompt_id"] for p in sampled["prompts"] if p["cells"] < 2]
         if blind:
             out += [

@@ -44,6 +44,9 @@ def test_sampled_test_does_not_reject_the_engine(pair, prompts):
     assert len(result["prompts"]) == 2 and result["samples_per_arm"] == 100
     for p in result["prompts"]:
         assert p["n_a"] == p["n_b"] == 100 and p["cells"] >= 3 and p["dof"] == p["cells"] - 1
+        # a static depth-2 controller drafts in every cycle with budget left (at least once per request):
+        # the test exercised speculation
+        assert 100 <= p["drafting_cycles"] <= p["speculative_cycles"]
     assert result["fisher_pvalue"] > 1e-4 and not result["rejects"]
 
 
