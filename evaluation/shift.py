@@ -331,7 +331,29 @@ def live_slice(
 
 
 def pick_live_prompts(prompts: Sequence[dict], count: int) -> list[dict]:
-    return interleave_languages(list(prompts))[:count]
+    """``count`` prompts spread over the languages (round robin) and over the items: the suite's languages
+    are translations of one another, so an item already taken in one language is skipped in the next
+    while another item is left (``it-code-05`` then ``en-code-06`` rather than ``en-code-05``)."""
+    pool = interleave_languages(list(prompts))
+    chosen: list[dict] = []
+    used: set[str] = set()
+    languages = list(dict.fromkeys(p.get("language") for p in pool))
+    while pool and len(chosen) < count:
+        for lang in languages:
+            mine = [p for p in pool if p.get("language") == lang]
+            if len(chosen) == count or not mine:
+                continue
+            pick = next((p for p in mine if _item(p) not in used), mine[0])
+            chosen.append(pick)
+            used.add(_item(pick))
+            pool.remove(pick)
+    return chosen
+
+
+def _item(prompt: dict) -> str:
+    """The id without its language prefix: the same item in every language."""
+    pid, lang = str(prompt.get("id", "")), str(prompt.get("language", ""))
+    return pid[len(lang) + 1 :] if lang and pid.startswith(lang + "-") else pid
 
 
 # ------------------------------------------------------------------------------------------- driver

@@ -60,6 +60,19 @@ def test_the_long_suite_is_parallel_across_languages_and_long():
     assert [len(load_suite(LONG_SUITE, split=s)) for s in ("train", "tune", "test")] == [8, 8, 12]
 
 
+def test_live_prompts_spread_over_languages_and_items():
+    items = [
+        {"id": f"{lang}-{task}-{n:02d}", "language": lang, "task": task}
+        for lang in ("it", "en", "zh")
+        for n, task in enumerate(("code", "math"))
+    ]
+    picked = [p["id"] for p in shift.pick_live_prompts(items, 4)]
+    # languages round robin; an item taken in one language is skipped in the next while another is left
+    assert picked == ["it-code-00", "en-math-01", "zh-code-00", "it-math-01"]
+    assert [p["id"] for p in shift.pick_live_prompts(items, 1)] == ["it-code-00"]
+    assert len(shift.pick_live_prompts(items, 99)) == len(items)
+
+
 def test_the_static_grid_keeps_no_speculation_where_drafting_never_pays():
     cheap, dear = LinearProfile(a=0.001, b=0.0, d=0.0005), LinearProfile(a=0.5, b=0.0)
     traces = _traces(range(3), follow=0.95)
