@@ -31,8 +31,9 @@ struct Linear {
   const float* bias = nullptr;
   int64_t N = 0, K = 0, nb = 0;
   std::vector<torch::Tensor> keep;
-  // y[m * ldy] = output n of activation row m, m < M (one thread computes all M, the same way for any M)
-  void rows(int64_t n, const QuantizedRows& a, int64_t M, float* y, int64_t ldy) const;
+  // y[m * ldy] = output n of activation row m, m_begin <= m < m_end (one thread, each row computed the same
+  // way whatever rows share the call)
+  void rows(int64_t n, const QuantizedRows& a, int64_t m_begin, int64_t m_end, float* y, int64_t ldy) const;
 };
 
 Linear make_linear(const std::vector<torch::Tensor>& parts, const c10::optional<torch::Tensor>& bias, int64_t K);

@@ -125,6 +125,23 @@ def test_kernel_matches_float64_reference_and_is_batch_invariant(kind, k):
     assert module(x.reshape(19, 1, k)).shape == (19, 1, 40)
 
 
+@pytest.mark.parametrize("kind", ["k4", "k6"])
+def test_prefill_sized_products_are_chunked_without_changing_a_bit(kind):
+    # 600 rows of 8960 inputs: above the chunking threshold (256 rows), in chunks of 64 rows (512 KiB of
+    # codes), the last one partial; every row must still be bitwise its 1-row product
+    torch.manual_seed(3)
+    k, m = 8960, 600
+    weight = torch.randn(24, k) * 0.05
+    module = _module(kind, quantize_k4(weight) if kind == "k4" else quantize_k6(weight), k, torch.randn(24))
+    x = torch.randn(m, k)
+    y = module(x)
+    rows = torch.cat([module(x[i : i + 1]) for i in range(0, m, 37)])
+    assert torch.equal(rows, y[::37])
+    assert torch.equal(module(x[:200]), y[:200])  # one chunk (below the threshold) = the same rows chunked
+    expected = reference_matmul(x[:16], module.weight_float64()) + module.bias.double().numpy()
+    assert np.abs(y[:16].double().numpy() - expected).max() < 1e-5 * np.abs(expected).max()
+
+
 def test_kernel_is_independent_of_the_thread_count():
     torch.manual_seed(2)
     module = _module("k4", quantize_k4(torch.randn(96, 256) * 0.05), 256)
