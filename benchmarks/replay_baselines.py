@@ -23,11 +23,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import envs  # noqa: E402,F401 - registers the environment ids
+from engine.control import Controller  # noqa: E402
 from engine.cost_profile import CostProfile  # noqa: E402
 from envs import ReplayBackend, ReplayTrace, replay_generate, throughput  # noqa: E402
 from envs.oracle import oracle_throughput, static_grid  # noqa: E402
 from envs.record_traces import load_traces  # noqa: E402
-from engine.control import Controller  # noqa: E402
 from policies import AnalyticController, ConfidenceController, StaticController, load_policy  # noqa: E402
 
 
@@ -85,7 +85,9 @@ def main() -> int:
     ap.add_argument("--traces", required=True)
     ap.add_argument("--profile", required=True)
     ap.add_argument("--steps", type=int, default=20000, help="environment steps for the speed measurement")
-    ap.add_argument("--heuristics", action="store_true", help="sweep causal rules (chains) against the oracle")
+    ap.add_argument(
+        "--heuristics", action="store_true", help="sweep causal rules (chains) against the oracle"
+    )
     ap.add_argument("--policy", help="a policy.pt to add to the table")
     args = ap.parse_args()
     profile = CostProfile.load(args.profile)
@@ -125,7 +127,9 @@ def main() -> int:
             print("--heuristics: chain traces only (width 1); skipped", file=sys.stderr)
         else:
             ranked = heuristic_sweep(traces, profile, depth, rows["autoregressive"])
-            print(f"causal rules, best 8 of {len(ranked)} (x AR; the oracle is {oracle / rows['autoregressive']:.3f}x):")
+            print(
+                f"causal rules, best 8 of {len(ranked)} (x AR; the oracle is {oracle / rows['autoregressive']:.3f}x):"
+            )
             for ratio, name in ranked[:8]:
                 print(f"  {name:48s} {ratio:.4f}x AR")
 

@@ -343,7 +343,16 @@ def exactness_md(ex: dict) -> list[str]:
             "",
         ]
         out += _table(
-            ["prompt", "test", "n (AR / spec)", "categories (cells)", "statistic", "dof", "p-value", "drafting cycles"],
+            [
+                "prompt",
+                "test",
+                "n (AR / spec)",
+                "categories (cells)",
+                "statistic",
+                "dof",
+                "p-value",
+                "drafting cycles",
+            ],
             [
                 [
                     p["prompt_id"],

@@ -415,12 +415,18 @@ def run_shift(config: ShiftConfig) -> dict:
             greedy["test"] = traces_of(greedy_test, 0.0, "test traces (greedy)")
         if axis == "length":
             long_tune = interleave_languages(
-                load_suite(config.long_suite or LONG_SUITE, split="tune",
-                           limit_per_language=config.long_tune_prompts_per_language)
+                load_suite(
+                    config.long_suite or LONG_SUITE,
+                    split="tune",
+                    limit_per_language=config.long_tune_prompts_per_language,
+                )
             )
             long_test = interleave_languages(
-                load_suite(config.long_suite or LONG_SUITE, split="test",
-                           limit_per_language=config.long_test_prompts_per_language)
+                load_suite(
+                    config.long_suite or LONG_SUITE,
+                    split="test",
+                    limit_per_language=config.long_test_prompts_per_language,
+                )
             )
             n_long = config.long_max_new_tokens
             tune["short"], test["short"] = greedy["tune"], greedy["test"]

@@ -277,13 +277,36 @@ def test_evaluation_leaves_llama_rows_out_for_a_pair_without_gguf():
 
 def test_summary_reports_prefill_speed_where_every_run_has_it(script):
     runs = [
-        {"setting": "autoregressive", "language": "en", "decode_runs": 99, "decode_s": 4.0, "tokens": 100,
-         "tok_s": 24.75, "prompt_tokens": 2000, "prompt_s": 20.0},
-        {"setting": "autoregressive", "language": "it", "decode_runs": 49, "decode_s": 2.0, "tokens": 50,
-         "tok_s": 24.5, "prompt_tokens": 1000, "prompt_s": 20.0},
+        {
+            "setting": "autoregressive",
+            "language": "en",
+            "decode_runs": 99,
+            "decode_s": 4.0,
+            "tokens": 100,
+            "tok_s": 24.75,
+            "prompt_tokens": 2000,
+            "prompt_s": 20.0,
+        },
+        {
+            "setting": "autoregressive",
+            "language": "it",
+            "decode_runs": 49,
+            "decode_s": 2.0,
+            "tokens": 50,
+            "tok_s": 24.5,
+            "prompt_tokens": 1000,
+            "prompt_s": 20.0,
+        },
         # llama-speculative-simple prints no prompt count (-1): no prefill figure rather than a wrong one
-        {"setting": "spec", "language": "en", "tokens": 100, "decode_s": 5.0, "tok_s": 20.0,
-         "prompt_tokens": -1, "prompt_s": 1.0},
+        {
+            "setting": "spec",
+            "language": "en",
+            "tokens": 100,
+            "decode_s": 5.0,
+            "tok_s": 20.0,
+            "prompt_tokens": -1,
+            "prompt_s": 1.0,
+        },
     ]
     summary = script.summarize(runs, ["autoregressive", "spec"])
     assert summary["autoregressive"]["prefill_tok_s"] == 3000 / 40.0

@@ -54,7 +54,9 @@ def test_the_long_suite_is_parallel_across_languages_and_long():
     for rank, first in enumerate(by_lang["en"]):
         # same task, split and context in every language (only the instruction is translated)
         twins = [by_lang[lang][rank] for lang in LANGUAGES]
-        assert {t["split"] for t in twins} == {first["split"]} and {t["task"] for t in twins} == {first["task"]}
+        assert {t["split"] for t in twins} == {first["split"]} and {t["task"] for t in twins} == {
+            first["task"]
+        }
         assert {t["prompt"].split("\n\n", 1)[1] for t in twins} == {first["prompt"].split("\n\n", 1)[1]}
         assert len(first["prompt"]) > 5000  # ~1.3k tokens and up, with the Qwen2.5 tokenizer
     assert [len(load_suite(LONG_SUITE, split=s)) for s in ("train", "tune", "test")] == [8, 8, 12]
@@ -148,9 +150,18 @@ def test_end_to_end_on_the_tiny_pair_with_live_confirmation(workdir, tiny_policy
     context = " ".join(f"def f{i}(x): return x + {i}" for i in range(12))
     long_suite.write_text(
         "".join(
-            json.dumps({"id": f"{lang}-long-{split}", "language": lang, "task": "code", "split": split,
-                        "prompt": f"Write tests ({lang}):\n\n{context}"}) + "\n"
-            for lang in ("it", "en") for split in ("tune", "test")
+            json.dumps(
+                {
+                    "id": f"{lang}-long-{split}",
+                    "language": lang,
+                    "task": "code",
+                    "split": split,
+                    "prompt": f"Write tests ({lang}):\n\n{context}",
+                }
+            )
+            + "\n"
+            for lang in ("it", "en")
+            for split in ("tune", "test")
         )
     )
     rc, stdout, stderr = run_cli(
