@@ -330,6 +330,11 @@ def live_slice(
     return {"rows": rows, "tokens": tokens}
 
 
+def suite_split(split: str, limit: int | None, path=None) -> list[dict]:
+    """A split of a suite (the built-in one when ``path`` is None), interleaved across languages."""
+    return interleave_languages(load_suite(path, split=split, limit_per_language=limit))
+
+
 def pick_live_prompts(prompts: Sequence[dict], count: int) -> list[dict]:
     """``count`` prompts spread over the languages (round robin) and over the items: the suite's languages
     are translations of one another, so an item already taken in one language is skipped in the next
@@ -397,14 +402,10 @@ def run_shift(config: ShiftConfig) -> dict:
         "analytic": lambda: AnalyticController(profile, width, max_depth),
         "confidence": lambda: ConfidenceController(0.4, max_depth=max_depth, tree_width=width),
     }
-    pools: dict[str, dict] = {}
+    pools: dict[str, dict[str, tuple[list[dict], int]]] = {}  # axis -> slice -> (test prompts, new tokens)
     greedy: dict[str, list[ReplayTrace]] = {}
-    greedy_tune = interleave_languages(
-        load_suite(split="tune", limit_per_language=config.tune_prompts_per_language)
-    )
-    greedy_test = interleave_languages(
-        load_suite(split="test", limit_per_language=config.test_prompts_per_language)
-    )
+    greedy_tune = suite_split("tune", config.tune_prompts_per_language)
+    greedy_test = suite_split("test", config.test_prompts_per_language)
     results: dict = {"config": asdict(config), "policy": str(policy_path), "axes": {}}
     for axis in axes:
         tune: dict[str, list[ReplayTrace]] = {}
@@ -414,25 +415,14 @@ def run_shift(config: ShiftConfig) -> dict:
             greedy["tune"] = traces_of(greedy_tune, 0.0, "tune traces (greedy)")
             greedy["test"] = traces_of(greedy_test, 0.0, "test traces (greedy)")
         if axis == "length":
-            long_tune = interleave_languages(
-                load_suite(
-                    config.long_suite or LONG_SUITE,
-                    split="tune",
-                    limit_per_language=config.long_tune_prompts_per_language,
-                )
-            )
-            long_test = interleave_languages(
-                load_suite(
-                    config.long_suite or LONG_SUITE,
-                    split="test",
-                    limit_per_language=config.long_test_prompts_per_language,
-                )
-            )
+            long_path = config.long_suite or LONG_SUITE
+            long_tune = suite_split("tune", config.long_tune_prompts_per_language, long_path)
+            long_test = suite_split("test", config.long_test_prompts_per_language, long_path)
             n_long = config.long_max_new_tokens
             tune["short"], test["short"] = greedy["tune"], greedy["test"]
             tune["long"] = traces_of(long_tune, 0.0, "tune traces (long)", n_long)
             test["long"] = traces_of(long_test, 0.0, "test traces (long)", n_long)
-            pools[axis] = {"short": greedy_test, "long": long_test}
+            pools[axis] = {"short": (greedy_test, config.max_new_tokens), "long": (long_test, n_long)}
         elif axis in ("language", "task"):
             tune_all, test_all = greedy["tune"], greedy["test"]
             names = [
@@ -441,19 +431,18 @@ def run_shift(config: ShiftConfig) -> dict:
             for name in names:
                 tune[name] = [rt for rt, p in zip(tune_all, greedy_tune) if in_slice(axis, name, p)]
                 test[name] = [rt for rt, p in zip(test_all, greedy_test) if in_slice(axis, name, p)]
-            pools[axis] = {name: [p for p in greedy_test if in_slice(axis, name, p)] for name in test}
+            pools[axis] = {
+                name: ([p for p in greedy_test if in_slice(axis, name, p)], config.max_new_tokens)
+                for name in test
+            }
         else:
-            tune_prompts = interleave_languages(
-                load_suite(split="tune", limit_per_language=config.sampled_tune_prompts_per_language)
-            )
-            test_prompts = interleave_languages(
-                load_suite(split="test", limit_per_language=config.sampled_test_prompts_per_language)
-            )
+            tune_prompts = suite_split("tune", config.sampled_tune_prompts_per_language)
+            test_prompts = suite_split("test", config.sampled_test_prompts_per_language)
             for t in temps:
                 name = temperature_name(t)
                 tune[name] = traces_of(tune_prompts, t, f"tune traces ({name})")
                 test[name] = traces_of(test_prompts, t, f"test traces ({name})")
-            pools[axis] = {temperature_name(t): test_prompts for t in temps}
+            pools[axis] = {temperature_name(t): (test_prompts, config.max_new_tokens) for t in temps}
         if not tune:
             raise InputError(f"axis {axis}: no slice has both tune and test prompts")
         print(f"shift: replay matrix of the {axis} axis ({', '.join(tune)}) ...", flush=True)
@@ -480,14 +469,14 @@ def run_live(config, pair, results, pools, learned, width, temps) -> dict:
     jobs = []
     for (axis, b), sources in plan.items():
         res = results["axes"][axis]
-        items = pick_live_prompts(pools[axis][b], config.live_prompts_per_slice)
+        prompts, tokens = pools[axis][b]  # the slice's test prompts and its new-token budget
+        items = pick_live_prompts(prompts, config.live_prompts_per_slice)
         encoded = [(p["id"], pair.encode(p["prompt"])) for p in items]
         ctrls: dict[str, Callable[[], object]] = {"autoregressive": lambda: None, "learned": lambda: learned}
         for a in sorted(sources, key=res["slices"].index):
             d, v = res["tuned"][a]["depth"], res["tuned"][a]["verify"]
             ctrls[f"static@{a}"] = lambda d=d, v=v: StaticController(d, v, tree_width=width)
         temperature = temps[res["slices"].index(b)] if axis == "temperature" else 0.0
-        tokens = config.long_max_new_tokens if (axis, b) == ("length", "long") else config.max_new_tokens
         jobs.append((axis, b, sources, encoded, ctrls, temperature, tokens))
         total += len(encoded) * len(ctrls)
     with tqdm(total=total, desc="shift live", disable=not config.progress) as bar:
