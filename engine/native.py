@@ -20,6 +20,13 @@ from types import ModuleType
 
 from engine.errors import DraftpilotError
 
+KERNEL_NUMERICS = 1
+"""Version of the kernels' arithmetic (every output bit). Traces and profiles recorded through the kernels
+are cached under a key that includes it (``envs.workspace.pair_dir``) when it is above 1: a change to
+``engine/csrc`` that alters any output bit (tests/engine/test_kquant.py holds a fingerprint of the
+outputs) must increment it, so stale traces are re-recorded instead of replayed. Changes that keep every
+bit (tiling, chunking, prefetching, instruction selection) leave it alone."""
+
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "kquant.cpp", CSRC / "decoder.cpp")
 HEADERS = (CSRC / "kquant.h",)

@@ -2,11 +2,13 @@
 pair/device/weight format) and replay traces (recorded once per prompt and settings, resumable), all under one
 cache directory so that later runs reuse them.
 
-    <cache_dir>/<pair>/<cpu|cuda>-<precision>[-native]/profile.json      (precision: ModelPair.precision)
-    <cache_dir>/<pair>/<cpu|cuda>-<precision>[-native]/traces/<greedy|tT>-w<W>-d<D>-n<N>-s<seed>/<id>__s<k>.npz
+    <cache_dir>/<pair>/<cpu|cuda>-<precision>[-native][-nV]/profile.json      (precision: ModelPair.precision)
+    <cache_dir>/<pair>/<cpu|cuda>-<precision>[-native][-nV]/traces/<greedy|tT>-w<W>-d<D>-n<N>-s<seed>/<id>__s<k>.npz
 
 "-native": the pair runs the native decoder (``engine.lean``), whose speed and logits differ from the
-torch-operation forward of the same weights, so its profiles and traces are kept apart.
+torch-operation forward of the same weights, so its profiles and traces are kept apart. "-nV": the
+compiled kernels' arithmetic version (``engine.native.KERNEL_NUMERICS``, written from version 2 on), for
+pairs with kquant layers: traces recorded by kernels that computed other bits are never replayed.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import torch
 from engine import lean
 from engine.cost_profile import CostProfile
 from engine.errors import DraftpilotError, InputError
+from engine.kquant import KQuantLinear
 from engine.measure_costs import ProfileConfig, measure_profile
 from engine.models import ModelPair, load_pair
+from engine.native import KERNEL_NUMERICS
 from engine.sampling import SamplingConfig
 from envs.record_traces import record_prompts
 from envs.replay import ReplayTrace
@@ -57,7 +61,11 @@ def pair_dir(pair: ModelPair, cache_dir: str | Path) -> Path:
     native = lean.NATIVE and any(
         lean.native_decoder(model) is not None for model in (pair.target, pair.draft)
     )
-    return Path(cache_dir) / name / f"{dev}-{pair.precision}{'-native' if native else ''}"
+    uses_kernels = any(
+        isinstance(m, KQuantLinear) for model in (pair.target, pair.draft) for m in model.modules()
+    )
+    numerics = f"-n{KERNEL_NUMERICS}" if uses_kernels and KERNEL_NUMERICS > 1 else ""
+    return Path(cache_dir) / name / f"{dev}-{pair.precision}{'-native' if native else ''}{numerics}"
 
 
 def load_profile_arg(path: str | Path) -> CostProfile:

@@ -37,6 +37,14 @@
 namespace kq {
 namespace {
 
+// Software prefetch distance in bytes of codes (0: none). A decode step streams ~1 GB of weights with one
+// activation row: the hardware prefetcher alone kept two threads at ~22 GB/s on the AMD EPYC of
+// docs/results (31 GB/s readable); 2 KiB ahead (16 blocks) took the linears of a target layer ~20% faster
+// at 1 row and ~12% at 2-8 rows, 1-8 KiB all within noise of each other (benchmarks: docs/results/README.md).
+// Prefetches never fault and change no arithmetic.
+#ifndef KQ_PREFETCH
+#define KQ_PREFETCH 2048
+#endif
 constexpr int MAX_TILE = 8;  // activation rows sharing one pass over a weight row
 // run_linears: above MIN_CHUNKED_ROWS rows, a thread takes the activation rows in chunks of about CHUNK_BYTES
 // of codes (at least MIN_CHUNK rows)
@@ -213,11 +221,13 @@ template <int T>
 void k4_rows_avx512(const QuantizedRows& a, int64_t m0, int64_t nb, const uint8_t* codes, const uint8_t* meta,
                     float* out) {
   const __m512i mask4 = _mm512_set1_epi8(0x0F);
-  // lane -> sub-block: low nibbles cover inputs 0..63 (groups 0, 1), high nibbles 64..127 (groups 2, 3)
+  // the block's scales, one 256-bit vector P = [d * sc[0..3], dmin * m[0..3]]; lane -> sub-block: low
+  // nibbles cover inputs 0..63 (groups 0, 1), high nibbles 64..127 (groups 2, 3)
   const __m512i idx_lo = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m512i idx_hi = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
-  // the 8 sums of 16 activation codes pair with the 4 mins: m[g] for sums 2g and 2g + 1
-  const __m256i idx_min = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);
+  // the 8 sums of 16 activation codes pair with the 4 mins: m[g] (lane 4 + g of P) for sums 2g and 2g + 1
+  const __m256i idx_min = _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4);
+  const __m256i idx_dd = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);  // [d x 4, dmin x 4]
   __m512 acc[T];
   __m256 accm[T];
   for (int r = 0; r < T; ++r) {
@@ -225,20 +235,24 @@ void k4_rows_avx512(const QuantizedRows& a, int64_t m0, int64_t nb, const uint8_
     accm[r] = _mm256_setzero_ps();
   }
   for (int64_t b = 0; b < nb; ++b) {
+#if KQ_PREFETCH
+    _mm_prefetch((const char*)(codes + b * 64 + KQ_PREFETCH), _MM_HINT_T0);
+    _mm_prefetch((const char*)(meta + b * 12 + KQ_PREFETCH * 12 / 64), _MM_HINT_T0);
+#endif
     const __m512i c = _mm512_loadu_si512(codes + b * 64);
     const __m512i wl = _mm512_and_si512(c, mask4);
     const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(c, 4), mask4);
     const uint8_t* mt = meta + b * 12;
-    const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(mt)));
-    const __m256 dmin = _mm256_set1_ps(_cvtsh_ss(load_u16(mt + 2)));
-    int32_t scm;
-    std::memcpy(&scm, mt + 4, 4);
-    const __m512 sc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_cvtsi32_si128(scm))), d);
-    const __m512 s_lo = _mm512_permutexvar_ps(idx_lo, sc);  // d * sc per lane (exact: 11 x 6 bits)
-    const __m512 s_hi = _mm512_permutexvar_ps(idx_hi, sc);
-    std::memcpy(&scm, mt + 8, 4);
-    const __m256 mins = _mm256_mul_ps(
-        _mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi32_si128(scm)), idx_min)), dmin);
+    int32_t ddm;
+    int64_t scm;
+    std::memcpy(&ddm, mt, 4);
+    std::memcpy(&scm, mt + 4, 8);
+    // fp16 -> fp32 is exact and each product is one IEEE multiply of the same two floats as before
+    const __m256 dd = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(ddm))), idx_dd);
+    const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(scm))), dd);
+    const __m512 s_lo = _mm512_permutexvar_ps(idx_lo, _mm512_castps256_ps512(p));  // d * sc per lane
+    const __m512 s_hi = _mm512_permutexvar_ps(idx_hi, _mm512_castps256_ps512(p));
+    const __m256 mins = _mm256_permutevar8x32_ps(p, idx_min);
     for (int r = 0; r < T; ++r) block_product(a, (m0 + r) * nb + b, wl, wh, s_lo, s_hi, mins, acc[r], accm[r]);
   }
   for (int r = 0; r < T; ++r) out[r] = hsum(acc[r]) - hsum(accm[r]);
@@ -262,6 +276,11 @@ void k6_rows_avx512(const QuantizedRows& a, int64_t m0, int64_t nb, const uint8_
     accc[r] = _mm256_setzero_ps();
   }
   for (int64_t b = 0; b < nb; ++b) {
+#if KQ_PREFETCH
+    _mm_prefetch((const char*)(lo + b * 64 + KQ_PREFETCH), _MM_HINT_T0);
+    _mm_prefetch((const char*)(hi + b * 32 + KQ_PREFETCH / 2), _MM_HINT_T0);
+    _mm_prefetch((const char*)(meta + b * 10 + KQ_PREFETCH * 10 / 64), _MM_HINT_T0);
+#endif
     const __m512i l = _mm512_loadu_si512(lo + b * 64);
     const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(hi + b * 32)));
     const __m512i wl = _mm512_or_si512(_mm512_and_si512(l, mask4),
@@ -272,11 +291,11 @@ void k6_rows_avx512(const QuantizedRows& a, int64_t m0, int64_t nb, const uint8_
     const float d = _cvtsh_ss(load_u16(mt));
     int64_t sc8;
     std::memcpy(&sc8, mt + 2, 8);
-    const __m128i sc_bytes = _mm_cvtsi64_si128(sc8);
-    const __m512 sc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc_bytes)), _mm512_set1_ps(d));
-    const __m512 s_lo = _mm512_permutexvar_ps(idx_lo, sc);  // d * sc per lane
-    const __m512 s_hi = _mm512_permutexvar_ps(idx_hi, sc);
-    const __m256 corr = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc_bytes)), _mm256_set1_ps(32.f * d));
+    const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(sc8)));
+    const __m256 p = _mm256_mul_ps(scf, _mm256_set1_ps(d));
+    const __m512 s_lo = _mm512_permutexvar_ps(idx_lo, _mm512_castps256_ps512(p));  // d * sc per lane
+    const __m512 s_hi = _mm512_permutexvar_ps(idx_hi, _mm512_castps256_ps512(p));
+    const __m256 corr = _mm256_mul_ps(scf, _mm256_set1_ps(32.f * d));
     for (int r = 0; r < T; ++r) block_product(a, (m0 + r) * nb + b, wl, wh, s_lo, s_hi, corr, acc[r], accc[r]);
   }
   for (int r = 0; r < T; ++r) out[r] = hsum(acc[r]) - hsum(accc[r]);

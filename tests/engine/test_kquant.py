@@ -279,3 +279,28 @@ def test_gguf_conversion_to_kquant(fmt, kinds, tmp_path):
         assert isinstance(layer, KQuantLinear)
         err = np.abs(layer.weight_float64() - reference[name].double().numpy()).max()
         assert err == modules[name]["max_abs_error"] or abs(err - modules[name]["max_abs_error"]) < 1e-12
+
+
+# Fingerprint of the AVX-512 kernels' outputs on fixed inputs (sha256 of the float32 bytes). Recorded
+# traces hold what these kernels computed: a change that alters any bit must increment
+# engine.native.KERNEL_NUMERICS (the trace caches' key) and then update this fingerprint.
+KERNEL_FINGERPRINT = "16bbd193175d5ec5"
+
+
+def test_kernel_arithmetic_matches_the_recorded_fingerprint():
+    import hashlib
+
+    if not native.kernels().simd():
+        pytest.skip("the fingerprint is of the AVX-512 VNNI path; this CPU runs the portable one")
+    rng = np.random.RandomState(7)  # numpy's legacy generator: the same numbers on every machine
+    digest = hashlib.sha256()
+    for kind, k in (("k4", 896), ("k6", 1536), ("k4", 200)):
+        weight = torch.from_numpy(rng.standard_normal((24, k)).astype(np.float32) * 0.05)
+        module = _module(kind, quantize_k4(weight) if kind == "k4" else quantize_k6(weight), k)
+        for m in (1, 3, 9):
+            x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+            digest.update(module(x).numpy().tobytes())
+    assert digest.hexdigest()[:16] == KERNEL_FINGERPRINT, (
+        "the kernels' outputs changed: increment engine.native.KERNEL_NUMERICS (recorded traces no longer "
+        "match) and update KERNEL_FINGERPRINT"
+    )

@@ -1,0 +1,122 @@
+"""Compile-time variants of the K-quant kernels (``engine/csrc``), timed side by side: each variant is built
+with extra ``-D`` flags under its own module name, then every product runs on every variant in turn (so
+drift hits all alike), on weights of the default target's shapes (random values: time does not depend
+on them), several copies each so that a product streams its weights from memory as a decode step does,
+not from the last-level cache. Prints the median time of one layer's products per row count and the
+effective weight bandwidth; checks that every variant gives bitwise the same outputs.
+
+    python benchmarks/kernel_variants.py --variant KQ_PREFETCH=0 --variant KQ_PREFETCH=2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import native  # noqa: E402
+from engine.kquant import quantize_k4, quantize_k6  # noqa: E402
+
+# one layer of the default target (hidden 1536, MLP 8960; q/k/v as one product, gate/up as one) and a
+# quarter of its LM head (151936 x 1536, k6)
+SHAPES = [
+    ("qkv", 1536 + 2 * 256, 1536, "k4"),
+    ("o", 1536, 1536, "k4"),
+    ("gate+up", 2 * 8960, 1536, "k4"),
+    ("down", 1536, 8960, "k6"),
+    ("head/4", 151936 // 4, 1536, "k6"),
+]
+
+
+def build(variant: str, directory: Path):
+    from torch.utils.cpp_extension import load
+
+    defines = [f"-D{d}" for d in variant.split(",") if d]
+    name = "kqv_" + "".join(c if c.isalnum() else "_" for c in variant or "default")
+    out = directory / name
+    out.mkdir(parents=True, exist_ok=True)
+    return load(
+        name=name,
+        sources=[str(p) for p in native.SOURCES],
+        extra_cflags=list(native.CFLAGS) + defines,
+        extra_ldflags=list(native.LDFLAGS),
+        build_directory=str(out),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--variant",
+        action="append",
+        required=True,
+        help="comma-separated NAME=VALUE defines of one build (repeat the flag for each variant; '' = as is)",
+    )
+    ap.add_argument("--rows", default="1,2,4,8", help="activation rows per product")
+    ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument(
+        "--copies", type=int, default=6, help="weight copies per shape (larger than the L3 cache)"
+    )
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        modules = {v: build(v, Path(tmp)) for v in args.variant}
+        torch.manual_seed(0)
+        weights = {}
+        for name, n, k, kind in SHAPES:
+            w = torch.randn(n, k) * 0.02
+            base = quantize_k4(w) if kind == "k4" else quantize_k6(w)
+            weights[name] = (k, kind, [tuple(t.clone() for t in base) for _ in range(args.copies)])
+
+        def run(module, x, name, i):
+            k, kind, copies = weights[name]
+            t = copies[i % len(copies)]
+            if kind == "k4":
+                return module.k4_matmul(x, t[0], t[1], None, k)
+            return module.k6_matmul(x, t[0], t[1], t[2], None, k)
+
+        nbytes = sum(t.numel() for _, _, copies in weights.values() for t in copies[0])
+        load = os.getloadavg()
+        print(
+            f"CPU {platform.processor() or 'unknown'} ({native.cpu_signature().split('|')[1]}), "
+            f"{args.threads} threads, load {load[0]:.2f}; {nbytes / 1e6:.1f} MB of weights per pass"
+        )
+        for m in [int(r) for r in args.rows.split(",")]:
+            total = {v: 0.0 for v in modules}
+            for name, (k, _, _) in weights.items():
+                x = torch.randn(m, k)
+                outs = {v: run(mod, x, name, 0) for v, mod in modules.items()}
+                first = next(iter(outs.values()))
+                for v, y in outs.items():
+                    if not torch.equal(y, first):
+                        raise SystemExit(f"variant {v!r} changes the outputs of {name} at {m} rows")
+                times = {v: [] for v in modules}
+                for i in range(args.reps):
+                    for v, mod in modules.items():
+                        t0 = time.perf_counter()
+                        run(mod, x, name, i)
+                        times[v].append(time.perf_counter() - t0)
+                for v in modules:
+                    total[v] += statistics.median(times[v])
+            print(
+                f"{m} row(s): "
+                + "  ".join(
+                    f"[{v or 'as is'}] {t * 1e3:.2f} ms ({nbytes / t / 1e9:.1f} GB/s)"
+                    for v, t in total.items()
+                )
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
