@@ -1,13 +1,19 @@
 """Several learned policies side by side, live, in one sitting: every prompt runs autoregressive decoding,
 the given static settings and every policy in turn (order rotated per prompt, so machine drift affects all
 alike), then tokens/s, speedup over autoregressive and paired bootstrap ratios (over prompts) of each
-policy against each static setting and against the other policies are printed.
+policy against each static setting and against the other policies are printed, end to end (prefill +
+decode: what a user waits for) and decode only (the cycles a controller decides; a speculative run also
+prefills the draft, autoregressive decoding does not).
 
 evaluate.py measures one policy against the grid-searched statics and the peers; this script answers
 "which of these policies should be the default" (for example a chain policy against a tree policy).
 
     python benchmarks/compare_policies.py --policy runs/chain/policy.pt runs/main-v2/policy.pt \\
         --static 2,2,1 1,2,4 --prompts-per-language 2 --max-new-tokens 128 --out runs/compare.json
+    python benchmarks/compare_policies.py --policy runs/int8/policy.pt --static 1,1,1 --weights int8
+
+``--weights`` / ``--draft-weights``: the weight formats the pair runs in (the cost profile of that format
+is measured once and cached, as for train.py, unless ``--profile`` names one).
 
 ``--static D,V,W``: a static setting (draft depth D, verify V nodes, tree width W; W 1 is a chain).
 """
@@ -23,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import SamplingConfig, SpeculativeEngine  # noqa: E402
+from engine.errors import InputError  # noqa: E402
 from envs import workspace  # noqa: E402
 from envs.prompts import interleave_languages, language_of, load_suite  # noqa: E402
 from evaluation.measurements import run_engine  # noqa: E402
@@ -53,6 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--pair", default="qwen2.5-coder")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument(
+        "--weights", default="auto", help="the target's weight format (engine.quant; auto: the default)"
+    )
+    ap.add_argument("--draft-weights", default="auto", help="the draft's weight format (auto: the default)")
+    ap.add_argument(
+        "--profile",
+        help="cost profile JSON the policies are conditioned on (default: the cached one of the pair)",
+    )
     ap.add_argument("--split", default="test")
     ap.add_argument("--prompts-per-language", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -70,9 +85,15 @@ def main(argv: list[str] | None = None) -> int:
             policy_widths[path] = load_policy(path).tree_width
         except (FileNotFoundError, PolicyFileError) as err:
             ap.error(str(err))
-    pair = workspace.load_models(args.pair, threads=args.threads)
+    try:
+        given_profile = workspace.load_profile_arg(args.profile) if args.profile else None
+        pair = workspace.load_models(
+            args.pair, threads=args.threads, weights=args.weights, draft_weights=args.draft_weights
+        )
+    except InputError as err:
+        ap.error(str(err))
     widths = sorted({1, 2} | {w for _, _, w in args.static} | set(policy_widths.values()))
-    profile = workspace.ensure_profile(pair, args.cache_dir, widths=widths)
+    profile = given_profile or workspace.ensure_profile(pair, args.cache_dir, widths=widths)
     controllers: dict[str, object] = {"autoregressive": None}
     for depth, verify, width in args.static:
         controllers[f"static {'chain' if width == 1 else 'tree'} ({depth},{verify},W{width})"] = (
@@ -105,10 +126,13 @@ def main(argv: list[str] | None = None) -> int:
 
     ids = [p["id"] for p in prompts]
 
-    def columns(name: str) -> tuple[list[float], list[float]]:
-        return [runs[name][i]["num_tokens"] for i in ids], [runs[name][i]["total_s"] for i in ids]
+    def columns(name: str, key: str = "total_s") -> tuple[list[float], list[float]]:
+        # total_s: end to end (prefill of both models + decode); decode_s: the cycles only, what a
+        # controller decides (autoregressive decoding prefills the target alone, a speculative run both)
+        return [runs[name][i]["num_tokens"] for i in ids], [runs[name][i][key] for i in ids]
 
     totals = {n: sum(columns(n)[0]) / sum(columns(n)[1]) for n in names}
+    decode = {n: sum(columns(n, "decode_s")[0]) / sum(columns(n, "decode_s")[1]) for n in names}
     identical = {
         n: sum(runs[n][i]["tokens"] == runs["autoregressive"][i]["tokens"] for i in ids) for n in names
     }
@@ -119,18 +143,25 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         print(
             f"  {name:60s} {totals[name]:7.3f} tok/s  {totals[name] / totals['autoregressive']:.3f}x AR  "
+            f"(decode only {decode[name]:7.3f} tok/s  {decode[name] / decode['autoregressive']:.3f}x)  "
             f"tokens identical to AR {identical[name]}/{len(ids)}"
         )
     learned = [n for n in names if n.startswith("learned")]
-    ratios = {}
-    print("\npaired ratios over prompts (95% bootstrap interval):")
+    ratios, decode_ratios = {}, {}
+    print("\npaired ratios over prompts, end to end | decode only (95% bootstrap intervals):")
     for a in learned:
         for b in names[1:]:
             if a == b or (b in learned and learned.index(b) < learned.index(a)):
                 continue
             r = paired_bootstrap_ratio(*columns(a), *columns(b), resamples=args.bootstrap, rng=args.seed)
-            ratios[f"{a} / {b}"] = r
-            print(f"  {a} / {b}: {r['ratio']:.3f} [{r['low']:.3f}, {r['high']:.3f}]")
+            d = paired_bootstrap_ratio(
+                *columns(a, "decode_s"), *columns(b, "decode_s"), resamples=args.bootstrap, rng=args.seed
+            )
+            ratios[f"{a} / {b}"], decode_ratios[f"{a} / {b}"] = r, d
+            print(
+                f"  {a} / {b}: {r['ratio']:.3f} [{r['low']:.3f}, {r['high']:.3f}] | "
+                f"{d['ratio']:.3f} [{d['low']:.3f}, {d['high']:.3f}]"
+            )
     if args.out:
         slim = {
             n: {i: {k: v for k, v in run.items() if k != "tokens"} for i, run in by.items()}
@@ -141,8 +172,10 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "args": vars(args),
                     "tokens_per_s": totals,
+                    "decode_tokens_per_s": decode,
                     "identical_to_ar": identical,
                     "ratios": ratios,
+                    "decode_ratios": decode_ratios,
                     "runs": slim,
                 },
                 indent=1,

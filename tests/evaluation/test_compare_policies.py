@@ -51,8 +51,11 @@ def test_compare_policies_runs_every_controller(workdir, tiny_policy, capsys):
         assert data["identical_to_ar"][name] == prompts  # greedy speculative decoding == autoregressive
         assert data["tokens_per_s"][name] > 0
     assert set(data["ratios"]) == {f"{names[3]} / {names[1]}", f"{names[3]} / {names[2]}"}
-    for r in data["ratios"].values():
+    assert set(data["decode_ratios"]) == set(data["ratios"])
+    for r in [*data["ratios"].values(), *data["decode_ratios"].values()]:
         assert r["low"] <= r["ratio"] <= r["high"] and r["prompts"] == prompts
+    for name in names:  # decode only excludes the prefill: faster than end to end
+        assert data["decode_tokens_per_s"][name] > data["tokens_per_s"][name]
     assert "paired ratios" in capsys.readouterr().out
 
 
@@ -73,3 +76,17 @@ def test_compare_policies_refuses_a_missing_policy(tmp_path, capsys):
     with pytest.raises(SystemExit):
         load_script().main(["--policy", str(tmp_path / "nope.pt")])
     assert "no policy file" in capsys.readouterr().err
+
+
+def test_compare_policies_refuses_an_unknown_weight_format(tiny_policy, capsys):
+    with pytest.raises(SystemExit) as err:
+        load_script().main(["--policy", str(tiny_policy), "--pair", "tiny", "--weights", "int3"])
+    assert err.value.code == 2 and "int3" in capsys.readouterr().err
+
+
+def test_compare_policies_refuses_a_bad_profile_before_loading(tiny_policy, tmp_path, capsys):
+    bad = tmp_path / "profile.json"
+    bad.write_text("{not json")
+    with pytest.raises(SystemExit) as err:
+        load_script().main(["--policy", str(tiny_policy), "--pair", "tiny", "--profile", str(bad)])
+    assert err.value.code == 2 and "--profile" in capsys.readouterr().err
