@@ -17,17 +17,21 @@ from engine.control import DraftState
 from engine.cost_profile import CostProfile
 from engine.results import CycleRecord
 
-FEATURE_VERSION = 3
+FEATURE_VERSION = 4
 """2: the history features gained the draft lag (version 1 policies cannot see it; retrain them).
 3: the common part gained the request's sampling temperature (one policy serves greedy and sampled
-decoding; version 2 policies were trained for one temperature: retrain them)."""
+decoding; version 2 policies were trained for one temperature: retrain them).
+4: the device features gained the start of the verification curve (root only, 2 and 4 nodes, over one
+node): chains verify 1-8 nodes, and a device whose first rows are cheap (int8) looked like one whose are
+not through verify(16) and verify(64) alone (a randomised policy never drafted there: 0.86x a policy
+trained on it)."""
 MAX_WIDTH = 8
 """Frontier entries observed by the depth policy (wider frontiers are cut, narrower padded with 0)."""
 MAX_NODES = 64
 """Node entries observed by the size policy."""
 HISTORY = 16
 """Cycles the history features look back over."""
-NUM_DEVICE_FEATURES = 3
+NUM_DEVICE_FEATURES = 6
 DEPTH_SCALE, NODES_SCALE, LOG_CONTEXT_SCALE = 16.0, 64.0, float(np.log(32768.0))
 MAX_LAG = 128
 """Draft lag (tokens) beyond which the lag feature saturates."""
@@ -39,8 +43,10 @@ NUM_STATE_FEATURES = 4
 
 
 def device_features(profile: CostProfile, tree_width: int, context: int = 512) -> np.ndarray:
-    """[3] cost-profile constants a policy can condition on: draft step / one-token verify (the article's
-    c), and verify(16) / verify(1), verify(64) / verify(1) (how fast verification cost grows: g)."""
+    """[6] cost-profile constants a policy can condition on, each relative to verifying one node (root + 1
+    rows): one draft step of width ``tree_width`` (the article's c); verifying 16 and 64 nodes (how fast
+    verification grows: g); verifying the root alone (an autoregressive step), 2 and 4 nodes (where chains
+    live: what the first verified rows cost)."""
     if profile is None:
         return np.zeros(NUM_DEVICE_FEATURES, dtype=np.float32)
     base = profile.verify_s(1, context)
@@ -48,6 +54,9 @@ def device_features(profile: CostProfile, tree_width: int, context: int = 512) -
         profile.draft_step_s(tree_width, context) / base,
         profile.verify_s(16, context) / base,
         profile.verify_s(64, context) / base,
+        profile.verify_s(0, context) / base,
+        profile.verify_s(2, context) / base,
+        profile.verify_s(4, context) / base,
     ]
     return np.clip(np.asarray(feats, dtype=np.float32), 0.0, 64.0)
 

@@ -1,7 +1,7 @@
 """Randomised cost profiles for training one policy that serves devices it never saw (docs/architecture.md, "Training").
 
 A policy observes its device only through ``engine.features.device_features`` (ratios of the cost profile:
-draft step / one-token verify, verify(16) / verify(1), verify(64) / verify(1)). Trained on one profile, it
+draft step, verify(16), verify(64), verify(0), verify(2) and verify(4), each over verify(1)). Trained on one profile, it
 sees one point of that space and learns nothing about how the right depth moves with it. ``ProfileMix``
 draws, per training episode, one measured profile from a set (other weight formats, thread counts, CPUs)
 and perturbs it: the draft cost, the slope of the verification curve (the cost of every row after the

@@ -4,7 +4,7 @@ File format (``torch.save`` of plain types and tensors, read back with ``weights
 
     {"format": "draftpilot-policy", "format_version": 1, "feature_version": engine.features.FEATURE_VERSION,
      "depth": ACTOR, "size": ACTOR, "size_ladder": [1, 2, ...], "tree_width": W, "max_depth": D,
-     "depth_zero": bool, "device_features": [3 floats], "pair": str, "profile": JSON str,
+     "depth_zero": bool, "device_features": [6 floats], "pair": str, "profile": JSON str,
      "train_config": JSON str, "metrics": JSON str, "payload_sha256": hex str}
     ACTOR = {"weights": [tensor, ...], "biases": [tensor, ...], "activation": "tanh" | "relu",
              "obs_mean": tensor, "obs_var": tensor, "clip_obs": float, "epsilon": float}

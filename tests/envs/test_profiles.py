@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.features import device_features
+from engine.features import NUM_DEVICE_FEATURES, device_features
 from envs import EnvConfig, ReplayBackend, ReplayTrace
 from envs.environments import DepthEnv
 from envs.profiles import REFERENCE_CONTEXT, PerturbedProfile, ProfileMix
@@ -58,7 +58,7 @@ def test_an_environment_over_a_mix_gives_every_episode_its_profile_and_features(
     mix = ProfileMix([reference, LinearProfile(a=0.04, d=0.02)], reference, perturbation=1.0)
 
     class SeesDevice(StaticController):
-        device_feats = np.zeros(3, np.float32)
+        device_feats = np.zeros(NUM_DEVICE_FEATURES, np.float32)
 
     other = SeesDevice(2, 2, tree_width=1)
     env = DepthEnv(ReplayBackend(traces, reference, profiles=mix), other, EnvConfig(rho=10.0))
@@ -68,7 +68,7 @@ def test_an_environment_over_a_mix_gives_every_episode_its_profile_and_features(
         assert env.profile is not reference
         np.testing.assert_array_equal(env.device, device_features(env.profile, 1))
         np.testing.assert_array_equal(other.device_feats, env.device)  # the other decision sees it too
-        np.testing.assert_allclose(obs[-3:], np.clip(env.device, 0, 64), rtol=1e-6)
+        np.testing.assert_allclose(obs[-NUM_DEVICE_FEATURES:], np.clip(env.device, 0, 64), rtol=1e-6)
         seen.append(tuple(env.device))
         done = False
         while not done:  # the episode is charged with its own profile

@@ -16,7 +16,7 @@ import train
 from engine import SamplingConfig, SpeculativeEngine
 from engine.cli import load_config, save_config
 from engine.errors import InputError
-from engine.features import FEATURE_VERSION
+from engine.features import FEATURE_VERSION, NUM_DEVICE_FEATURES
 from engine.results import CycleRecord
 from envs.backends import ReplayBackend
 from envs.environments import DepthEnv, EnvConfig, SizeEnv
@@ -70,7 +70,7 @@ def new_trainer(data, seed=0, env_config=None, baseline_depth=2):
         lambda: StaticController(baseline_depth, 2, tree_width=config.tree_width),
         train.replay_eval(data["val"], data["profile"]),
         max_depth=config.max_depth,
-        device_feats=np.zeros(3, np.float32),
+        device_feats=np.zeros(NUM_DEVICE_FEATURES, np.float32),
         seed=seed,
         eval_every=128,
     )
@@ -158,7 +158,7 @@ def test_policy_file_round_trip_is_exact(tiny_data, tmp_path):
         size_ladder=trainer.env_config.size_ladder,
         tree_width=2,
         max_depth=4,
-        device_feats=np.zeros(3),
+        device_feats=np.zeros(NUM_DEVICE_FEATURES),
         pair="tiny",
         profile=None,
     )
@@ -171,7 +171,7 @@ def test_policy_file_round_trip_is_exact(tiny_data, tmp_path):
         size_ladder=trainer.env_config.size_ladder,
         tree_width=2,
         max_depth=4,
-        device_feats=np.zeros(3),
+        device_feats=np.zeros(NUM_DEVICE_FEATURES),
         pair="tiny",
         profile=None,
         depth_zero=True,
@@ -207,7 +207,7 @@ def test_checkpoint_resume_restores_the_trainer(tiny_data, tmp_path):
         lambda: StaticController(2, 2, tree_width=config.tree_width),
         None,
         max_depth=config.max_depth,
-        device_feats=np.zeros(3, np.float32),
+        device_feats=np.zeros(NUM_DEVICE_FEATURES, np.float32),
     )
     fresh.load(tmp_path / "ckpt")
     assert len(fresh.history) == 2 and fresh.rho == trainer.rho and fresh.total_steps == trainer.total_steps
@@ -238,7 +238,7 @@ def test_load_errors_are_clear(tiny_data, tmp_path):
         size_ladder=trainer.env_config.size_ladder,
         tree_width=2,
         max_depth=4,
-        device_feats=np.zeros(3),
+        device_feats=np.zeros(NUM_DEVICE_FEATURES),
         pair="tiny",
         profile=None,
     )
@@ -281,7 +281,7 @@ def test_inference_path_does_not_import_stable_baselines3(tiny_data, tmp_path):
         size_ladder=trainer.env_config.size_ladder,
         tree_width=2,
         max_depth=4,
-        device_feats=np.zeros(3),
+        device_feats=np.zeros(NUM_DEVICE_FEATURES),
         pair="tiny",
         profile=None,
     )
@@ -306,7 +306,7 @@ def test_generate_cli_uses_the_policy(tiny_data, tmp_path, capsys):
         size_ladder=trainer.env_config.size_ladder,
         tree_width=2,
         max_depth=4,
-        device_feats=np.zeros(3),
+        device_feats=np.zeros(NUM_DEVICE_FEATURES),
         pair="tiny",
         profile=None,
     )
@@ -422,7 +422,7 @@ def test_a_guarded_policy_stays_exact_and_the_guard_only_says_no(tiny_pair):
         size_ladder=[1, 2],
         tree_width=1,
         max_depth=4,
-        device_feats=np.zeros(3),
+        device_feats=np.zeros(NUM_DEVICE_FEATURES),
         fallback=AlwaysDraft(3, 3),
         depth_zero=True,
         guard=SpeculationGuard(window=2, baseline=2, backoff=3, max_backoff=6),
@@ -443,7 +443,7 @@ def test_the_temperature_is_observed_by_both_decisions_and_reaches_them_from_eng
         scores = np.asarray([-0.1, -0.5], dtype=np.float32)
         return DraftState(1, scores, np.exp(scores), scores, 40, 8, [], temperature=temperature)
 
-    device = np.zeros(3, dtype=np.float32)
+    device = np.zeros(NUM_DEVICE_FEATURES, dtype=np.float32)
     for observe in (depth_observation, size_observation):
         cold, warm, hot = (observe(state(t), device) for t in (0.0, 0.7, 50.0))
         diff = np.flatnonzero(cold != warm)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.features import DEPTH_OBS_DIM, SIZE_OBS_DIM
+from engine.features import DEPTH_OBS_DIM, NUM_DEVICE_FEATURES, SIZE_OBS_DIM
 from envs.replay import SIZE_LADDER
 from policies import PolicyFileError, load_policy
 from policies.learned import HASH_KEY, Actor, PolicyFileWarning, payload_digest, save_policy
@@ -41,7 +41,7 @@ def make_policy(path: Path, pair: str = "tiny", profile: dict | None = None, **k
         "size_ladder": SIZE_LADDER,
         "tree_width": 2,
         "max_depth": 4,
-        "device_feats": np.zeros(3),
+        "device_feats": np.zeros(NUM_DEVICE_FEATURES),
         "pair": pair,
         "profile": profile,
     }
@@ -132,7 +132,10 @@ BAD_EDITS = {
     "max_depth float": (lambda p: {**p, "max_depth": 4.5}, "max_depth"),
     "tree_width 0": (lambda p: {**p, "tree_width": 0}, "tree_width"),
     "depth_zero str": (lambda p: {**p, "depth_zero": "yes"}, "depth_zero"),
-    "nan device feature": (lambda p: {**p, "device_features": [0.0, math.nan, 1.0]}, "device_features"),
+    "nan device feature": (
+        lambda p: {**p, "device_features": [0.0, math.nan, 1.0, 1.0, 1.0, 1.0]},
+        "device_features",
+    ),
     "short device features": (lambda p: {**p, "device_features": [0.0]}, "device_features"),
     "pair not str": (lambda p: {**p, "pair": 3}, "pair"),
     "no depth actor": (lambda p: {k: v for k, v in p.items() if k != "depth"}, "missing depth"),
@@ -204,7 +207,7 @@ def test_save_refuses_values_load_would_refuse(tmp_path):
     for kw, match in (
         ({"max_depth": 0}, "max_depth"),
         ({"size_ladder": (1, 2, 128)}, "size_ladder"),
-        ({"device_feats": np.array([0.0, np.nan, 0.0])}, "device_features"),
+        ({"device_feats": np.array([0.0, np.nan, 0.0, 0.0, 0.0, 0.0])}, "device_features"),
     ):
         target = tmp_path / f"{match}.pt"
         with pytest.raises(PolicyFileError, match=match):

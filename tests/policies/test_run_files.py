@@ -19,6 +19,7 @@ import torch
 import policies.ppo as ppo
 import train
 from engine.cli import save_config
+from engine.features import NUM_DEVICE_FEATURES
 from engine.files import DirectoryBusyError, sha256_file, user_hmac
 from envs.backends import ReplayBackend
 from envs.environments import EnvConfig
@@ -194,7 +195,7 @@ def test_a_kill_while_checkpointing_keeps_the_previous_checkpoint(base, monkeypa
             lambda: StaticController(2, 2, tree_width=1),
             None,
             max_depth=config.max_depth,
-            device_feats=np.zeros(3, np.float32),
+            device_feats=np.zeros(NUM_DEVICE_FEATURES, np.float32),
         )
 
     first = trainer()
