@@ -2,7 +2,9 @@
 
 Invariant between cycles (``_Request``): ``tokens`` are the committed ids (prompt + generated); the
 target cache holds ``tokens[:-1]`` (the last token is the *pending* input of the next target forward);
-the draft cache holds ``tokens[:draft_len]`` and ``tokens[draft_len:]`` are the draft's pending inputs.
+the draft cache holds ``tokens[:draft_len]`` and ``tokens[draft_len:]`` are the draft's pending inputs. The
+draft's prefill is lazy: it runs at the first drafting cycle, so a request decoded without drafting never
+pays for it.
 """
 
 from __future__ import annotations
@@ -105,6 +107,10 @@ class _Request:
     draft_len: int
     generator: torch.Generator
     cycles: list[CycleRecord] = field(default_factory=list)
+    draft_prompt: list[int] | None = None
+    """The prompt, until the draft has run it (its prefill waits for the first drafting cycle)."""
+    draft_prefill_s: float = 0.0
+    """Time the draft's (lazy) prefill took: reported as prefill, not as the cycle's drafting."""
 
 
 class SpeculativeEngine:
@@ -183,7 +189,7 @@ class SpeculativeEngine:
             text=self.pair.tokenizer.decode(generated),
             prompt_len=len(prompt_ids),
             finish_reason=finish,
-            prefill_s=prefill_s,
+            prefill_s=prefill_s + req.draft_prefill_s,  # the target's and, if it ran, the draft's
             cycles=req.cycles,
             peak_memory_bytes=_peak_memory(self.device),
         )
@@ -195,11 +201,12 @@ class SpeculativeEngine:
         if self.config.check_finite:
             check_finite(logits, "target")
         first = make_target_drawer(logits, self.sampling, generator)(0)
-        draft_cache = None
-        if with_draft:
-            draft_cache = new_cache(self.pair.draft)
-            self._forward(self.pair.draft, prompt_ids, 0, draft_cache, keep=1)
-        return _Request(prompt_ids + [first], target_cache, draft_cache, len(prompt_ids), generator)
+        # the draft's prefill waits for the first drafting cycle (``_draft``): a request a controller
+        # decodes autoregressively never pays for it
+        draft_cache = new_cache(self.pair.draft) if with_draft else None
+        return _Request(
+            prompt_ids + [first], target_cache, draft_cache, 0, generator, draft_prompt=list(prompt_ids)
+        )
 
     def _autoregressive_step(self, req: _Request) -> CycleRecord:
         t0 = self.clock()
@@ -224,9 +231,11 @@ class SpeculativeEngine:
 
     def _speculative_cycle(self, req: _Request, controller: Controller, cap: int) -> CycleRecord:
         clock, ctx = self.clock, len(req.tokens)
+        prefilled_s = req.draft_prefill_s
         t_start = clock()
         tree, frontier, draft_probs, fwd_s, ctrl_s = self._draft(req, controller, cap)
         t_drafted = clock()
+        lazy_prefill_s = req.draft_prefill_s - prefilled_s  # the draft's prefill, if this cycle ran it
 
         num_verify = verify_size(
             controller.num_to_verify(self._state(tree, frontier, ctx, cap, req)), controller
@@ -247,7 +256,7 @@ class SpeculativeEngine:
             num_verified=len(selected),
             accepted=accepted,
             emitted=emitted,
-            draft_s=t_drafted - t_start - ctrl_s,
+            draft_s=t_drafted - t_start - ctrl_s - lazy_prefill_s,
             verify_s=t_verified - t_chosen,
             controller_s=ctrl_s + (t_chosen - t_drafted),
             overhead_s=t_end - t_verified,
@@ -262,8 +271,16 @@ class SpeculativeEngine:
         sampled = self.config.draft_mode == "sampled"
         tree, draft_probs, fwd_s, ctrl_s = DraftTree(), [], 0.0, 0.0
 
-        # step 1: run the draft's pending tokens; the last row predicts the root's children
+        # step 1: run the draft's pending tokens; the last row predicts the root's children. The first
+        # drafting cycle of a request runs the prompt first, as one forward of exactly the prompt (what an
+        # eager prefill would run: the draft's cache, and so every tree it drafts, is the same whenever it
+        # happens), then the tokens committed since, as pending tokens
         t0 = clock()
+        if req.draft_prompt is not None:
+            self._forward(self.pair.draft, req.draft_prompt, 0, req.draft_cache, keep=1)
+            req.draft_len, req.draft_prompt = len(req.draft_prompt), None
+            req.draft_prefill_s = clock() - t0
+            t0 = clock()
         pending = req.tokens[req.draft_len :]
         logits = self._forward(self.pair.draft, pending, req.draft_len, req.draft_cache, keep=1)  # [1, V]
         fwd_s += clock() - t0
@@ -393,8 +410,8 @@ class SpeculativeEngine:
             ("target", self.pair.target, req.target_cache, len(req.tokens) - 1),
             ("draft", self.pair.draft, req.draft_cache, req.draft_len),
         ):
-            if cache is None:
-                continue
+            if cache is None or (name == "draft" and req.draft_prompt is not None):
+                continue  # no draft, or its prefill still waits for the first drafting cycle
             if cache_len(cache) != length:
                 raise AssertionError(f"{name} cache holds {cache_len(cache)} entries, expected {length}")
             fresh = new_cache(model)

@@ -51,7 +51,9 @@ class GenerationResult:
     finish_reason: str
     """"eos", "length" (max_new_tokens) or "context" (context limit)."""
     prefill_s: float
-    """Prefill of target and draft plus the first token (time to first token)."""
+    """Prefill of the target (with the first token: the time to first token) plus the draft's, which runs
+    lazily at the first drafting cycle (0 for a request decoded without drafting); the cycles' times
+    exclude it."""
     cycles: list[CycleRecord] = field(default_factory=list)
     peak_memory_bytes: int = 0
 

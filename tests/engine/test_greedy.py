@@ -154,3 +154,80 @@ def test_draft_never_accepted(tiny_pair, ar_tokens, prompts):
         assert res.tokens == ar_tokens[prompt]
         assert res.stats["acceptance_rate"] == 0.0
         assert all(c.accepted == 0 and c.emitted == 1 and c.num_verified == c.depth for c in res.cycles)
+
+
+class LateStarter(StaticController):
+    """Decides depth 0 for the first ``skip`` cycles, then drafts like the static chain it is."""
+
+    decides_depth_zero = True
+
+    def __init__(self, skip: int, depth: int = 3):
+        super().__init__(depth)
+        self.skip = skip
+
+    def reset(self):
+        self.asked = 0
+
+    def should_continue(self, state):
+        if state.depth == 0:
+            self.asked += 1
+            return self.asked > self.skip
+        return super().should_continue(state)
+
+
+@pytest.mark.parametrize("skip", [0, 1, 7, 10**6])
+def test_the_draft_prefill_waits_for_the_first_drafting_cycle(tiny_pair, ar_tokens, prompts, skip):
+    # the draft runs the prompt only when a cycle first drafts: a request never drafted never pays for it,
+    # and one that starts late drafts exactly the trees an eager prefill would give (same tokens, same
+    # cycles as a controller drafting from the same state), its caches checked after every cycle
+    engine = SpeculativeEngine(tiny_pair, config=EngineConfig(validate_caches=True))
+    res = engine.generate(prompts[1], NUM_NEW, LateStarter(skip))
+    assert res.tokens == ar_tokens[prompts[1]]
+    drafted = [c for c in res.cycles if c.depth > 0]
+    assert (len(drafted) == 0) == (skip >= NUM_NEW)
+    assert all(c.depth == 0 for c in res.cycles[: min(skip, len(res.cycles))])
+    if skip >= NUM_NEW:  # never drafted: the draft never ran
+        assert all(c.draft_s == 0 for c in res.cycles)
+    req = engine._prefill(tiny_pair.tokenizer.encode(prompts[1]), torch.Generator(), with_draft=True)
+    assert req.draft_prompt is not None and req.draft_len == 0  # nothing run on the draft at prefill
+
+
+@pytest.mark.parametrize("skip", [0, 7, 10**6])
+def test_the_lazy_draft_prefill_is_reported_as_prefill(tiny_pair, prompts, skip, monkeypatch):
+    # a fake clock: every forward takes 1 ms, the draft's run over the prompt 100 s
+    engine = SpeculativeEngine(tiny_pair)
+    now = [0.0]
+    forward = SpeculativeEngine._forward
+
+    def timed_forward(self, model, ids, start, *args, **kwargs):
+        now[0] += 100.0 if model is self.pair.draft and start == 0 else 0.001
+        return forward(self, model, ids, start, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeEngine, "_forward", timed_forward)
+    engine.clock = lambda: now[0]
+    res = engine.generate(prompts[1], NUM_NEW, LateStarter(skip))
+    drafted = skip < NUM_NEW
+    assert (100.0 <= res.prefill_s < 101.0) if drafted else res.prefill_s < 1.0  # target + draft prefill
+    assert all(c.total_s < 1.0 for c in res.cycles)  # no cycle is charged for the draft's prefill
+    assert any(c.depth > 0 for c in res.cycles) == drafted
+
+
+def test_a_lazy_draft_prefill_drafts_what_an_eager_one_would(tiny_pair, prompts, monkeypatch):
+    def cycles(engine):
+        res = engine.generate(prompts[2], NUM_NEW, LateStarter(5, depth=4))
+        return res.tokens, [(c.depth, c.num_drafted, c.num_verified, c.accepted) for c in res.cycles]
+
+    engine = SpeculativeEngine(tiny_pair)
+    lazy = cycles(engine)
+    lazy_prefill = SpeculativeEngine._prefill
+
+    def eager_prefill(self, prompt_ids, generator, with_draft):  # the draft runs the prompt at once
+        req = lazy_prefill(self, prompt_ids, generator, with_draft)
+        if with_draft:
+            self._forward(self.pair.draft, req.draft_prompt, 0, req.draft_cache, keep=1)
+            req.draft_len, req.draft_prompt = len(req.draft_prompt), None
+        return req
+
+    monkeypatch.setattr(SpeculativeEngine, "_prefill", eager_prefill)
+    assert cycles(engine) == lazy
+    assert any(d > 0 for d, *_ in lazy[1])  # it drafted after the autoregressive start
