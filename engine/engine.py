@@ -208,6 +208,15 @@ class SpeculativeEngine:
             prompt_ids + [first], target_cache, draft_cache, 0, generator, draft_prompt=list(prompt_ids)
         )
 
+    def _prefill_draft(self, req: _Request) -> None:
+        """The draft's lazy prefill, at the request's first drafting cycle: one forward of exactly the prompt
+        (what an eager prefill would run, so the draft's cache, and every tree it drafts, is the same
+        whenever it happens); the tokens committed since stay pending. Timed as prefill, not as drafting."""
+        t0 = self.clock()
+        self._forward(self.pair.draft, req.draft_prompt, 0, req.draft_cache, keep=1)
+        req.draft_len, req.draft_prompt = len(req.draft_prompt), None
+        req.draft_prefill_s = self.clock() - t0
+
     def _autoregressive_step(self, req: _Request) -> CycleRecord:
         t0 = self.clock()
         ctx = len(req.tokens)
@@ -231,11 +240,11 @@ class SpeculativeEngine:
 
     def _speculative_cycle(self, req: _Request, controller: Controller, cap: int) -> CycleRecord:
         clock, ctx = self.clock, len(req.tokens)
-        prefilled_s = req.draft_prefill_s
+        if req.draft_prompt is not None:  # the request's first drafting cycle: the draft's prefill first
+            self._prefill_draft(req)
         t_start = clock()
         tree, frontier, draft_probs, fwd_s, ctrl_s = self._draft(req, controller, cap)
         t_drafted = clock()
-        lazy_prefill_s = req.draft_prefill_s - prefilled_s  # the draft's prefill, if this cycle ran it
 
         num_verify = verify_size(
             controller.num_to_verify(self._state(tree, frontier, ctx, cap, req)), controller
@@ -256,7 +265,7 @@ class SpeculativeEngine:
             num_verified=len(selected),
             accepted=accepted,
             emitted=emitted,
-            draft_s=t_drafted - t_start - ctrl_s - lazy_prefill_s,
+            draft_s=t_drafted - t_start - ctrl_s,
             verify_s=t_verified - t_chosen,
             controller_s=ctrl_s + (t_chosen - t_drafted),
             overhead_s=t_end - t_verified,
@@ -271,16 +280,8 @@ class SpeculativeEngine:
         sampled = self.config.draft_mode == "sampled"
         tree, draft_probs, fwd_s, ctrl_s = DraftTree(), [], 0.0, 0.0
 
-        # step 1: run the draft's pending tokens; the last row predicts the root's children. The first
-        # drafting cycle of a request runs the prompt first, as one forward of exactly the prompt (what an
-        # eager prefill would run: the draft's cache, and so every tree it drafts, is the same whenever it
-        # happens), then the tokens committed since, as pending tokens
+        # step 1: run the draft's pending tokens; the last row predicts the root's children
         t0 = clock()
-        if req.draft_prompt is not None:
-            self._forward(self.pair.draft, req.draft_prompt, 0, req.draft_cache, keep=1)
-            req.draft_len, req.draft_prompt = len(req.draft_prompt), None
-            req.draft_prefill_s = clock() - t0
-            t0 = clock()
         pending = req.tokens[req.draft_len :]
         logits = self._forward(self.pair.draft, pending, req.draft_len, req.draft_cache, keep=1)  # [1, V]
         fwd_s += clock() - t0
