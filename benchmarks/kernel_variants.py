@@ -38,19 +38,9 @@ SHAPES = [
 
 
 def build(variant: str, directory: Path):
-    from torch.utils.cpp_extension import load
-
-    defines = [f"-D{d}" for d in variant.split(",") if d]
+    """One variant: ``variant`` is comma-separated NAME=VALUE defines ('' = the sources as they are)."""
     name = "kqv_" + "".join(c if c.isalnum() else "_" for c in variant or "default")
-    out = directory / name
-    out.mkdir(parents=True, exist_ok=True)
-    return load(
-        name=name,
-        sources=[str(p) for p in native.SOURCES],
-        extra_cflags=list(native.CFLAGS) + defines,
-        extra_ldflags=list(native.LDFLAGS),
-        build_directory=str(out),
-    )
+    return native.build(name, directory / name, tuple(d for d in variant.split(",") if d))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -74,6 +74,22 @@ def build_dir() -> Path:
     return cache_dir() / "native" / key.hexdigest()[:16]
 
 
+def build(name: str, directory: Path, defines: tuple[str, ...] = ()) -> ModuleType:
+    """Compile (or load from ``directory``) the sources as extension ``name``; ``defines``: extra ``-D``
+    flags (``benchmarks/kernel_variants.py`` builds variants this way)."""
+    from torch.utils.cpp_extension import load
+
+    directory.mkdir(parents=True, exist_ok=True)
+    return load(
+        name=name,
+        sources=[str(path) for path in SOURCES],
+        extra_cflags=list(CFLAGS) + [f"-D{d}" for d in defines],
+        extra_ldflags=list(LDFLAGS),
+        build_directory=str(directory),
+        verbose=bool(os.environ.get("DRAFTPILOT_VERBOSE_BUILD")),
+    )
+
+
 def kernels() -> ModuleType:
     """The compiled extension (built on first use, a minute or so; then loaded from the cache)."""
     global _module, _error
@@ -83,18 +99,7 @@ def kernels() -> ModuleType:
         if _error is not None:
             raise NativeUnavailable(_error)
         try:
-            from torch.utils.cpp_extension import load
-
-            directory = build_dir()
-            directory.mkdir(parents=True, exist_ok=True)
-            _module = load(
-                name="draftpilot_kquant",
-                sources=[str(path) for path in SOURCES],
-                extra_cflags=list(CFLAGS),
-                extra_ldflags=list(LDFLAGS),
-                build_directory=str(directory),
-                verbose=bool(os.environ.get("DRAFTPILOT_VERBOSE_BUILD")),
-            )
+            _module = build("draftpilot_kquant", build_dir())
         except Exception as err:  # a compiler missing or failing: the kquant formats are then unavailable
             _error = (
                 f"the compiled kquant kernels are unavailable on this machine ({type(err).__name__}: "
