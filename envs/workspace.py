@@ -22,7 +22,6 @@ import torch
 from engine import lean
 from engine.cost_profile import CostProfile
 from engine.errors import DraftpilotError, InputError
-from engine.kquant import KQuantLinear
 from engine.measure_costs import ProfileConfig, measure_profile
 from engine.models import ModelPair, load_pair
 from engine.native import KERNEL_NUMERICS
@@ -61,9 +60,7 @@ def pair_dir(pair: ModelPair, cache_dir: str | Path) -> Path:
     native = lean.NATIVE and any(
         lean.native_decoder(model) is not None for model in (pair.target, pair.draft)
     )
-    uses_kernels = any(
-        isinstance(m, KQuantLinear) for model in (pair.target, pair.draft) for m in model.modules()
-    )
+    uses_kernels = any(fmt.startswith("kquant") for fmt in (pair.weights, pair.draft_weights))
     numerics = f"-n{KERNEL_NUMERICS}" if uses_kernels and KERNEL_NUMERICS > 1 else ""
     return Path(cache_dir) / name / f"{dev}-{pair.precision}{'-native' if native else ''}{numerics}"
 
