@@ -8,7 +8,8 @@
 // number of rows and whichever rows share the forward: norms and activations row by row, linear layers by
 // the batch-invariant products of kquant.cpp, attention for one (row, head) over exactly the keys that row
 // may see, listed in cache order (a prefix, or the committed prefix plus the row's ancestors for a tree),
-// so a row sees the same numbers in the same order as the one-row step that would decode it. Greedy
+// so a row sees the same numbers in the same order as the one-row step that would decode it (however the
+// rows and heads are grouped into tasks: `attention` below). Greedy
 // speculative decoding through this decoder is therefore token-identical to autoregressive decoding
 // through it. Its logits are close to, not bitwise, transformers' forward (other summation orders).
 
@@ -59,6 +60,137 @@ void rope(float* v, const float* cos, const float* sin, int64_t D) {
   for (int64_t i = 0; i < h; ++i) v[i] = tmp[i] * cos[i] - tmp[i + h] * sin[i];
   for (int64_t i = h; i < D; ++i) v[i] = tmp[i] * cos[i] + tmp[i - h] * sin[i];
 }
+
+// The attention of one (row, head) over the n keys it sees (e = ir[j], or j without an index): scores
+// q.k * scale in key order, softmax with the running max and a sequential sum, the weighted values summed in
+// key order. Every path below computes exactly these operations in this order.
+void head_attention(const float* qr, const float* kg, const float* vg, int64_t D, int64_t n, const int64_t* ir,
+                    float scale, float* o, std::vector<float>& p) {
+  p.resize((size_t)n);
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t e = ir ? ir[j] : j;
+    const float s = dot(qr, kg + e * D, D) * scale;
+    p[(size_t)j] = s;
+    mx = std::max(mx, s);
+  }
+  float sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float e = std::exp(p[(size_t)j] - mx);
+    p[(size_t)j] = e;
+    sum += e;
+  }
+  for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float w = p[(size_t)j];
+    const float* ve = vg + (ir ? ir[j] : j) * D;
+    for (int64_t d = 0; d < D; ++d) o[d] += w * ve[d];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+}
+
+#if DEC_AVX512
+// The sums of 16 accumulators, in order, each by the tree of _mm512_reduce_add_ps (lanes i + i+8, then
+// + 4, + 2, + 1; float addition commutes): bitwise the 16 separate reductions for ~1/8 of the shuffles.
+inline __m512 reduce16(const __m512* A) {
+  __m512 B[8], C[4], D[2];
+  for (int k = 0; k < 8; ++k)  // B[k]: 8 half-sums of key 2k (lanes 0-7), of key 2k + 1 (lanes 8-15)
+    B[k] = _mm512_add_ps(_mm512_shuffle_f32x4(A[2 * k], A[2 * k + 1], 0xEE),
+                         _mm512_shuffle_f32x4(A[2 * k], A[2 * k + 1], 0x44));
+  for (int k = 0; k < 4; ++k)  // C[k]: 128-bit chunk c holds the 4 quarter-sums of key 4k + c
+    C[k] = _mm512_add_ps(_mm512_shuffle_f32x4(B[2 * k], B[2 * k + 1], 0xDD),
+                         _mm512_shuffle_f32x4(B[2 * k], B[2 * k + 1], 0x88));
+  for (int k = 0; k < 2; ++k)  // D[k], chunk c: 2 sums of key 8k + c, then 2 of key 8k + 4 + c
+    D[k] = _mm512_add_ps(_mm512_shuffle_ps(C[2 * k], C[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(C[2 * k], C[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // chunk c: keys c, 4 + c, 8 + c, 12 + c
+  const __m512 E = _mm512_add_ps(_mm512_shuffle_ps(D[0], D[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(D[0], D[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, E);
+}
+
+// head_attention for Q rows x nh heads that share one key/value head, D = 16 * ND: the same operations per
+// (row, head) in the same order, with 16 keys' dot products reduced together, the keys (and values) taken
+// in blocks that stay in the L1 cache while every row and head of the task uses them (rows see the same
+// committed prefix: one read of the cache serves them all), each output accumulated in registers.
+// qs[r * nh + h], os[r * nh + h]: the query and the output of row r, head h; n[r], ir[r]: its keys.
+template <int ND>
+void heads_attention_avx512(const float* const* qs, int64_t Q, int64_t nh, const float* kg, const float* vg,
+                            const int64_t* n, const int64_t* const* ir, float scale, float* const* os,
+                            std::vector<float>& p) {
+  constexpr int64_t D = 16 * ND;
+  constexpr int64_t KB = 32;  // keys a block: 16 KiB at D = 128
+  int64_t nmax = 0;
+  for (int64_t r = 0; r < Q; ++r) nmax = std::max(nmax, n[r]);
+  p.resize((size_t)(Q * nh * nmax));
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < nmax; j0 += KB) {
+    for (int64_t r = 0; r < Q; ++r) {
+      const int64_t j1 = std::min(n[r], j0 + KB);
+      const int64_t* ix = ir[r];
+      for (int64_t h = 0; h < nh && j0 < j1; ++h) {
+        const float* qr = qs[r * nh + h];
+        float* ph = p.data() + (r * nh + h) * nmax;
+        __m512 qv[ND];
+        for (int i = 0; i < ND; ++i) qv[i] = _mm512_loadu_ps(qr + 16 * i);
+        int64_t j = j0;
+        for (; j + 16 <= j1; j += 16) {
+          __m512 acc[16];
+          const float* kp[16];
+          for (int t = 0; t < 16; ++t) {
+            kp[t] = kg + (ix ? ix[j + t] : j + t) * D;
+            acc[t] = _mm512_setzero_ps();
+          }
+          for (int i = 0; i < ND; ++i)
+            for (int t = 0; t < 16; ++t) acc[t] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kp[t] + 16 * i), acc[t]);
+          _mm512_storeu_ps(ph + j, _mm512_mul_ps(reduce16(acc), vscale));
+        }
+        for (; j < j1; ++j) ph[j] = dot(qr, kg + (ix ? ix[j] : j) * D, D) * scale;
+      }
+    }
+  }
+  std::vector<float> inv((size_t)(Q * nh));
+  for (int64_t r = 0; r < Q; ++r) {
+    for (int64_t h = 0; h < nh; ++h) {
+      float* ph = p.data() + (r * nh + h) * nmax;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < n[r]; ++j) mx = std::max(mx, ph[j]);
+      float sum = 0.f;
+      for (int64_t j = 0; j < n[r]; ++j) {
+        const float e = std::exp(ph[j] - mx);
+        ph[j] = e;
+        sum += e;
+      }
+      inv[(size_t)(r * nh + h)] = 1.f / sum;
+      for (int64_t d = 0; d < D; ++d) os[r * nh + h][d] = 0.f;
+    }
+  }
+  for (int64_t j0 = 0; j0 < nmax; j0 += KB) {
+    for (int64_t r = 0; r < Q; ++r) {
+      const int64_t j1 = std::min(n[r], j0 + KB);
+      const int64_t* ix = ir[r];
+      for (int64_t h = 0; h < nh && j0 < j1; ++h) {
+        const float* ph = p.data() + (r * nh + h) * nmax;
+        float* out = os[r * nh + h];
+        __m512 o[ND];
+        for (int i = 0; i < ND; ++i) o[i] = _mm512_loadu_ps(out + 16 * i);
+        for (int64_t j = j0; j < j1; ++j) {
+          const __m512 w = _mm512_set1_ps(ph[j]);
+          const float* ve = vg + (ix ? ix[j] : j) * D;
+          for (int i = 0; i < ND; ++i) o[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(ve + 16 * i), o[i]);
+        }
+        for (int i = 0; i < ND; ++i) _mm512_storeu_ps(out + 16 * i, o[i]);
+      }
+    }
+  }
+  for (int64_t t = 0; t < Q * nh; ++t) {
+    const __m512 vinv = _mm512_set1_ps(inv[(size_t)t]);
+    for (int i = 0; i < ND; ++i) _mm512_storeu_ps(os[t] + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(os[t] + 16 * i), vinv));
+  }
+}
+#endif
 
 struct Layer {
   torch::Tensor in_norm, post_norm;
@@ -149,7 +281,6 @@ class Decoder {
         v((size_t)(Q * KD)), att((size_t)(Q * QD)), gate((size_t)(Q * I_)), up((size_t)(Q * I_)), tmp((size_t)(Q * H_));
     QuantizedRows a;
     const float scale = 1.f / std::sqrt((float)D_);
-    const int64_t group = NH_ / NKV_;
 
     for (int64_t l = 0; l < nl; ++l) {
       const Layer& L = layers_[l];
@@ -169,40 +300,8 @@ class Decoder {
           std::copy(vr, vr + D_, vb + (g * cap + past + r) * D_);
         }
       }
-      // attention: one (row, head) per task
-      at::parallel_for(0, Q * NH_, 1, [&](int64_t t0, int64_t t1) {
-        std::vector<float> p;
-        for (int64_t t = t0; t < t1; ++t) {
-          const int64_t r = t / NH_, hh = t % NH_, g = hh / group, n = cnt[r];
-          const float* qr = q.data() + r * QD + hh * D_;
-          const float* kg = kb + g * cap * D_;
-          const float* vg = vb + g * cap * D_;
-          const int64_t* ir = idx ? idx + r * idx_width : nullptr;
-          p.resize((size_t)n);
-          float mx = -std::numeric_limits<float>::infinity();
-          for (int64_t j = 0; j < n; ++j) {
-            const int64_t e = ir ? ir[j] : j;
-            const float s = dot(qr, kg + e * D_, D_) * scale;
-            p[(size_t)j] = s;
-            mx = std::max(mx, s);
-          }
-          float sum = 0.f;
-          for (int64_t j = 0; j < n; ++j) {
-            const float e = std::exp(p[(size_t)j] - mx);
-            p[(size_t)j] = e;
-            sum += e;
-          }
-          float* o = att.data() + r * QD + hh * D_;
-          for (int64_t d = 0; d < D_; ++d) o[d] = 0.f;
-          for (int64_t j = 0; j < n; ++j) {
-            const float w = p[(size_t)j];
-            const float* ve = vg + (ir ? ir[j] : j) * D_;
-            for (int64_t d = 0; d < D_; ++d) o[d] += w * ve[d];
-          }
-          const float inv = 1.f / sum;
-          for (int64_t d = 0; d < D_; ++d) o[d] *= inv;
-        }
-      });
+      // attention: one task per (row, group of query heads sharing a key/value head, slice of that group)
+      attention(q.data(), kb, vb, cap, Q, cnt, idx, idx_width, scale, att.data());
       quantize_rows(att.data(), Q, QD, L.o.nb, a);
       run_linears({&L.o}, a, Q, {tmp.data()});
       for (int64_t i = 0; i < Q * H_; ++i) x[i] += tmp[(size_t)i];
@@ -210,15 +309,60 @@ class Decoder {
         rms_norm(x + r * H_, L.post_norm.data_ptr<float>(), eps_, H_, h.data() + r * H_);
       quantize_rows(h.data(), Q, H_, L.gate.nb, a);
       run_linears({&L.gate, &L.up}, a, Q, {gate.data(), up.data()});
-      for (int64_t i = 0; i < Q * I_; ++i) {
-        const float g = gate[(size_t)i];
-        h[(size_t)i] = g / (1.f + std::exp(-g)) * up[(size_t)i];
-      }
+      at::parallel_for(0, Q * I_, 2048, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+          const float g = gate[(size_t)i];
+          h[(size_t)i] = g / (1.f + std::exp(-g)) * up[(size_t)i];
+        }
+      });
       quantize_rows(h.data(), Q, I_, L.down.nb, a);
       run_linears({&L.down}, a, Q, {tmp.data()});
       for (int64_t i = 0; i < Q * H_; ++i) x[i] += tmp[(size_t)i];
     }
     return out;
+  }
+
+  // Attention of Q rows: att[r, h] for every query head h. One task per (key/value head, slice of the query
+  // heads sharing it) covering every row: a key block read once serves every row and head of the task.
+  // Slices only so that every thread has a task. Each (row, head) is computed whole by one task
+  // (head_attention's operations), whatever the split.
+  void attention(const float* q, const float* kb, const float* vb, int64_t cap, int64_t Q, const int64_t* cnt,
+                 const int64_t* idx, int64_t idx_width, float scale, float* att) const {
+    const int64_t group = NH_ / NKV_, QD = NH_ * D_;
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    const int64_t slices = std::min<int64_t>(group, (threads + NKV_ - 1) / NKV_);
+    const int64_t per = (group + slices - 1) / slices;
+    const int64_t per_group = (group + per - 1) / per;
+    at::parallel_for(0, NKV_ * per_group, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> p;
+      std::vector<const float*> qs((size_t)(Q * per));
+      std::vector<float*> os((size_t)(Q * per));
+      std::vector<const int64_t*> ir((size_t)Q);
+      for (int64_t r = 0; r < Q; ++r) ir[(size_t)r] = idx ? idx + r * idx_width : nullptr;
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t g = t / per_group, s = t % per_group;
+        const int64_t h0 = g * group + s * per, h1 = std::min(g * group + group, h0 + per), nh = h1 - h0;
+        const float* kg = kb + g * cap * D_;
+        const float* vg = vb + g * cap * D_;
+        for (int64_t r = 0; r < Q; ++r)
+          for (int64_t h = h0; h < h1; ++h) {
+            qs[(size_t)(r * nh + h - h0)] = q + r * QD + h * D_;
+            os[(size_t)(r * nh + h - h0)] = att + r * QD + h * D_;
+          }
+#if DEC_AVX512
+        switch (D_) {
+          case 16: heads_attention_avx512<1>(qs.data(), Q, nh, kg, vg, cnt, ir.data(), scale, os.data(), p); continue;
+          case 32: heads_attention_avx512<2>(qs.data(), Q, nh, kg, vg, cnt, ir.data(), scale, os.data(), p); continue;
+          case 64: heads_attention_avx512<4>(qs.data(), Q, nh, kg, vg, cnt, ir.data(), scale, os.data(), p); continue;
+          case 128: heads_attention_avx512<8>(qs.data(), Q, nh, kg, vg, cnt, ir.data(), scale, os.data(), p); continue;
+          default: break;
+        }
+#endif
+        for (int64_t r = 0; r < Q; ++r)
+          for (int64_t h = 0; h < nh; ++h)
+            head_attention(qs[(size_t)(r * nh + h)], kg, vg, D_, cnt[r], ir[(size_t)r], scale, os[(size_t)(r * nh + h)], p);
+      }
+    });
   }
 
  private:

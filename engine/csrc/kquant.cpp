@@ -93,16 +93,17 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t nb, QuantizedRo
   out.d.assign((size_t)(M * nb), 0.f);
   out.sum.assign((size_t)(M * nb * G16), 0);
   out.dsum.assign((size_t)(M * nb * G16), 0.f);
-  at::parallel_for(0, M, 8, [&](int64_t mb, int64_t me) {
-  for (int64_t m = mb; m < me; ++m) {
-    const float* xr = x + m * K;
-    for (int64_t b = 0; b < nb; ++b) {
+  // blocks are independent: a block's codes and sums are the same whichever thread computes them
+  at::parallel_for(0, M * nb, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t m = i / nb, b = i % nb;
+      const float* xr = x + m * K;
       const int64_t k0 = b * QB;
       const int64_t len = std::min<int64_t>(QB, K - k0);
       float amax = 0.f;
       bool finite = true;
-      for (int64_t i = 0; i < len; ++i) {
-        const float v = xr[k0 + i];
+      for (int64_t j = 0; j < len; ++j) {
+        const float v = xr[k0 + j];
         if (!std::isfinite(v)) finite = false;
         amax = std::max(amax, std::fabs(v));
       }
@@ -116,20 +117,19 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t nb, QuantizedRo
       *d = amax / 127.f;
       const float id = 127.f / amax;
       int8_t* q = &out.q[(size_t)((m * nb + b) * QB)];
-      for (int64_t i = 0; i < len; ++i) {
-        float r = std::nearbyint(xr[k0 + i] * id);
+      for (int64_t j = 0; j < len; ++j) {
+        float r = std::nearbyint(xr[k0 + j] * id);
         r = std::min(127.f, std::max(-127.f, r));
-        q[i] = (int8_t)r;
+        q[j] = (int8_t)r;
       }
       int32_t* s = &out.sum[(size_t)((m * nb + b) * G16)];
       for (int64_t g = 0; g < G16; ++g) {
         int32_t t = 0;
-        for (int64_t i = 0; i < 16; ++i) t += q[g * 16 + i];
+        for (int64_t j = 0; j < 16; ++j) t += q[g * 16 + j];
         s[g] = t;
         out.dsum[(size_t)((m * nb + b) * G16 + g)] = *d * (float)t;
       }
     }
-  }
   });
 }
 

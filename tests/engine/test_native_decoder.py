@@ -128,3 +128,86 @@ def test_native_decoder_refuses_bad_inputs(model):
         )
     with pytest.raises(RuntimeError, match=r"x must be float32"):
         decoder.forward(torch.zeros(2, hidden + 1), cos, cos, buffers, buffers, 0, torch.tensor([1, 2]), none)
+
+
+# Fingerprint of the native decoder's outputs (hidden states and cache entries) on fixed random layers:
+# prompt rows, a chain and a tree over a cache, head sizes on and off the 16-wide dot product path.
+# Recorded traces hold what the decoder computed: a change that alters any bit must increment
+# engine.native.KERNEL_NUMERICS and then update this fingerprint (a restructuring that keeps every bit,
+# e.g. a faster attention loop, must leave it as it is).
+DECODER_FINGERPRINT = "342a3fbc6ae1a823"
+
+
+def _random_decoder(rng, hidden, heads, kv_heads, head_dim, intermediate, layers=2):
+    from engine.kquant import quantize_k4, quantize_k6
+
+    decoder = native.kernels().Decoder(hidden, heads, kv_heads, head_dim, intermediate, 1e-6)
+    shapes = [
+        (heads * head_dim, hidden),
+        (kv_heads * head_dim, hidden),
+        (kv_heads * head_dim, hidden),
+        (hidden, heads * head_dim),
+        (intermediate, hidden),
+        (intermediate, hidden),
+        (hidden, intermediate),
+    ]
+    for _ in range(layers):
+        parts, biases = [], []
+        for i, (n, k) in enumerate(shapes):
+            w = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32) * 0.05)
+            parts.append(list(quantize_k6(w) if i in (2, 6) else quantize_k4(w)))
+            biases.append(
+                torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 0.1) if i < 3 else None
+            )
+        norms = [torch.from_numpy((1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)) for _ in "ab"]
+        decoder.add_layer(norms[0], norms[1], parts, biases)
+    return decoder
+
+
+def _decoder_digest() -> str:
+    import hashlib
+
+    rng = np.random.RandomState(11)  # numpy's legacy generator: the same numbers on every machine
+    digest = hashlib.sha256()
+    for hidden, heads, kv_heads, head_dim, inter in (
+        (256, 4, 2, 64, 384),
+        (256, 6, 2, 128, 256),
+        (96, 4, 4, 24, 160),
+    ):
+        decoder = _random_decoder(rng, hidden, heads, kv_heads, head_dim, inter)
+        cap, n = 64, 40
+        keys = [torch.zeros(1, kv_heads, cap, head_dim) for _ in range(2)]
+        values = [torch.zeros(1, kv_heads, cap, head_dim) for _ in range(2)]
+
+        none = torch.empty(0, dtype=torch.long)
+        # a prompt, a chain, then a tree over the cache: 0 -> (1, 2), 2 -> 3; row r sees the prompt, the
+        # chain's first row and its path
+        paths = [[0], [0, 1], [0, 2], [0, 2, 3]]
+        index = torch.zeros((4, n + 1 + 3), dtype=torch.long)
+        counts = []
+        for r, path in enumerate(paths):
+            seen = list(range(n + 1)) + [n + 3 + p for p in path]
+            index[r, : len(seen)] = torch.tensor(seen)
+            counts.append(len(seen))
+        steps = [
+            (n, 0, torch.arange(1, n + 1), none),
+            (3, n, torch.arange(n + 1, n + 4), none),
+            (4, n + 3, torch.tensor(counts), index),
+        ]
+        for q, past, seen_counts, seen_index in steps:
+            x = torch.from_numpy(rng.standard_normal((q, hidden)).astype(np.float32))
+            angles = torch.from_numpy(rng.uniform(0, 6.3, (q, head_dim // 2)).astype(np.float32)).repeat(1, 2)
+            h = decoder.forward(x, angles.cos(), angles.sin(), keys, values, past, seen_counts, seen_index)
+            digest.update(h.numpy().tobytes())
+        for t in keys + values:
+            digest.update(t.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def test_native_decoder_arithmetic_matches_the_recorded_fingerprint():
+    if not native.kernels().simd():
+        pytest.skip("the fingerprint is of the AVX-512 VNNI path; this CPU runs the portable one")
+    assert _decoder_digest() == DECODER_FINGERPRINT, (
+        "the decoder's outputs changed: increment engine.native.KERNEL_NUMERICS (recorded traces no longer "
+        "match) and update DECODER_FINGERPRINT"
+    )
