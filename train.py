@@ -60,7 +60,7 @@ from envs.backends import LiveBackend, ReplayBackend
 from envs.environments import EnvConfig
 from envs.oracle import oracle_throughput, static_grid
 from envs.profiles import ProfileMix
-from envs.prompts import interleave_languages, load_suite
+from envs.prompts import LONG_SUITE, interleave_languages, load_suite
 from envs.record_traces import MAX_TRACE_DEPTH
 from envs.replay import replay_generate, throughput
 from policies import AnalyticController, StaticController
@@ -87,6 +87,17 @@ class TrainConfig(ModelConfig):
     """Validation prompts per language."""
     max_new_tokens: int = 64
     """Tokens generated per prompt (trajectory length of each trace)."""
+    long_prompts: str | None = None
+    """Long-request suite JSONL (same layout as --prompts); none: the built-in long suite (~1.3-2.2k-token
+    contexts, long answers). Used by --long-train-prompts / --long-val-prompts."""
+    long_train_prompts: int = 0
+    """Long requests per language (the long suite's train split) added to the training traces, greedy, at
+    --long-max-new-tokens each: the policy then sees long contexts and long generations, where the cost
+    profile's context axis (attention over a 2k-token cache) changes what pays. 0: none."""
+    long_val_prompts: int = 0
+    """Long requests per language (the long suite's --val-split) added to the validation traces. 0: none."""
+    long_max_new_tokens: int = 512
+    """Tokens generated per long request (trajectory length of each long trace)."""
     temperature: float = 0.0
     """0: greedy traces; > 0: sampled trajectories (the policy is then trained for sampling)."""
     temperatures: str = ""
@@ -158,9 +169,17 @@ class TrainConfig(ModelConfig):
             "tree_width",
             "max_depth",
             "samples_per_prompt",
+            "long_max_new_tokens",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("long_train_prompts", "long_val_prompts"):
+            if getattr(self, name) < 0:
+                raise ValueError(
+                    f"{name} (--{name.replace('_', '-')}) must be >= 0, got {getattr(self, name)}"
+                )
+        if (self.long_train_prompts or self.long_val_prompts) and self.backend == "live":
+            raise ValueError("--long-train-prompts and --long-val-prompts need --backend replay")
         if self.eval_every < 1:
             raise ValueError(f"eval_every (--eval-every) must be >= 1, got {self.eval_every}")
         if not 0 <= self.seed < 2**32:
@@ -209,9 +228,11 @@ class RunDirectoryError(DraftpilotError, ValueError):
     started again without --resume or --retrain, resume flags that contradict the run's config."""
 
 
+NEWER_FIELDS = ("long_prompts", "long_train_prompts", "long_val_prompts", "long_max_new_tokens")
+"""Settings added after policies were first stored: a stored config without them means their defaults."""
 IGNORED_FIELDS = ("progress", "run_dir", "run_name")
 """Settings that do not change what a run trains: they may differ between a run and a later command."""
-PATH_FIELDS = ("prompts", "profile", "cache_dir", "run_dir")
+PATH_FIELDS = ("prompts", "long_prompts", "profile", "cache_dir", "run_dir")
 """Paths, stored absolute so that a run means the same from any working directory."""
 
 
@@ -245,6 +266,9 @@ def config_differences(stored: dict, current: dict, keys: set[str] | None = None
     """``--flag: stored -> current`` for every setting (``IGNORED_FIELDS`` aside; only ``keys`` when given,
     PPO fields as ``ppo.<name>``) on which two configs (``asdict`` form) disagree; paths compare resolved."""
     a, b = _flat(stored), _flat(current)
+    # a setting a stored config lacks (written before the setting existed) trained as its default did
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in NEWER_FIELDS}
+    a = {**defaults, **a} if stored else a
     out = []
     for key in sorted(set(a) | set(b)):
         if key in IGNORED_FIELDS or (keys is not None and key not in keys):
@@ -314,6 +338,43 @@ def select_prompts(config: TrainConfig):
     if overlap:
         raise ValueError(f"train and validation prompts overlap: {sorted(overlap)}")
     return interleave_languages(train), interleave_languages(val)
+
+
+def select_long_prompts(config: TrainConfig) -> tuple[list[dict], list[dict]]:
+    """The long requests added to training and validation (empty lists when neither flag asks for any)."""
+    if not (config.long_train_prompts or config.long_val_prompts):
+        return [], []
+    langs = [x.strip() for x in config.languages.split(",") if x.strip()]
+    path = config.long_prompts or LONG_SUITE
+    pick = {}
+    for name, split, count in (
+        ("train", config.train_split, config.long_train_prompts),
+        ("val", config.val_split, config.long_val_prompts),
+    ):
+        found = load_suite(path, split=split, languages=langs, limit_per_language=count) if count else []
+        pick[name] = interleave_languages(found)
+    overlap = {p["id"] for p in pick["train"]} & {p["id"] for p in pick["val"]}
+    if overlap:
+        raise ValueError(f"long train and validation prompts overlap: {sorted(overlap)}")
+    return pick["train"], pick["val"]
+
+
+def ensure_long_traces(config: TrainConfig, pair, prompts: list[dict], tag: str):
+    """Greedy traces of the long requests at --long-max-new-tokens."""
+    if not prompts:
+        return []
+    return workspace.ensure_traces(
+        pair,
+        prompts,
+        config.cache_dir,
+        temperature=0.0,
+        tree_width=config.tree_width,
+        max_depth=config.max_depth,
+        max_new_tokens=config.long_max_new_tokens,
+        seed=config.seed,
+        progress=config.progress,
+        tag=tag,
+    )
 
 
 # ----------------------------------------------------------------------------------------- training
@@ -470,6 +531,7 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
 
     started = time.perf_counter()
     train_prompts, val_prompts = select_prompts(config)  # a bad prompt file fails before any model loads
+    long_train, long_val = select_long_prompts(config)
     pair = load_models(config)
     profile = ensure_profile(config, pair)
     mix = profile_mix(config, profile)
@@ -478,6 +540,8 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
     save_config(config, run / "config.json")
     train_traces = ensure_traces(config, pair, train_prompts, "train")
     val_traces = ensure_traces(config, pair, val_prompts, "validation")
+    train_traces += ensure_long_traces(config, pair, long_train, "train (long)")
+    val_traces += ensure_long_traces(config, pair, long_val, "validation (long)")
     data_s = time.perf_counter() - started
 
     base = baselines(train_traces, val_traces, profile, config)

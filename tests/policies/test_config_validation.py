@@ -28,6 +28,8 @@ from policies.ppo import PPOConfig
         ("temperature", -0.5),
         ("max_depth", 100_000),
         ("tree_width", 200),
+        ("long_train_prompts", -1),
+        ("long_val_prompts", -2),
     ],
 )
 def test_train_config_refuses(field, value):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import io
 import json
 import shutil
@@ -485,3 +486,62 @@ def test_refused_runs_leave_the_run_directory_as_it_was(base, tmp_path):
     rc, _, stderr = run_main([*common[:-1], "never-made", "--profile", str(bad_profile)])
     assert rc == 2 and str(bad_profile) in one_error_line(stderr)
     assert not (run.parent / "never-made").exists()  # a refused run does not even leave its directory
+
+
+def _long_suite(path: Path) -> Path:
+    context = " ".join(f"def f{i}(x): return x * {i}" for i in range(10))
+    rows = [
+        {
+            "id": f"{lang}-long-{split}",
+            "language": lang,
+            "task": "code",
+            "split": split,
+            "prompt": f"Explain ({lang}, {split}):\n\n{context}",
+        }
+        for lang in ("it", "en")
+        for split in ("train", "tune", "test")
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_long_requests_join_the_training_and_validation_traces(base, monkeypatch):
+    tmp = base["tmp"]
+    suite = _long_suite(tmp / "long.jsonl")
+    seen = []
+    real = train.ensure_long_traces
+
+    def spy(config, pair, prompts, tag):
+        traces = real(config, pair, prompts, tag)
+        seen.append((tag, [p["id"] for p in prompts], [t.max_new_tokens for t in traces]))
+        return traces
+
+    monkeypatch.setattr(train, "ensure_long_traces", spy)
+    config = quick_config(
+        tmp,
+        run_name="long",
+        long_prompts=str(suite),
+        long_train_prompts=1,
+        long_val_prompts=1,
+        long_max_new_tokens=40,
+    )
+    metrics = train.train(config)
+    assert seen[0][:2] == ("train (long)", ["it-long-train", "en-long-train"])
+    assert seen[1][:2] == ("validation (long)", ["it-long-tune", "en-long-tune"])
+    # the long traces are recorded to their own length, not the short ones' --max-new-tokens
+    assert seen[0][2] == [40, 40] and config.max_new_tokens != 40
+    stored = load_policy(metrics["policy"]).meta["train_config"]
+    assert stored["long_train_prompts"] == 1 and stored["long_max_new_tokens"] == 40
+
+
+def test_a_config_stored_before_the_long_settings_means_their_defaults():
+    current = dataclasses.asdict(train.TrainConfig(pair="tiny"))
+    older = {k: v for k, v in current.items() if k not in train.NEWER_FIELDS}
+    assert train.config_differences(older, current) == []
+    asked = dataclasses.asdict(train.TrainConfig(pair="tiny", long_train_prompts=2))
+    assert train.config_differences(older, asked) == ["--long-train-prompts: 0 -> 2"]
+
+
+def test_long_requests_need_the_replay_backend():
+    with pytest.raises(ValueError, match="--long-train-prompts"):
+        train.TrainConfig(pair="tiny", backend="live", long_train_prompts=1)
