@@ -1,0 +1,226 @@
+"""The native decoder of this checkout against the one of another git revision, side by side: both are
+compiled (the revision's ``engine/csrc`` taken with ``git show``), built over the same layers of a model
+pair, run on the same inputs with the same caches, and compared bit for bit (prompt rows, a chain, a tree;
+1 and 2 threads; several cache lengths), then timed interleaved (decode and verification forwards over a
+filled cache). A restructuring that must keep every bit (so recorded traces stay valid) is checked here
+before the trace caches are trusted; the decoder fingerprint test guards it afterwards.
+
+    python benchmarks/decoder_ab.py --against HEAD~1
+    python benchmarks/decoder_ab.py --against HEAD~1 --contexts 128,512,2048 --rows 1,4 --reps 9
+    python benchmarks/decoder_ab.py --against HEAD~1 --random-weights     # real shapes, no weights needed
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import lean, load_pair, native  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def revision_sources(rev: str, directory: Path) -> Path:
+    """The revision's engine/csrc written under ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for path in native.SOURCES + native.HEADERS:
+        rel = path.relative_to(ROOT).as_posix()
+        try:
+            text = subprocess.run(
+                ["git", "show", f"{rev}:{rel}"], cwd=ROOT, check=True, capture_output=True
+            ).stdout
+        except subprocess.CalledProcessError as err:
+            raise SystemExit(f"git show {rev}:{rel} failed: {err.stderr.decode().strip()}") from err
+        (directory / path.name).write_bytes(text)
+    return directory
+
+
+def build(name: str, sources: Path, directory: Path):
+    from torch.utils.cpp_extension import load
+
+    directory.mkdir(parents=True, exist_ok=True)
+    return load(
+        name=name,
+        sources=[str(sources / p.name) for p in native.SOURCES],
+        extra_cflags=list(native.CFLAGS),
+        extra_ldflags=list(native.LDFLAGS),
+        build_directory=str(directory),
+        verbose=bool(os.environ.get("DRAFTPILOT_VERBOSE_BUILD")),
+    )
+
+
+def decoder_of(module, model):
+    """A decoder of ``module`` over ``model``'s kquant layers (what engine.lean.native_decoder builds)."""
+    config, first = model.config, model.model.layers[0]
+    decoder = module.Decoder(
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        first.self_attn.head_dim,
+        config.intermediate_size,
+        float(first.input_layernorm.variance_epsilon),
+    )
+    for layer in model.model.layers:
+        linears = lean._linears(layer)
+        decoder.add_layer(
+            layer.input_layernorm.weight.detach().contiguous(),
+            layer.post_attention_layernorm.weight.detach().contiguous(),
+            [[x.codes, x.meta] if x.kind == "k4" else [x.lo, x.hi, x.meta] for x in linears],
+            [x.bias for x in linears],
+        )
+    return decoder
+
+
+def tree_index(ctx: int, chain: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """counts and index of 6 tree rows over a cache of ctx + chain entries (the tree at ctx + chain ...)."""
+    paths = [[0], [0, 1], [0, 2], [0, 2, 3], [0, 1, 4], [0, 2, 3, 5]]
+    base = ctx + chain
+    index = torch.zeros((len(paths), base + len(paths)), dtype=torch.long)
+    counts = []
+    for r, path in enumerate(paths):
+        seen = list(range(base)) + [base + p for p in path]
+        index[r, : len(seen)] = torch.tensor(seen)
+        counts.append(len(seen))
+    return torch.tensor(counts), index
+
+
+def check(decoders: dict, model, contexts: list[int]) -> int:
+    config = model.config
+    d, nl, nkv = (
+        model.model.layers[0].self_attn.head_dim,
+        config.num_hidden_layers,
+        config.num_key_value_heads,
+    )
+    rng = np.random.RandomState(0)
+    none = torch.empty(0, dtype=torch.long)
+    differing = 0
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for ctx in contexts:
+            cap = ctx + 16
+            caches = {k: [[torch.zeros(1, nkv, cap, d) for _ in range(nl)] for _ in "kv"] for k in decoders}
+            counts, index = tree_index(ctx, 5)
+            steps = [
+                ("prompt", ctx, 0, torch.arange(1, ctx + 1), none),
+                ("chain", 5, ctx, torch.arange(ctx + 1, ctx + 6), none),
+                ("tree", 6, ctx + 5, counts, index),
+            ]
+            for name, q, past, cnt, idx in steps:
+                x = torch.from_numpy(rng.standard_normal((q, config.hidden_size)).astype(np.float32))
+                angles = torch.from_numpy(rng.uniform(0, 6.3, (q, d // 2)).astype(np.float32)).repeat(1, 2)
+                outs = {
+                    k: dec.forward(x, angles.cos(), angles.sin(), *caches[k], past, cnt, idx)
+                    for k, dec in decoders.items()
+                }
+                a, b = outs.values()
+                ca, cb = caches.values()
+                same = torch.equal(a, b) and all(
+                    torch.equal(s, t) for s, t in zip(ca[0] + ca[1], cb[0] + cb[1], strict=True)
+                )
+                differing += not same
+                print(
+                    f"  {threads} thread(s), {ctx} cached, {name} ({q} rows): "
+                    f"{'bitwise identical' if same else 'DIFFERENT'}",
+                    flush=True,
+                )
+    return differing
+
+
+def timing(decoders: dict, model, contexts: list[int], rows: list[int], reps: int, threads: int) -> None:
+    torch.set_num_threads(threads)
+    config = model.config
+    d, nl, nkv = (
+        model.model.layers[0].self_attn.head_dim,
+        config.num_hidden_layers,
+        config.num_key_value_heads,
+    )
+    none = torch.empty(0, dtype=torch.long)
+    for ctx in contexts:
+        cap = ctx + max(rows)
+        caches = {}
+        for k in decoders:
+            gen = torch.Generator().manual_seed(ctx)
+            caches[k] = [[torch.randn(1, nkv, cap, d, generator=gen) for _ in range(nl)] for _ in "kv"]
+        for q in rows:
+            x = torch.randn(q, config.hidden_size) * 0.5
+            angles = torch.rand(q, d // 2).repeat(1, 2)
+            cnt = torch.arange(ctx + 1, ctx + q + 1)
+            times = {k: [] for k in decoders}
+            for _ in range(reps + 1):  # the first round warms up
+                for k, dec in decoders.items():
+                    t0 = time.perf_counter()
+                    dec.forward(x, angles.cos(), angles.sin(), *caches[k], ctx, cnt, none)
+                    times[k].append(time.perf_counter() - t0)
+            (a_name, a), (b_name, b) = ((k, statistics.median(v[1:])) for k, v in times.items())
+            print(
+                f"  {ctx} cached, {q} row(s): {a_name} {a * 1e3:.1f} ms, {b_name} {b * 1e3:.1f} ms, "
+                f"ratio {b / a:.3f}",
+                flush=True,
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--against", default="HEAD", help="git revision whose decoder is the reference")
+    ap.add_argument("--pair", default="qwen2.5-coder")
+    ap.add_argument("--random-weights", action="store_true", help="the pair's shapes with random weights")
+    ap.add_argument("--check-contexts", default="37,300,2047", help="cache lengths of the bitwise check")
+    ap.add_argument("--contexts", default="128,512,2048", help="cache lengths timed")
+    ap.add_argument("--rows", default="1,4", help="query rows timed")
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-timing", action="store_true", help="the bitwise check only")
+    args = ap.parse_args(argv)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    check_contexts = [int(c) for c in args.check_contexts.split(",")]
+    rows = [int(r) for r in args.rows.split(",")]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        old = build("dab_reference", revision_sources(args.against, tmp / "ref"), tmp / "build_ref")
+        new = build("dab_checkout", native.CSRC, tmp / "build_new")
+        pair = load_pair(
+            args.pair,
+            weights="kquant",
+            draft_weights="kquant-strict",
+            progress=False,
+            random_weights=args.random_weights,
+        )
+        load = os.getloadavg()
+        print(
+            f"CPU {platform.processor() or 'unknown'} ({native.cpu_signature().split('|')[1]}), "
+            f"{args.threads} threads for timing, load {load[0]:.2f}; reference {args.against}, "
+            f"checkout {ROOT}"
+        )
+        differing = 0
+        for which in ("target", "draft"):
+            model = getattr(pair, which)
+            if lean.native_decoder(model) is None:
+                print(f"{which}: no native decoder for this model (not all-kquant layers)")
+                continue
+            decoders = {args.against: decoder_of(old, model), "checkout": decoder_of(new, model)}
+            print(f"{which}: bitwise check")
+            differing += check(decoders, model, check_contexts)
+            if not args.no_timing:
+                print(f"{which}: timing (median of {args.reps}, interleaved)")
+                timing(decoders, model, contexts, rows, args.reps, args.threads)
+    if differing:
+        print(f"{differing} comparison(s) differ: this change alters the decoder's arithmetic")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
