@@ -309,7 +309,8 @@ class Decoder {
         rms_norm(x + r * H_, L.post_norm.data_ptr<float>(), eps_, H_, h.data() + r * H_);
       quantize_rows(h.data(), Q, H_, L.gate.nb, a);
       run_linears({&L.gate, &L.up}, a, Q, {gate.data(), up.data()});
-      at::parallel_for(0, Q * I_, 2048, [&](int64_t i0, int64_t i1) {
+      // split only where a thread's share outweighs a parallel region's start (the draft's 4864 stay serial)
+      at::parallel_for(0, Q * I_, 6144, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) {
           const float g = gate[(size_t)i];
           h[(size_t)i] = g / (1.f + std::exp(-g)) * up[(size_t)i];
