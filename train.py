@@ -305,11 +305,19 @@ def ensure_profile(config: TrainConfig, pair):
     )
 
 
-def ensure_traces(config: TrainConfig, pair, prompts: list[dict], tag: str):
-    """The traces of ``prompts`` at every temperature of the config (``samples_per_prompt`` per prompt at
-    temperatures > 0), temperature by temperature."""
+def ensure_traces(
+    config: TrainConfig,
+    pair,
+    prompts: list[dict],
+    tag: str,
+    temperatures: list[float] | None = None,
+    max_new_tokens: int | None = None,
+):
+    """The traces of ``prompts`` at every temperature of the config (or ``temperatures``; ``samples_per_prompt``
+    per prompt at temperatures > 0), temperature by temperature, ``max_new_tokens`` (default: the config's)
+    each."""
     traces = []
-    for temperature in config.temperature_list():
+    for temperature in config.temperature_list() if temperatures is None else temperatures:
         traces += workspace.ensure_traces(
             pair,
             prompts,
@@ -317,7 +325,7 @@ def ensure_traces(config: TrainConfig, pair, prompts: list[dict], tag: str):
             temperature=temperature,
             tree_width=config.tree_width,
             max_depth=config.max_depth,
-            max_new_tokens=config.max_new_tokens,
+            max_new_tokens=max_new_tokens or config.max_new_tokens,
             seed=config.seed,
             samples_per_prompt=config.samples_per_prompt,
             progress=config.progress,
@@ -326,54 +334,55 @@ def ensure_traces(config: TrainConfig, pair, prompts: list[dict], tag: str):
     return traces
 
 
-def select_prompts(config: TrainConfig):
-    langs = [x.strip() for x in config.languages.split(",") if x.strip()]
-    train = load_suite(
-        config.prompts, split=config.train_split, languages=langs, limit_per_language=config.train_prompts
-    )
-    val = load_suite(
-        config.prompts, split=config.val_split, languages=langs, limit_per_language=config.val_prompts
-    )
-    overlap = {p["id"] for p in train} & {p["id"] for p in val}
+def _split_pair(
+    path, langs: list[str], train: tuple[str, int], val: tuple[str, int], what: str
+) -> tuple[list[dict], list[dict]]:
+    """(train, validation) prompts of a suite, each ``(split, per language)`` (0: none), never overlapping."""
+    picked = [
+        interleave_languages(load_suite(path, split=split, languages=langs, limit_per_language=count))
+        if count
+        else []
+        for split, count in (train, val)
+    ]
+    overlap = {p["id"] for p in picked[0]} & {p["id"] for p in picked[1]}
     if overlap:
-        raise ValueError(f"train and validation prompts overlap: {sorted(overlap)}")
-    return interleave_languages(train), interleave_languages(val)
+        raise ValueError(f"{what} overlap: {sorted(overlap)}")
+    return picked[0], picked[1]
+
+
+def _languages(config: TrainConfig) -> list[str]:
+    return [x.strip() for x in config.languages.split(",") if x.strip()]
+
+
+def select_prompts(config: TrainConfig):
+    return _split_pair(
+        config.prompts,
+        _languages(config),
+        (config.train_split, config.train_prompts),
+        (config.val_split, config.val_prompts),
+        "train and validation prompts",
+    )
 
 
 def select_long_prompts(config: TrainConfig) -> tuple[list[dict], list[dict]]:
     """The long requests added to training and validation (empty lists when neither flag asks for any)."""
     if not (config.long_train_prompts or config.long_val_prompts):
         return [], []
-    langs = [x.strip() for x in config.languages.split(",") if x.strip()]
-    path = config.long_prompts or LONG_SUITE
-    pick = {}
-    for name, split, count in (
-        ("train", config.train_split, config.long_train_prompts),
-        ("val", config.val_split, config.long_val_prompts),
-    ):
-        found = load_suite(path, split=split, languages=langs, limit_per_language=count) if count else []
-        pick[name] = interleave_languages(found)
-    overlap = {p["id"] for p in pick["train"]} & {p["id"] for p in pick["val"]}
-    if overlap:
-        raise ValueError(f"long train and validation prompts overlap: {sorted(overlap)}")
-    return pick["train"], pick["val"]
+    return _split_pair(
+        config.long_prompts or LONG_SUITE,
+        _languages(config),
+        (config.train_split, config.long_train_prompts),
+        (config.val_split, config.long_val_prompts),
+        "long train and validation prompts",
+    )
 
 
 def ensure_long_traces(config: TrainConfig, pair, prompts: list[dict], tag: str):
     """Greedy traces of the long requests at --long-max-new-tokens."""
     if not prompts:
         return []
-    return workspace.ensure_traces(
-        pair,
-        prompts,
-        config.cache_dir,
-        temperature=0.0,
-        tree_width=config.tree_width,
-        max_depth=config.max_depth,
-        max_new_tokens=config.long_max_new_tokens,
-        seed=config.seed,
-        progress=config.progress,
-        tag=tag,
+    return ensure_traces(
+        config, pair, prompts, tag, temperatures=[0.0], max_new_tokens=config.long_max_new_tokens
     )
 
 

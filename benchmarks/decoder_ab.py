@@ -47,42 +47,6 @@ def revision_sources(rev: str, directory: Path) -> Path:
     return directory
 
 
-def build(name: str, sources: Path, directory: Path):
-    from torch.utils.cpp_extension import load
-
-    directory.mkdir(parents=True, exist_ok=True)
-    return load(
-        name=name,
-        sources=[str(sources / p.name) for p in native.SOURCES],
-        extra_cflags=list(native.CFLAGS),
-        extra_ldflags=list(native.LDFLAGS),
-        build_directory=str(directory),
-        verbose=bool(os.environ.get("DRAFTPILOT_VERBOSE_BUILD")),
-    )
-
-
-def decoder_of(module, model):
-    """A decoder of ``module`` over ``model``'s kquant layers (what engine.lean.native_decoder builds)."""
-    config, first = model.config, model.model.layers[0]
-    decoder = module.Decoder(
-        config.hidden_size,
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        first.self_attn.head_dim,
-        config.intermediate_size,
-        float(first.input_layernorm.variance_epsilon),
-    )
-    for layer in model.model.layers:
-        linears = lean._linears(layer)
-        decoder.add_layer(
-            layer.input_layernorm.weight.detach().contiguous(),
-            layer.post_attention_layernorm.weight.detach().contiguous(),
-            [[x.codes, x.meta] if x.kind == "k4" else [x.lo, x.hi, x.meta] for x in linears],
-            [x.bias for x in linears],
-        )
-    return decoder
-
-
 def tree_index(ctx: int, chain: int) -> tuple[torch.Tensor, torch.Tensor]:
     """counts and index of 6 tree rows over a cache of ctx + chain entries (the tree at ctx + chain ...)."""
     paths = [[0], [0, 1], [0, 2], [0, 2, 3], [0, 1, 4], [0, 2, 3, 5]]
@@ -189,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        old = build("dab_reference", revision_sources(args.against, tmp / "ref"), tmp / "build_ref")
-        new = build("dab_checkout", native.CSRC, tmp / "build_new")
+        old = native.build(
+            "dab_reference", tmp / "build_ref", sources=revision_sources(args.against, tmp / "ref")
+        )
+        new = native.build("dab_checkout", tmp / "build_new")
         pair = load_pair(
             args.pair,
             weights="kquant",
@@ -210,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
             if lean.native_decoder(model) is None:
                 print(f"{which}: no native decoder for this model (not all-kquant layers)")
                 continue
-            decoders = {args.against: decoder_of(old, model), "checkout": decoder_of(new, model)}
+            decoders = {
+                args.against: lean.build_decoder(old, model),
+                "checkout": lean.build_decoder(new, model),
+            }
             print(f"{which}: bitwise check")
             differing += check(decoders, model, check_contexts)
             if not args.no_timing:

@@ -59,30 +59,31 @@ def native_decoder(model):
     if supports(model) and all(
         isinstance(linear, KQuantLinear) for layer in model.model.layers for linear in _linears(layer)
     ):
-        config, first = model.config, model.model.layers[0]
-        attn = first.self_attn
-        decoder = first.self_attn.q_proj._ops.Decoder(
-            config.hidden_size,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            attn.head_dim,
-            config.intermediate_size,
-            float(first.input_layernorm.variance_epsilon),
-        )
-        for layer in model.model.layers:
-            linears = _linears(layer)
-            decoder.add_layer(
-                layer.input_layernorm.weight.detach().contiguous(),
-                layer.post_attention_layernorm.weight.detach().contiguous(),
-                [
-                    [linear.codes, linear.meta]
-                    if linear.kind == "k4"
-                    else [linear.lo, linear.hi, linear.meta]
-                    for linear in linears
-                ],
-                [linear.bias for linear in linears],
-            )
+        decoder = build_decoder(model.model.layers[0].self_attn.q_proj._ops, model)
     model.__dict__["_draftpilot_decoder"] = decoder
+    return decoder
+
+
+def build_decoder(ops, model):
+    """A ``Decoder`` of the compiled extension ``ops`` over ``model``'s kquant layers (weights shared, not
+    copied)."""
+    config, first = model.config, model.model.layers[0]
+    decoder = ops.Decoder(
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        first.self_attn.head_dim,
+        config.intermediate_size,
+        float(first.input_layernorm.variance_epsilon),
+    )
+    for layer in model.model.layers:
+        linears = _linears(layer)
+        decoder.add_layer(
+            layer.input_layernorm.weight.detach().contiguous(),
+            layer.post_attention_layernorm.weight.detach().contiguous(),
+            [[x.codes, x.meta] if x.kind == "k4" else [x.lo, x.hi, x.meta] for x in linears],
+            [x.bias for x in linears],
+        )
     return decoder
 
 

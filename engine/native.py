@@ -74,15 +74,18 @@ def build_dir() -> Path:
     return cache_dir() / "native" / key.hexdigest()[:16]
 
 
-def build(name: str, directory: Path, defines: tuple[str, ...] = ()) -> ModuleType:
+def build(
+    name: str, directory: Path, defines: tuple[str, ...] = (), sources: Path | None = None
+) -> ModuleType:
     """Compile (or load from ``directory``) the sources as extension ``name``; ``defines``: extra ``-D``
-    flags (``benchmarks/kernel_variants.py`` builds variants this way)."""
+    flags (``benchmarks/kernel_variants.py`` builds variants this way); ``sources``: a directory holding
+    other versions of the same files (``benchmarks/decoder_ab.py``: a git revision's), else ``CSRC``."""
     from torch.utils.cpp_extension import load
 
     directory.mkdir(parents=True, exist_ok=True)
     return load(
         name=name,
-        sources=[str(path) for path in SOURCES],
+        sources=[str((sources or CSRC) / path.name) for path in SOURCES],
         extra_cflags=list(CFLAGS) + [f"-D{d}" for d in defines],
         extra_ldflags=list(LDFLAGS),
         build_directory=str(directory),

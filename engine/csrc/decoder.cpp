@@ -61,32 +61,33 @@ void rope(float* v, const float* cos, const float* sin, int64_t D) {
   for (int64_t i = h; i < D; ++i) v[i] = tmp[i] * cos[i] + tmp[i - h] * sin[i];
 }
 
+// Scores p[0..n) -> exp(p - max) in place, summed in key order; returns 1 / sum.
+float softmax_in_place(float* p, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, p[j]);
+  float sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float e = std::exp(p[j] - mx);
+    p[j] = e;
+    sum += e;
+  }
+  return 1.f / sum;
+}
+
 // The attention of one (row, head) over the n keys it sees (e = ir[j], or j without an index): scores
-// q.k * scale in key order, softmax with the running max and a sequential sum, the weighted values summed in
-// key order. Every path below computes exactly these operations in this order.
+// q.k * scale in key order, softmax_in_place, the weighted values summed in key order, times 1 / sum. Every
+// path below computes exactly these operations in this order.
 void head_attention(const float* qr, const float* kg, const float* vg, int64_t D, int64_t n, const int64_t* ir,
                     float scale, float* o, std::vector<float>& p) {
   p.resize((size_t)n);
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t e = ir ? ir[j] : j;
-    const float s = dot(qr, kg + e * D, D) * scale;
-    p[(size_t)j] = s;
-    mx = std::max(mx, s);
-  }
-  float sum = 0.f;
-  for (int64_t j = 0; j < n; ++j) {
-    const float e = std::exp(p[(size_t)j] - mx);
-    p[(size_t)j] = e;
-    sum += e;
-  }
+  for (int64_t j = 0; j < n; ++j) p[(size_t)j] = dot(qr, kg + (ir ? ir[j] : j) * D, D) * scale;
+  const float inv = softmax_in_place(p.data(), n);
   for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
   for (int64_t j = 0; j < n; ++j) {
     const float w = p[(size_t)j];
     const float* ve = vg + (ir ? ir[j] : j) * D;
     for (int64_t d = 0; d < D; ++d) o[d] += w * ve[d];
   }
-  const float inv = 1.f / sum;
   for (int64_t d = 0; d < D; ++d) o[d] *= inv;
 }
 
@@ -154,16 +155,7 @@ void heads_attention_avx512(const float* const* qs, int64_t Q, int64_t nh, const
   std::vector<float> inv((size_t)(Q * nh));
   for (int64_t r = 0; r < Q; ++r) {
     for (int64_t h = 0; h < nh; ++h) {
-      float* ph = p.data() + (r * nh + h) * nmax;
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < n[r]; ++j) mx = std::max(mx, ph[j]);
-      float sum = 0.f;
-      for (int64_t j = 0; j < n[r]; ++j) {
-        const float e = std::exp(ph[j] - mx);
-        ph[j] = e;
-        sum += e;
-      }
-      inv[(size_t)(r * nh + h)] = 1.f / sum;
+      inv[(size_t)(r * nh + h)] = softmax_in_place(p.data() + (r * nh + h) * nmax, n[r]);
       for (int64_t d = 0; d < D; ++d) os[r * nh + h][d] = 0.f;
     }
   }
