@@ -22,6 +22,7 @@ from engine.attention import MAX_ROWWISE_ROWS, MAX_VERIFY_NODES
 from engine.control import Controller, ControllerError, DraftState, decision, verify_size
 from engine.errors import InputError, is_int, short_repr
 from engine.kvcache import cache_len, keep_entries, new_cache
+from engine.lookup import LookupConfig, NgramIndex
 from engine.models import ModelPair
 from engine.results import CycleRecord, GenerationResult
 from engine.sampling import (
@@ -71,8 +72,13 @@ class EngineConfig:
     validate_caches: bool = False
     """Debug: after every cycle, check both KV caches against a fresh forward of the committed tokens
     (slow; tests use it to prove the cache invariant)."""
+    lookup: LookupConfig | None = None
+    """Context lookup drafting (``engine.lookup``): a cycle whose context's last n-gram occurred earlier
+    verifies the tokens that followed it, without running the draft or asking the controller; None: off."""
 
     def __post_init__(self) -> None:
+        if self.lookup is not None and not isinstance(self.lookup, LookupConfig):
+            raise InputError(f"lookup must be an engine.lookup.LookupConfig or None, got {self.lookup!r}")
         if self.draft_mode not in ("deterministic", "sampled"):
             raise InputError(f"draft_mode must be 'deterministic' or 'sampled', got {self.draft_mode!r}")
         for name, low, high in (
@@ -163,12 +169,24 @@ class SpeculativeEngine:
         prefill_s = self.clock() - t0
         if controller is not None:
             controller.reset()
+        lookup = self.config.lookup
+        index = NgramIndex(lookup) if lookup is not None else None
         finish = self._finish_reason(req, len(prompt_ids), max_new_tokens)
         while finish is None:
             remaining = max_new_tokens - (len(req.tokens) - len(prompt_ids))
             room = self.pair.max_context - len(req.tokens)
             cap = min(self.config.max_depth, remaining - 1, room - 1, tree_cap)
-            if controller is None or cap < 1:
+            proposal = []
+            if index is not None:
+                t0 = self.clock()
+                index.sync(req.tokens)
+                limit = min(self.config.max_depth, remaining - 1, room - 1, self.config.max_verify)
+                proposal = index.propose(min(limit, lookup.max_tokens))
+                lookup_s = self.clock() - t0
+            if proposal:  # a lookup cycle: neither the draft nor the controller runs
+                record = self._lookup_cycle(req, proposal)
+                record.draft_s += lookup_s
+            elif controller is None or cap < 1:
                 record = self._autoregressive_step(req)
             else:
                 go, ask_s = self._wants_draft(req, controller, cap)
@@ -178,6 +196,8 @@ class SpeculativeEngine:
                 )
                 record.controller_s += ask_s
                 controller.observe(record)
+            if index is not None and not proposal:
+                record.overhead_s += lookup_s  # a lookup that found nothing
             req.cycles.append(record)
             if self.config.validate_caches:
                 self._validate_caches(req)
@@ -226,6 +246,36 @@ class SpeculativeEngine:
             check_finite(logits, "target")
         req.tokens.append(make_target_drawer(logits, self.sampling, req.generator)(0))
         return CycleRecord(ctx, 0, 0, 0, 0, 1, verify_s=self.clock() - t0, forward_s=t_fwd)
+
+    def _lookup_cycle(self, req: _Request, proposal: list[int]) -> CycleRecord:
+        """Verify a context-lookup proposal as a chain (``engine.lookup``): one target forward over the root
+        and the proposal, acceptance by ``verify_tree`` (the proposal is deterministic, in either draft mode).
+        Recorded with depth 0 (no draft step ran) and ``lookup=True``; the draft falls behind by the
+        committed tokens, as after an autoregressive step."""
+        clock, ctx = self.clock, len(req.tokens)
+        t_start = clock()
+        tree, parent = DraftTree(), -1
+        for tok in proposal:
+            parent = tree.add(tok, parent, 0.0)
+        selected = list(range(len(tree)))
+        t_built = clock()
+        path, next_token, fwd_s = self._verify(req, tree, selected, [], one_hot=True)
+        t_verified = clock()
+        new_tokens = [tree.tokens[i] for i in path] + [next_token]
+        accepted, emitted = self._commit(req, tree, selected, path, new_tokens, draft_ran=False)
+        return CycleRecord(
+            context_len=ctx,
+            depth=0,
+            num_drafted=len(tree),
+            num_verified=len(selected),
+            accepted=accepted,
+            emitted=emitted,
+            draft_s=t_built - t_start,
+            verify_s=t_verified - t_built,
+            overhead_s=clock() - t_verified,
+            forward_s=fwd_s,
+            lookup=True,
+        )
 
     def _wants_draft(self, req: _Request, controller: Controller, cap: int) -> tuple[bool, float]:
         """Depth 0: (draft this cycle?, seconds the controller took). Always True, without asking, for a
@@ -344,9 +394,15 @@ class SpeculativeEngine:
         return expand_topk(tree, parents, parent_scores, logprobs, width)
 
     def _verify(
-        self, req: _Request, tree: DraftTree, selected: list[int], draft_probs: list[torch.Tensor]
+        self,
+        req: _Request,
+        tree: DraftTree,
+        selected: list[int],
+        draft_probs: list[torch.Tensor],
+        one_hot: bool = False,
     ) -> tuple[list[int], int, float]:
-        """One target forward over the root and the selected nodes, then exact acceptance."""
+        """One target forward over the root and the selected nodes, then exact acceptance (``one_hot``: the
+        nodes are deterministic proposals whatever the draft mode, accepted by ``verify_tree``)."""
         ctx = len(req.tokens)
         local = {node: j for j, node in enumerate(selected)}
         parents = [local.get(tree.parents[n], -1) for n in selected]
@@ -367,7 +423,7 @@ class SpeculativeEngine:
         fwd_s = self.clock() - t0
         if self.config.check_finite:
             check_finite(logits, "target")
-        if self.config.draft_mode == "sampled":
+        if self.config.draft_mode == "sampled" and not one_hot:
             target_probs = logits_to_probs(logits, self.sampling)  # [V + 1, vocab]
             tokens = torch.as_tensor([tree.tokens[n] for n in selected], device=logits.device)
             q = torch.stack(draft_probs[: len(selected)]) if selected else target_probs[:0]
@@ -378,10 +434,18 @@ class SpeculativeEngine:
         return [selected[j] for j in path_local], next_token, fwd_s
 
     def _commit(
-        self, req: _Request, tree: DraftTree, selected: list[int], path: list[int], new_tokens: list[int]
+        self,
+        req: _Request,
+        tree: DraftTree,
+        selected: list[int],
+        path: list[int],
+        new_tokens: list[int],
+        draft_ran: bool = True,
     ) -> tuple[int, int]:
         """Append the new tokens (cut after EOS; ``cap`` already bounds them by budget and context) and
-        compact both caches to the committed tokens. Returns (accepted drafted tokens committed, emitted)."""
+        compact both caches to the committed tokens (``draft_ran=False``: the draft ran nothing this cycle,
+        its cache and length stay; the new tokens join its pending inputs). Returns (accepted drafted tokens
+        committed, emitted)."""
         ctx = len(req.tokens)
         eos = self.pair.eos_token_ids
         for i, tok in enumerate(new_tokens):
@@ -394,6 +458,8 @@ class SpeculativeEngine:
         # target: [tokens[:ctx-1]] [root] [selected...] -> keep root + accepted path
         local = {node: j for j, node in enumerate(selected)}
         keep_entries(req.target_cache, ctx, [ctx + local[n] for n in path])
+        if not draft_ran:
+            return accepted, len(new_tokens)
         # draft: [tokens[:ctx]] [forwarded tree nodes...] -> keep the forwarded prefix of the path
         forwarded = []  # the draft ran a prefix of the path (a node is run only when it is expanded)
         for n in path:

@@ -34,6 +34,9 @@ class CycleRecord:
     """Everything else in the cycle: cache compaction, bookkeeping."""
     forward_s: float = 0.0
     """Time inside model forward calls only (draft and target); the rest is engine overhead."""
+    lookup: bool = False
+    """A context-lookup cycle (``engine.lookup``): ``num_drafted``/``num_verified`` proposed tokens, depth 0 (no
+    draft step), the controller neither asked nor shown it through ``observe``; ``draft_s`` is the lookup."""
 
     @property
     def total_s(self) -> float:
@@ -100,6 +103,7 @@ def summarize(res: GenerationResult) -> dict[str, float]:
         "mean_accepted": accepted / len(spec) if spec else 0.0,
         "tokens_per_cycle": (n - 1) / len(cycles) if cycles else float("nan"),
         "acceptance_rate": accepted / verified if verified else float("nan"),
+        "lookup_cycles": float(sum(c.lookup for c in cycles)),
         "mean_depth": float(np.mean([c.depth for c in cycles])) if cycles else 0.0,
         "mean_verified": float(np.mean([c.num_verified for c in cycles])) if cycles else 0.0,
         "overhead_fraction": 1.0 - forward_s / decode_s if decode_s > 0 else float("nan"),

@@ -26,6 +26,7 @@ from engine.attention import MAX_VERIFY_NODES
 from engine.control import Controller, DraftState, decision, verify_size
 from engine.cost_profile import CostProfile
 from engine.errors import InputError
+from engine.lookup import LookupConfig, NgramIndex
 from engine.results import CycleRecord
 from engine.tree import MAX_TREE_NODES, clamp_verify, depth_limit
 from envs.trace import Trace, TraceError
@@ -91,6 +92,7 @@ class ReplayTrace:
                 f"{trace.prompt_id}: tree_width {self.width} exceeds max_tree_nodes {engine_max_tree_nodes}"
             )
         self._positions: dict[int, Position] = {}
+        self._lookup: dict[LookupConfig, list[list[int]]] = {}
 
     def position(self, t: int) -> Position:
         pos = self._positions.get(t)
@@ -191,6 +193,43 @@ class ReplayTrace:
         (EOS accepted inside the block)."""
         return min(accepted + 1, len(self.trace.tokens) - 1 - t)
 
+    def lookup_cap(self, t: int, config: LookupConfig) -> int:
+        """The most tokens the engine lets a context lookup propose at position t (``EngineConfig.lookup``):
+        min(max_tokens, engine max depth, remaining budget - 1, context room - 1, engine max verify)."""
+        remaining = self.max_new_tokens - (t + 1)
+        room = self.max_context - self.context_len(t)
+        return min(config.max_tokens, self.engine_max_depth, remaining - 1, room - 1, self.engine_max_verify)
+
+    def lookup(self, t: int, config: LookupConfig) -> tuple[int, int]:
+        """(proposed, accepted) of a context lookup at position t: the engine's ``NgramIndex`` proposal on
+        ``prompt + tokens[:t+1]`` (cut to ``lookup_cap``) and how many of its leading tokens the trajectory
+        repeats. (0, 0): no match, the cycle is the controller's."""
+        proposals = self._lookup.get(config)
+        if proposals is None:
+            proposals = self._lookup[config] = self._lookup_proposals(config)
+        proposal = proposals[t][: max(self.lookup_cap(t, config), 0)]
+        future = self.trace.tokens[t + 1 : t + 1 + len(proposal)]
+        accepted = 0
+        for want, got in zip(proposal, future):
+            if int(want) != int(got):
+                break
+            accepted += 1
+        return len(proposal), accepted
+
+    def _lookup_proposals(self, config: LookupConfig) -> list[list[int]]:
+        prompt = self.trace.meta.get("prompt_ids")
+        if prompt is None or len(prompt) != self.trace.prompt_len:
+            raise TraceError(
+                f"{self.trace.prompt_id}: the trace has no prompt ids (meta 'prompt_ids'), which context lookup "
+                "replay needs; record it again"
+            )
+        index = NgramIndex(config, prompt)
+        out = []
+        for tok in self.trace.tokens:
+            index.extend([int(tok)])
+            out.append(index.propose(config.max_tokens))
+        return out
+
     def pending_after(self, t: int, depth: int, accepted: int) -> int:
         """Draft pending inputs of the next cycle: the accepted nodes the draft never ran (only frontier
         nodes of steps < depth are run) plus the recovered/bonus token."""
@@ -209,16 +248,30 @@ def replay_cycles(
     rng: np.random.Generator | None = None,
     speculative: bool = True,
     depth_zero: bool = False,
+    lookup: LookupConfig | None = None,
 ) -> Generator[Message, Reply, None]:
     """The engine's cycle loop on a trace, as a coroutine: yields ``("depth", DraftState)`` (send a bool:
     continue?), ``("size", DraftState)`` (send the number of nodes to verify) and ``("cycle",
     CycleRecord)`` (send None) after every cycle. Times come from ``profile`` (expected values, or with
     sampled noise when ``rng`` is given). ``speculative=False`` decodes autoregressively.
     ``depth_zero``: also ask ``("depth", state at depth 0)`` before drafting (the engine does so for
-    controllers with ``decides_depth_zero``); False makes the cycle an autoregressive step."""
+    controllers with ``decides_depth_zero``); False makes the cycle an autoregressive step. ``lookup``: the
+    engine's context lookup (``EngineConfig.lookup``): where it proposes, the cycle is a lookup cycle and
+    nothing is asked."""
     records: list[CycleRecord] = []
     t, pending = 0, 1
     while not rt.done(t):
+        proposed, accepted = rt.lookup(t, lookup) if lookup is not None else (0, 0)
+        if proposed:
+            rec = CycleRecord(
+                rt.context_len(t), 0, proposed, proposed, accepted, rt.emitted(t, accepted), lookup=True
+            )
+            charge_times(rec, profile, rng, pending=0, width=rt.width)
+            pending += rec.emitted
+            records.append(rec)
+            yield ("cycle", rec)
+            t += rec.emitted
+            continue
         cap = rt.depth_cap(t)
         if speculative and cap >= 1 and depth_zero and not (yield ("depth", rt.state(t, 0, records))):
             cap = 0  # depth 0 chosen: an autoregressive step, the draft falls one more token behind
@@ -250,10 +303,12 @@ def replay_generate(
     profile: CostProfile | None = None,
     rng: np.random.Generator | None = None,
     measure_controller: bool = False,
+    lookup: LookupConfig | None = None,
 ) -> list[CycleRecord]:
     """Run ``controller`` through ``replay_cycles`` (None: autoregressive); returns the cycle records,
     as ``SpeculativeEngine.generate`` would. ``measure_controller`` charges the controller's real call
-    time to ``controller_s``."""
+    time to ``controller_s``. ``lookup``: the engine's context lookup (``EngineConfig.lookup``); lookup
+    cycles are not shown to the controller's ``observe``, as in the engine."""
     if controller is not None:
         if controller.tree_width != rt.width:
             raise ValueError(f"controller tree_width {controller.tree_width} != trace tree_width {rt.width}")
@@ -264,6 +319,7 @@ def replay_generate(
         rng,
         speculative=controller is not None,
         depth_zero=controller is not None and controller.decides_depth_zero,
+        lookup=lookup,
     )
     records, ctrl_s, reply = [], 0.0, None
     while True:
@@ -280,7 +336,7 @@ def replay_generate(
             reply = None
             if measure_controller:
                 payload.controller_s, ctrl_s = ctrl_s, 0.0
-            if controller is not None:
+            if controller is not None and not payload.lookup:
                 controller.observe(payload)
             records.append(payload)
             continue
@@ -294,7 +350,10 @@ def charge_times(
     if profile is None:
         return
     ctx = rec.context_len
-    if rec.depth == 0:
+    if rec.lookup:  # a one-node-wide chain verified without drafting
+        rec.verify_s = profile.verify_s(rec.num_verified, ctx, chain=True)
+        rec.overhead_s = profile.overhead_s(rec.num_verified, depth=1)
+    elif rec.depth == 0:
         rec.verify_s = profile.verify_s(0, ctx)
         rec.overhead_s = profile.overhead_s(0, depth=0)
     else:

@@ -13,6 +13,7 @@ import torch
 
 import engine.engine as engine_module
 from engine import EngineConfig, SamplingConfig, SpeculativeEngine
+from engine.lookup import LookupConfig
 from engine.sampling import logits_to_probs, verify_chain
 from policies import StaticController
 
@@ -138,3 +139,102 @@ def test_deterministic_drafts_reproduce_the_autoregressive_sample(tiny_pair, pro
                 seed,
                 controller,
             )
+
+
+# ---------------------------------------------------------------------------------------- context lookup
+LOOKUP = LookupConfig(min_ngram=1, max_ngram=1, max_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def lookup_prompt(tiny_pair, prompt_ids):
+    """``prompt_ids`` behind pairs (a, b): a among the target's 8 likeliest next tokens, b its greedy successor
+    (three rounds, each on the previous prompt), so most first cycles find a lookup proposal (the first
+    token occurred in the prompt) and its tokens are accepted sometimes, rejected sometimes."""
+
+    def top(ids, k):
+        return tiny_pair.target(input_ids=torch.tensor([ids])).logits[0, -1].topk(k).indices.tolist()
+
+    ids = list(prompt_ids)
+    with torch.inference_mode():
+        for _ in range(3):
+            pairs = []
+            for a in top(ids, 8):
+                pairs += [a, top(ids + [a], 1)[0]]
+            ids = pairs + list(prompt_ids)
+    return ids
+
+
+@pytest.fixture(scope="module")
+def lookup_laws(tiny_pair, lookup_prompt):
+    return {
+        name: exact_law(tiny_pair.target, lookup_prompt, sampling, tiny_pair.eos_token_ids)
+        for name, sampling in SAMPLINGS.items()
+    }
+
+
+def _lookup_outcomes(engine, ids, seed0):
+    outcomes, hits = [], 0
+    for i in range(NUM_SAMPLES):
+        result = engine.generate(ids, MAX_NEW, StaticController(depth=2), seed=seed0 + i)
+        outcomes.append(tuple(result.tokens[1:3]))
+        hits += result.cycles[0].lookup
+    return outcomes, hits
+
+
+@pytest.mark.parametrize("draft_mode", ["deterministic", "sampled"])
+@pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
+def test_lookup_law_equals_target_law(
+    tiny_pair, lookup_prompt, lookup_laws, law_check, draft_mode, sampling_name
+):
+    """Lookup cycles (most first cycles here) mixed with the controller's chain cycles keep the target law."""
+    engine = SpeculativeEngine(
+        tiny_pair, SAMPLINGS[sampling_name], EngineConfig(draft_mode=draft_mode, lookup=LOOKUP)
+    )
+    seed0 = 20_000_000 + 1_000_000 * (draft_mode == "sampled") + 10_000 * list(SAMPLINGS).index(sampling_name)
+    outcomes, hits = _lookup_outcomes(engine, lookup_prompt, seed0)
+    assert hits > NUM_SAMPLES // 3  # a large share of the law is the lookup cycles
+    result = law_check(outcomes, lookup_laws[sampling_name])
+    assert result.agrees, result
+
+
+REAL_VERIFY_TREE = engine_module.verify_tree
+
+
+def verify_tree_trusting_the_first_node(node_tokens, node_parents, draw_target):
+    """The WRONG rule (negative control): a lookup's first proposed token is kept even when rejected."""
+    path, token = REAL_VERIFY_TREE(node_tokens, node_parents, draw_target)
+    return ([0], token) if node_tokens and not path else (path, token)
+
+
+@pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
+def test_wrong_lookup_rule_is_caught(
+    tiny_pair, lookup_prompt, lookup_laws, law_check, monkeypatch, sampling_name
+):
+    """Same checker, sample size and configuration as above (sampled drafts: ``verify_tree`` serves only the
+    lookup cycles) must reject the engine that trusts the lookup."""
+    monkeypatch.setattr(engine_module, "verify_tree", verify_tree_trusting_the_first_node)
+    engine = SpeculativeEngine(
+        tiny_pair, SAMPLINGS[sampling_name], EngineConfig(draft_mode="sampled", lookup=LOOKUP)
+    )
+    outcomes, _ = _lookup_outcomes(engine, lookup_prompt, seed0=27_000_000)
+    result = law_check(outcomes, lookup_laws[sampling_name])
+    assert result.pvalue < 1e-6, result
+
+
+@pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
+def test_lookup_reproduces_the_autoregressive_sample(tiny_pair, lookup_prompt, sampling_name):
+    """A lookup proposal is a deterministic draft: a seed gives the autoregressive sample itself, with or
+    without a controller (deterministic drafts) for the cycles without a proposal."""
+    reference_engine = SpeculativeEngine(tiny_pair, SAMPLINGS[sampling_name])
+    engine = SpeculativeEngine(
+        tiny_pair, SAMPLINGS[sampling_name], EngineConfig(lookup=LookupConfig(1, 3, 4))
+    )
+    lookups = accepted = 0
+    for seed in range(15):
+        reference = reference_engine.generate(lookup_prompt, 20, seed=seed).tokens
+        for controller in (None, StaticController(3), StaticController(4, 10, 3)):
+            result = engine.generate(lookup_prompt, 20, controller, seed=seed)
+            assert result.tokens == reference, (seed, controller)
+            lookups += sum(c.lookup for c in result.cycles)
+            accepted += sum(c.accepted for c in result.cycles if c.lookup)
+    assert lookups > 50 and accepted >= 10  # proposals taken, not only rejected

@@ -3,11 +3,15 @@ cycles (depth, verified, accepted, emitted) one for one (greedy, tiny pair in fl
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine import EngineConfig, SamplingConfig, SpeculativeEngine
 from envs.record_traces import record_trace
+from engine.lookup import LookupConfig
 from envs.replay import ReplayTrace, replay_generate
+from envs.trace import TraceError
 from policies import ConfidenceController, HeuristicController, StaticController
 
 PROMPTS = ("def main():", "The quick brown fox", "Hello, world")
@@ -67,3 +71,43 @@ def test_replay_reproduces_live_cycles(tiny_pair, recorded, width):
             compared += len(live.cycles)
             accepted_total += sum(c.accepted for c in live.cycles)
     assert compared > 300 and accepted_total > 100  # many positions, and not a trivially rejecting draft
+
+
+LOOKUPS = (LookupConfig(1, 2, 4), LookupConfig(2, 3, 8), LookupConfig(3, 3, 1))
+
+
+def _lookup_cycles(records):
+    return [(r.lookup, r.depth, r.num_verified, r.accepted, r.emitted) for r in records]
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_replay_reproduces_live_cycles_with_context_lookup(tiny_pair, recorded, width):
+    """Lookup cycles (where a proposal is found) and controller cycles (elsewhere) replay one for one, with
+    the draft catching up on the lookup's tokens in later controller cycles; no controller (lookup and
+    autoregressive steps only) too."""
+    compared = lookup_cycles = lookup_accepted = 0
+    for lookup in LOOKUPS:
+        engine = SpeculativeEngine(
+            tiny_pair, SamplingConfig(), EngineConfig(max_depth=MAX_DEPTH, lookup=lookup)
+        )
+        for prompt in PROMPTS:
+            ids, rt = recorded[(width, prompt)]
+            for ctrl in [None, *_controllers(width)[::5]]:
+                live = engine.generate(ids, 40, controller=ctrl)
+                assert live.tokens == rt.trace.tokens.tolist()
+                replayed = replay_generate(rt, ctrl, lookup=lookup)
+                assert _lookup_cycles(replayed) == _lookup_cycles(live.cycles), (prompt, ctrl, lookup)
+                compared += len(live.cycles)
+                lookup_cycles += sum(c.lookup for c in live.cycles)
+                lookup_accepted += sum(c.accepted for c in live.cycles if c.lookup)
+    assert compared > 300 and lookup_cycles > 100 and lookup_accepted > 100
+
+
+def test_lookup_replay_needs_the_prompt_ids(recorded):
+    _, rt = recorded[(1, PROMPTS[0])]
+    meta = dict(rt.trace.meta)
+    del meta["prompt_ids"]
+    bare = ReplayTrace(dataclasses.replace(rt.trace, meta=meta), engine_max_depth=MAX_DEPTH)
+    replay_generate(bare, None)  # without lookup the prompt is not needed
+    with pytest.raises(TraceError, match="prompt ids"):
+        replay_generate(bare, None, lookup=LOOKUPS[0])
