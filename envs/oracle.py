@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from engine.control import Controller, DraftState, StaticController
 from engine.cost_profile import CostProfile
+from engine.lookup import LookupConfig
 from engine.results import CycleRecord
 from envs.replay import SIZE_LADDER, ReplayTrace, replay_generate, throughput
 
@@ -111,13 +112,15 @@ def static_grid(
     depths: Iterable[int] | None = None,
     sizes: Sequence[int] = SIZE_LADDER,
     progress: bool = False,
+    lookup: LookupConfig | None = None,
 ) -> dict[tuple[int, int], float]:
-    """Replay throughput (sum tokens / sum time) of every static (depth, size) on the traces."""
+    """Replay throughput (sum tokens / sum time) of every static (depth, size) on the traces (``lookup``: with
+    the engine's context lookup on)."""
     width = traces[0].width
     depths = list(depths or range(1, traces[0].max_depth + 1))
     grid = [(d, s) for d in depths for s in sizes]
     out = {}
     for depth, size in tqdm(grid, desc="static grid", disable=not progress):
         ctrl = StaticController(depth=depth, verify=size, tree_width=width)
-        out[(depth, size)] = throughput([replay_generate(rt, ctrl, profile) for rt in traces])
+        out[(depth, size)] = throughput([replay_generate(rt, ctrl, profile, lookup=lookup) for rt in traces])
     return out

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.cli import ModelConfig
+from engine.lookup import parse_lookup
 from envs.prompts import interleave_languages, load_suite
 from envs.record_traces import MAX_TRACE_DEPTH, read_prompts
 from evaluation.llama_peer import parse_spec_setting
@@ -20,8 +21,13 @@ ENGINE_CONTROLLERS = (
     "confidence",
     "analytic",
     "learned",
+    "autoregressive+lookup",
+    "static_chain+lookup",
+    "learned+lookup",
 )
-"""Controllers measured live on our engine (autoregressive: ``controller=None``)."""
+"""Controllers measured live on our engine (autoregressive: ``controller=None``); a name ending in
+``LOOKUP_SUFFIX`` is its base controller on an engine with context lookup drafting (``EvalConfig.lookup``)."""
+LOOKUP_SUFFIX = "+lookup"
 PEERS = ("hf_assisted_default", "hf_assisted_heuristic")
 """transformers' assisted generation (``assistant_model=``) with its default and its heuristic schedule."""
 LLAMA_PEERS = ("llama_cpp", "llama_cpp_spec")
@@ -41,8 +47,12 @@ class EvalConfig(ModelConfig):
     """Exported learned policy (policy.pt); none: the newest runs/*/policy.pt."""
     controllers: str = "all"
     """Comma list of controllers to run (all: every one). Names: autoregressive, static_chain, static_tree,
-    heuristic, confidence, analytic, learned, hf_assisted_default, hf_assisted_heuristic, llama_cpp,
-    llama_cpp_spec, oracle. autoregressive always runs: every speedup is measured against it."""
+    heuristic, confidence, analytic, learned, autoregressive+lookup, static_chain+lookup, learned+lookup (the
+    controller on an engine with context lookup drafting, --lookup), hf_assisted_default, hf_assisted_heuristic,
+    llama_cpp, llama_cpp_spec, oracle. autoregressive always runs: every speedup is measured against it."""
+    lookup: str = "on"
+    """The context lookup setting of the +lookup controllers: "on" (engine.lookup.LookupConfig's defaults) or
+    MIN-MAX:K (n-gram sizes MIN..MAX, up to K proposed tokens)."""
     llama_bin: str = ""
     """Directory with llama.cpp's llama-completion and llama-speculative-simple for the llama_cpp rows (empty:
     where benchmarks/llama_cpp.py builds and caches them). evaluate.py never builds llama.cpp: without the
@@ -124,6 +134,10 @@ class EvalConfig(ModelConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         parse_spec_setting(self.llama_spec)  # a bad setting fails before any model loads
+        if parse_lookup(self.lookup) is None:
+            raise ValueError(
+                f'lookup (--lookup) is the setting of the +lookup controllers: not "off", got {self.lookup!r}'
+            )
         for name in (
             "tune_prompts_per_language",
             "max_new_tokens",

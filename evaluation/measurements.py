@@ -23,8 +23,15 @@ CYCLE_FIELDS = ("emitted", "seconds", "accepted", "verified", "depth")
 def run_engine(engine, ids: list[int], controller: Controller | None, max_new_tokens: int, seed: int) -> dict:
     """One ``SpeculativeEngine.generate`` call as a measurement."""
     res = engine.generate(ids, max_new_tokens=max_new_tokens, controller=controller, seed=seed)
-    cycles = [
-        [c.emitted, c.total_s, c.accepted if c.depth else -1, c.num_verified if c.depth else -1, c.depth]
+    cycles = [  # accepted and verified: -1 for an autoregressive step (no draft, no lookup); last: lookup
+        [
+            c.emitted,
+            c.total_s,
+            c.accepted if c.depth or c.lookup else -1,
+            c.num_verified if c.depth or c.lookup else -1,
+            c.depth,
+            int(c.lookup),
+        ]
         for c in res.cycles
     ]
     decode_s = float(sum(c.total_s for c in res.cycles))

@@ -99,7 +99,7 @@ def run_peer(
     end = clock()
     tokens = out[0, len(ids) :].tolist()
     stamps = [timer.t0] + [t for _, t in timer.chunks]
-    steps = [[n, stamps[i + 1] - stamps[i], n - 1, -1, -1] for i, (n, _) in enumerate(timer.chunks)]
+    steps = [[n, stamps[i + 1] - stamps[i], n - 1, -1, -1, 0] for i, (n, _) in enumerate(timer.chunks)]
     ttft = steps[0][1] if steps else end - timer.t0
     peak = (
         torch.cuda.max_memory_allocated(device)

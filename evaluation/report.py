@@ -137,23 +137,26 @@ def results_md(summary: dict) -> list[str]:
 
 def ratios_md(summary: dict) -> list[str]:
     ratios = summary["learned_ratios"]
-    if not ratios:
+    lookup = summary.get("learned_lookup_ratios") or {}
+    if not ratios and not lookup:
         return []
     rows = [
         [
-            f"learned / {k}" + (f" ({r['against']})" if r["against"] != k else ""),
+            f"{who} / {k}" + (f" ({r['against']})" if r["against"] != k else ""),
             _f(r["ratio"]),
             f"[{_f(r['low'])}, {_f(r['high'])}]",
             r["prompts"],
         ]
-        for k, r in ratios.items()
+        for who, table in (("learned", ratios), ("learned+lookup", lookup))
+        for k, r in table.items()
     ]
     return [
         "## Learned policy ratios",
         "",
         "Throughput ratio (all tokens / all time of the learned policy over the other controller, same "
         "prompts); 95% paired bootstrap interval: prompts resampled with replacement, both controllers' "
-        "numbers of a prompt kept together.",
+        "numbers of a prompt kept together. learned+lookup: the same policy on the engine with context lookup "
+        "drafting (engine.lookup).",
         "",
     ] + _table(["ratio", "point", "95% CI", "prompts"], rows)
 

@@ -14,15 +14,24 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from engine import SamplingConfig, SpeculativeEngine
+from engine import EngineConfig, SamplingConfig, SpeculativeEngine
 from engine.errors import DraftpilotError, InputError
+from engine.lookup import LookupConfig, parse_lookup
 from envs import workspace
 from envs.oracle import oracle_throughput
 from envs.prompts import language_of
 from envs.replay import replay_generate, throughput
 from evaluation.checkpoint import Checkpoint, stored_config
 from evaluation.concurrency import run_load
-from evaluation.config import LLAMA_PEERS, OPEN_PROMPTS, PEERS, EvalConfig, find_policy, select_prompts
+from evaluation.config import (
+    LLAMA_PEERS,
+    LOOKUP_SUFFIX,
+    OPEN_PROMPTS,
+    PEERS,
+    EvalConfig,
+    find_policy,
+    select_prompts,
+)
 from evaluation.exactness import greedy_audit, law_checks, sampled_test
 from evaluation.llama_peer import LlamaPeer
 from evaluation.measurements import DecisionLoggingController, run_engine
@@ -49,6 +58,8 @@ class Setup:
     def __init__(self, config: EvalConfig):
         self.config = config
         self.names = config.controller_names()
+        self.lookup = parse_lookup(config.lookup)
+        """The engine's context lookup setting of the ``+lookup`` controllers."""
         self.tune_prompts, self.test_prompts, self.warnings = select_prompts(config)
         self.policy_path = find_policy(config) if "learned" in self.names else None
         try:  # fail early on a bad file
@@ -108,25 +119,46 @@ class Setup:
         return load_policy(self.policy_path, profile=self.profile)  # device features of this device's profile
 
     def factories(self, static_best: dict[str, dict]) -> dict[str, Callable[[], object] | None]:
-        """Engine controller name -> factory of a fresh controller (None: autoregressive)."""
+        """Engine controller name -> factory of a fresh controller (None: autoregressive); a ``+lookup`` name
+        gets its base controller's factory (the lookup is the engine's: ``Engines``)."""
         made: dict[str, Callable[[], object] | None] = {"autoregressive": None}
-        for name in self.names:
-            if name in STATIC and name in static_best:
-                best = static_best[name]
-                made[name] = lambda b=best: StaticController(
-                    b["depth"], b["verify"], tree_width=b["tree_width"]
-                )
+        for full in self.names:
+            name = full.removesuffix(LOOKUP_SUFFIX)
+            if name == "autoregressive":
+                made[full] = None
+            elif name in STATIC:
+                if name in static_best:
+                    best = static_best[name]
+                    made[full] = lambda b=best: StaticController(
+                        b["depth"], b["verify"], tree_width=b["tree_width"]
+                    )
             elif name == "heuristic":
-                made[name] = HeuristicController
+                made[full] = HeuristicController
             elif name == "confidence":
-                made[name] = lambda: ConfidenceController(0.4)
+                made[full] = lambda: ConfidenceController(0.4)
             elif name == "analytic":
-                made[name] = lambda: AnalyticController(
+                made[full] = lambda: AnalyticController(
                     self.profile, tree_width=self.width, max_depth=self.max_depth
                 )
             elif name == "learned":
-                made[name] = self.learned
+                made[full] = self.learned
         return made
+
+
+class Engines:
+    """The evaluation's engines: plain, and with context lookup drafting for the ``+lookup`` controllers."""
+
+    def __init__(self, pair, temperature: float, lookup: LookupConfig | None):
+        sampling = SamplingConfig(temperature=temperature)
+        self.plain = SpeculativeEngine(pair, sampling)
+        self.lookup = SpeculativeEngine(pair, sampling, EngineConfig(lookup=lookup)) if lookup else None
+
+    def __call__(self, name: str) -> SpeculativeEngine:
+        if name.endswith(LOOKUP_SUFFIX):
+            if self.lookup is None:
+                raise ValueError(f"{name}: this evaluation has no lookup setting")
+            return self.lookup
+        return self.plain
 
 
 def live_runs(
@@ -168,7 +200,8 @@ def live_runs(
                     elif name in LLAMA_PEERS:
                         run = setup.llama.run(name, item["prompt"], max_new_tokens, seed)
                     else:
-                        run = run_engine(engine, ids, controllers[name], max_new_tokens, seed)
+                        eng = engine(name) if isinstance(engine, Engines) else engine
+                        run = run_engine(eng, ids, controllers[name], max_new_tokens, seed)
                     run.update(
                         controller=name, prompt_id=item["id"], language=language_of(item), rep=rep, seed=seed
                     )
@@ -199,7 +232,8 @@ def replay_section(setup: Setup, controllers: dict[str, object]) -> dict:
     for name, ctrl in controllers.items():
         if ctrl is not None and getattr(ctrl, "tree_width", None) != setup.width:
             continue
-        records = [replay_generate(rt, ctrl, setup.profile) for rt in traces]
+        lookup = setup.lookup if name.endswith(LOOKUP_SUFFIX) else None
+        records = [replay_generate(rt, ctrl, setup.profile, lookup=lookup) for rt in traces]
         out["predicted"][name] = {
             "tokens_per_s": throughput(records),
             "per_prompt": {rt.trace.prompt_id: throughput([r]) for rt, r in zip(traces, records)},
@@ -285,8 +319,9 @@ def evaluate(config: EvalConfig, checkpoint=None, setup: Setup | None = None) ->
             flush=True,
         )
     setup = setup or Setup(config)
-    engine = SpeculativeEngine(setup.pair, SamplingConfig(temperature=config.temperature))
-    kinds = [k for k in STATIC if k in setup.names]
+    engines = Engines(setup.pair, config.temperature, setup.lookup)
+    engine = engines.plain
+    kinds = [k for k in STATIC if k in setup.names or k + LOOKUP_SUFFIX in setup.names]
     tuning = state.tuning if state is not None and state.tuning is not None else {}
     if kinds and not tuning:
         tuning = tune_static(
@@ -321,7 +356,7 @@ def evaluate(config: EvalConfig, checkpoint=None, setup: Setup | None = None) ->
         elif name in LLAMA_PEERS:
             setup.llama.run(name, setup.tune_prompts[0]["prompt"], 8, config.seed)
         else:
-            run_engine(engine, warm, controllers[name], 8, config.seed)
+            run_engine(engines(name), warm, controllers[name], 8, config.seed)
     recorder = controllers.get("learned")
     if recorder is not None:
         recorder.depth_log[:] = [tuple(r) for r in state.depth_log] if state is not None else []
@@ -335,7 +370,7 @@ def evaluate(config: EvalConfig, checkpoint=None, setup: Setup | None = None) ->
 
     runs = live_runs(
         setup,
-        engine,
+        engines,
         {n: controllers.get(n) for n in measured},
         setup.test_prompts,
         max_new_tokens=config.max_new_tokens,
@@ -423,7 +458,7 @@ def exactness_only(config: EvalConfig, setup: Setup | None = None) -> dict:
     }
     factories = setup.factories(fixed)
     engine_names = [n for n in setup.names if n in factories]
-    greedy = SpeculativeEngine(setup.pair, SamplingConfig(temperature=0.0))
+    greedy = Engines(setup.pair, 0.0, setup.lookup)
     controllers = {n: factories[n]() if factories[n] else None for n in engine_names}
     runs = live_runs(
         setup,

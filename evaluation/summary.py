@@ -109,11 +109,23 @@ def summarize(results: dict, resamples: int = 2000, seed: int = 0) -> dict:
                     "against": name,
                     **paired_ratio_from_rows(rows["learned"], rows[name], resamples=resamples, rng=rng),
                 }
+    lookup_ratios = {}
+    if "learned+lookup" in rows:  # the learned policy on the engine with context lookup
+        for other in ("learned", *LEARNED_VS):
+            name = results.get("best_static") if other == "best_static" else other
+            if name in rows:
+                lookup_ratios[other] = {
+                    "against": name,
+                    **paired_ratio_from_rows(
+                        rows["learned+lookup"], rows[name], resamples=resamples, rng=rng
+                    ),
+                }
     fidelity = replay_vs_live(results.get("replay"), table)
     return {
         "table": table,
         "speedup_ci": speedup_ci,
         "learned_ratios": ratios,
+        "learned_lookup_ratios": lookup_ratios,
         "replay_vs_live": fidelity,
         "targets": targets(ratios, fidelity, "learned" in rows),
         "per_prompt": {

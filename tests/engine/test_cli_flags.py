@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, field
 
 import pytest
@@ -113,3 +114,16 @@ def test_pair_paths_are_checked_by_every_command_line(tmp_path, capsys, monkeypa
     for main, argv in commands:
         assert main(argv) == 2, main.__module__
         one_error_line(capsys, "--pair (target)", "no such model directory")
+
+
+def test_generate_lookup_flag(capsys):
+    """--lookup MIN-MAX:K runs lookup cycles (same tokens as without); a bad setting is one clear error."""
+    argv = ["--pair", "tiny", "--prompt", "abcabcabcabc", "--max-new-tokens", "24", "--json", "--raw"]
+    assert generate.main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert generate.main([*argv, "--lookup", "1-2:3"]) == 0
+    looked = json.loads(capsys.readouterr().out)
+    assert looked["tokens"] == plain["tokens"]
+    assert plain["stats"]["lookup_cycles"] == 0 < looked["stats"]["lookup_cycles"]
+    assert generate.main(["--pair", "tiny", "--prompt", "x", "--lookup", "3-2:1"]) == 2
+    assert "max_ngram (2) must be >= min_ngram (3)" in capsys.readouterr().err

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 from engine import EngineConfig, SamplingConfig, SpeculativeEngine
-from envs.record_traces import record_trace
 from engine.lookup import LookupConfig
+from envs.record_traces import record_trace
 from envs.replay import ReplayTrace, replay_generate
 from envs.trace import TraceError
 from policies import ConfidenceController, HeuristicController, StaticController

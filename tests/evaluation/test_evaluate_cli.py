@@ -96,7 +96,7 @@ def test_results_json_holds_every_measurement(evaluated):
     assert len(runs) == len(MEASURED) * 4  # every controller on every prompt, 1 rep
     for run in runs:
         assert run["num_tokens"] == len(run["tokens"]) <= 32 and run["total_s"] > 0 and run["ttft_s"] > 0
-        assert all(len(c) == 5 for c in run["cycles"])
+        assert all(len(c) == 6 for c in run["cycles"])  # emitted, s, accepted, verified, depth, lookup
     table = res["summary"]["table"]
     assert set(table) == set(MEASURED)
     for name in MEASURED:
@@ -351,3 +351,19 @@ def test_chain_policy_is_still_compared_with_a_static_tree(workdir):
     res = json.loads((workdir / "chain-eval-1" / "results.json").read_text())
     assert "static_tree" not in {r["controller"] for r in res["runs"]}
     assert any("static tree is the static chain" in w for w in res["warnings"])
+
+
+def test_lookup_controllers_run_on_the_lookup_engine(evaluated):
+    """The +lookup rows ran with context lookup (lookup cycles recorded, exact: in the token audit above) and
+    the plain rows without; the learned+lookup ratios are reported."""
+    runs = evaluated["results"]["runs"]
+    lookup_cycles = defaultdict(int)
+    for run in runs:
+        lookup_cycles[run["controller"]] += sum(c[5] for c in run.get("cycles", []) if len(c) > 5)
+    for name in ("autoregressive+lookup", "static_chain+lookup", "learned+lookup"):
+        assert lookup_cycles[name] > 0, name
+    for name in ("autoregressive", "static_chain", "learned"):
+        assert lookup_cycles[name] == 0, name
+    ratios = evaluated["results"]["summary"]["learned_lookup_ratios"]
+    assert {"learned", "autoregressive"} <= set(ratios)
+    assert "learned+lookup / learned" in (evaluated["out"] / "report.md").read_text()
