@@ -55,6 +55,7 @@ from engine.cost_profile import CostProfile
 from engine.errors import DraftpilotError, InputError
 from engine.features import device_features
 from engine.files import DirectoryLock, atomic_write_json
+from engine.lookup import LookupConfig, parse_lookup
 from envs import workspace
 from envs.backends import LiveBackend, ReplayBackend
 from envs.environments import EnvConfig
@@ -98,6 +99,11 @@ class TrainConfig(ModelConfig):
     """Long requests per language (the long suite's --val-split) added to the validation traces. 0: none."""
     long_max_new_tokens: int = 512
     """Tokens generated per long request (trajectory length of each long trace)."""
+    lookup: str = "off"
+    """Train for an engine with context lookup drafting (engine.lookup): "off", "on" (3-4:2) or MIN-MAX:K.
+    Lookup cycles happen in the episodes as in the engine (the policy decides the other cycles); the static
+    baselines and validation use it too. Deploy the policy on an engine with the same setting (evaluate.py
+    --lookup, generate.py --lookup). Replay backend only."""
     temperature: float = 0.0
     """0: greedy traces; > 0: sampled trajectories (the policy is then trained for sampling)."""
     temperatures: str = ""
@@ -180,6 +186,8 @@ class TrainConfig(ModelConfig):
                 )
         if (self.long_train_prompts or self.long_val_prompts) and self.backend == "live":
             raise ValueError("--long-train-prompts and --long-val-prompts need --backend replay")
+        if parse_lookup(self.lookup) is not None and self.backend == "live":
+            raise ValueError("--lookup needs --backend replay")
         if self.eval_every < 1:
             raise ValueError(f"eval_every (--eval-every) must be >= 1, got {self.eval_every}")
         if not 0 <= self.seed < 2**32:
@@ -228,7 +236,7 @@ class RunDirectoryError(DraftpilotError, ValueError):
     started again without --resume or --retrain, resume flags that contradict the run's config."""
 
 
-NEWER_FIELDS = ("long_prompts", "long_train_prompts", "long_val_prompts", "long_max_new_tokens")
+NEWER_FIELDS = ("long_prompts", "long_train_prompts", "long_val_prompts", "long_max_new_tokens", "lookup")
 """Settings added after policies were first stored: a stored config without them means their defaults."""
 IGNORED_FIELDS = ("progress", "run_dir", "run_name")
 """Settings that do not change what a run trains: they may differ between a run and a later command."""
@@ -387,8 +395,10 @@ def ensure_long_traces(config: TrainConfig, pair, prompts: list[dict], tag: str)
 
 
 # ----------------------------------------------------------------------------------------- training
-def replay_eval(traces, profile):
-    return lambda controller: throughput([replay_generate(rt, controller, profile) for rt in traces])
+def replay_eval(traces, profile, lookup: LookupConfig | None = None):
+    return lambda controller: throughput(
+        [replay_generate(rt, controller, profile, lookup=lookup) for rt in traces]
+    )
 
 
 def profile_mix(config: TrainConfig, profile) -> ProfileMix | None:
@@ -405,11 +415,11 @@ def profile_mix(config: TrainConfig, profile) -> ProfileMix | None:
     return ProfileMix(members or [profile], reference=profile, perturbation=config.profile_perturbation)
 
 
-def validation(val_traces, profile, mix: ProfileMix | None):
+def validation(val_traces, profile, mix: ProfileMix | None, lookup: LookupConfig | None = None):
     """Validation throughput of a controller: on ``profile``, or the mean over the mix's measured profiles
     (each unperturbed, the controller conditioned on each one's device features)."""
     if mix is None:
-        return replay_eval(val_traces, profile)
+        return replay_eval(val_traces, profile, lookup)
 
     def mean_over_mix(controller) -> float:
         own = controller.device_feats
@@ -417,7 +427,7 @@ def validation(val_traces, profile, mix: ProfileMix | None):
         try:
             for member in mix.members():
                 controller.device_feats = device_features(member, controller.tree_width)
-                values.append(replay_eval(val_traces, member)(controller))
+                values.append(replay_eval(val_traces, member, lookup)(controller))
         finally:
             controller.device_feats = own
         return float(np.mean(values))
@@ -427,13 +437,15 @@ def validation(val_traces, profile, mix: ProfileMix | None):
 
 def baselines(train_traces, val_traces, profile, config: TrainConfig) -> dict:
     """Static grid (train: the baseline depth; validation: the best static a user could tune there),
-    analytic, autoregressive and the oracle on the validation traces."""
+    analytic, autoregressive and the oracle on the validation traces (with the config's context lookup,
+    except the oracle, which plans the draft model's cycles only)."""
     width, depth = config.tree_width, config.max_depth
-    grid_train = static_grid(train_traces, profile)
+    lookup = parse_lookup(config.lookup)
+    grid_train = static_grid(train_traces, profile, lookup=lookup)
     best_train = max(grid_train, key=grid_train.get)
-    grid_val = static_grid(val_traces, profile)
+    grid_val = static_grid(val_traces, profile, lookup=lookup)
     best_val = max(grid_val, key=grid_val.get)
-    val = replay_eval(val_traces, profile)
+    val = replay_eval(val_traces, profile, lookup)
     return {
         "best_static_train": list(best_train),
         "static_train_on_val": val(StaticController(best_train[0], best_train[1], tree_width=width)),
@@ -572,7 +584,13 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
         prompts = [pair.encode(p["prompt"]) for p in train_prompts]
         backend = LiveBackend(engine, prompts, config.tree_width, config.max_new_tokens, profile)
     else:
-        backend = ReplayBackend(train_traces, profile, time_noise=config.time_noise, profiles=mix)
+        backend = ReplayBackend(
+            train_traces,
+            profile,
+            time_noise=config.time_noise,
+            profiles=mix,
+            lookup=parse_lookup(config.lookup),
+        )
     torch.set_num_threads(1)  # the policy networks are tiny; threads only add overhead
     policy_device = "cuda" if config.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
     writer = SummaryWriter(str(run / "tb" / "validation"))
@@ -583,7 +601,7 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
         config.ppo,
         env_config,
         baseline,
-        validation(val_traces, profile, mix),
+        validation(val_traces, profile, mix, parse_lookup(config.lookup)),
         max_depth=config.max_depth,
         device_feats=feats,
         seed=config.seed,
@@ -611,11 +629,13 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
     best_tps, depth_actor, size_actor = trainer.best
     if depth_actor is None:  # validation never ran on a complete controller
         depth_actor, size_actor = trainer.actor("depth"), trainer.actor("size")
-        best_tps = validation(val_traces, profile, mix)(trainer.joint())
+        best_tps = validation(val_traces, profile, mix, parse_lookup(config.lookup))(trainer.joint())
     validated = {}
     if mix is not None:  # validation averaged over the mix: report the deployment profile's figure too
         validated["learned_on_val_mix"] = best_tps
-        best_tps = replay_eval(val_traces, profile)(trainer.controller(depth_actor, size_actor))
+        best_tps = replay_eval(val_traces, profile, parse_lookup(config.lookup))(
+            trainer.controller(depth_actor, size_actor)
+        )
     metrics = {
         **base,
         **validated,

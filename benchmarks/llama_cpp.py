@@ -7,7 +7,10 @@ hits all settings alike:
 * ``autoregressive``: ``llama-completion`` (``llama-cli`` in older llama.cpp) on the target alone;
 * ``spec n=K p=P``: ``llama-speculative-simple`` with the draft model, at most K drafted tokens per cycle
   and draft probability threshold P (drafting stops early below it), over the --draft-max x
-  --draft-p-min grid.
+  --draft-p-min grid;
+* ``lookup n=N m=M``: ``llama-speculative-simple --spec-type ngram-simple`` without a draft model: the
+  latest earlier occurrence of the last N tokens proposes up to M following tokens (llama.cpp drafts
+  nothing when fewer than N would follow, so M >= N), over --ngram (N,M pairs; none by default).
 
 Decoding is greedy (``--temp 0 --top-k 1``) and stops at EOS like our engine (no ``--ignore-eos``).
 Speeds are llama.cpp's own decode figures (prompt processing excluded): autoregressive ``eval time`` runs
@@ -188,6 +191,8 @@ class LlamaBinaries:
     speculative_extra: tuple[str, ...] = ("--spec-type", "draft-simple")
     """Newer llama.cpp drafts with nothing unless told to use the draft model (older: no such flag)."""
     version: dict = field(default_factory=dict)
+    ngram_simple: bool = False
+    """``--spec-type ngram-simple`` (n-gram lookup drafting, no draft model) is available."""
 
 
 def default_bin_dir(cache: Path | str | None = None) -> Path:
@@ -264,7 +269,11 @@ def find_binaries(bin_dir: Path | str) -> LlamaBinaries | None:
         version = parse_version(done.stdout + done.stderr)
     except (OSError, subprocess.TimeoutExpired):
         version = {}
-    return LlamaBinaries(completion, speculative, draft_max, p_min, threads, extra, spec_type, version)
+    ngram = bool(
+        _pick(spec_help, "--spec-ngram-simple-size-n")
+        and re.search(r"(?<![\w-])ngram-simple(?![\w-])", spec_help)
+    )
+    return LlamaBinaries(completion, speculative, draft_max, p_min, threads, extra, spec_type, version, ngram)
 
 
 def _run_logged(step: str, cmd: list[str], log) -> None:
@@ -382,14 +391,22 @@ def build_binaries(bin_dir: Path | str, jobs: int = 1, niceness: int = 19, echo=
 # ------------------------------------------------------------------------------------------------- runs
 @dataclass(frozen=True)
 class LlamaSetting:
-    """One llama.cpp configuration: ``n_max`` None is autoregressive, else speculative with the draft."""
+    """One llama.cpp configuration: ``n_max`` None is autoregressive, else speculative with the draft;
+    ``ngram`` (N, M): n-gram lookup drafting instead (no draft model, ``n_max`` unused)."""
 
     n_max: int | None = None
     p_min: float = 0.0
+    ngram: tuple[int, int] | None = None
 
     @property
     def name(self) -> str:
+        if self.ngram is not None:
+            return f"lookup n={self.ngram[0]} m={self.ngram[1]}"
         return "autoregressive" if self.n_max is None else f"spec n={self.n_max} p={self.p_min:g}"
+
+    @property
+    def speculative(self) -> bool:
+        return self.n_max is not None or self.ngram is not None
 
 
 AUTOREGRESSIVE = LlamaSetting()
@@ -425,6 +442,22 @@ def llama_command(
         "-c",
         str(ctx_size),
     ]
+    if setting.ngram is not None:
+        if not binaries.ngram_simple:
+            raise LlamaCppRunError(f"{setting.name}: this llama.cpp has no --spec-type ngram-simple")
+        n, m = setting.ngram
+        return [
+            str(binaries.speculative),
+            "-m",
+            str(target),
+            *common,
+            "--spec-type",
+            "ngram-simple",
+            "--spec-ngram-simple-size-n",
+            str(n),
+            "--spec-ngram-simple-size-m",
+            str(m),
+        ]
     if setting.n_max is None:
         return [str(binaries.completion), "-m", str(target), *common, *binaries.completion_extra]
     if draft is None:
@@ -491,7 +524,7 @@ def run_llama_cpp(
     if done.returncode != 0:
         tail = " | ".join(done.stderr.strip().splitlines()[-3:])
         raise LlamaCppRunError(f"{setting.name}: {Path(cmd[0]).name} exited {done.returncode}: {tail}")
-    parse = parse_completion_output if setting.n_max is None else parse_speculative_output
+    parse = parse_speculative_output if setting.speculative else parse_completion_output
     try:
         result = parse(done.stderr + "\n" + done.stdout)
     except LlamaCppRunError as err:
@@ -504,6 +537,7 @@ def run_llama_cpp(
         "setting": setting.name,
         "n_max": setting.n_max,
         "p_min": None if setting.n_max is None else setting.p_min,
+        "ngram": None if setting.ngram is None else list(setting.ngram),
         **result,
         "wall_s": wall,
         "output": output,
@@ -586,6 +620,25 @@ def _int_list(text: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
+def parse_ngram(text: str) -> tuple[int, int]:
+    """``"N:M"`` (or ``"N,M"``) -> (N, M) with 1 <= N <= M: llama.cpp's ngram-simple drafts nothing when fewer
+    than N tokens would follow a match, so M < N would never draft."""
+    try:
+        n, m = (int(x) for x in text.replace(",", ":").split(":"))
+    except ValueError:
+        raise ValueError(f"expected N:M (lookup N tokens, draft up to M), got {text!r}") from None
+    if not 1 <= n <= m:
+        raise ValueError(f"expected 1 <= N <= M (llama.cpp drafts nothing for M < N), got {text!r}")
+    return n, m
+
+
+def _ngram_list(text: str) -> list[tuple[int, int]]:
+    try:
+        return list(dict.fromkeys(parse_ngram(x) for x in text.split(",") if x.strip()))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _prob_list(text: str) -> list[float]:
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
@@ -636,6 +689,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="P,P,...",
         help="draft probability threshold, the grid's second axis (default 0,0.75)",
     )
+    ap.add_argument(
+        "--ngram",
+        type=_ngram_list,
+        default=[],
+        metavar="N:M,N:M,...",
+        help="n-gram lookup settings (ngram-simple: lookup N tokens, draft up to M >= N), e.g. 2:2,3:3",
+    )
     ap.add_argument("--no-autoregressive", action="store_true", help="speculative settings only")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per llama.cpp run")
     ap.add_argument("--json", metavar="OUT", help="save conditions, summary and every run here")
@@ -679,9 +739,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     if not prompts:
         ap.error(f"no {args.split} prompts for languages {languages}")
-    settings = ([] if args.no_autoregressive else [AUTOREGRESSIVE]) + [
-        LlamaSetting(n, p) for n in args.draft_max for p in args.draft_p_min
-    ]
+    settings = (
+        ([] if args.no_autoregressive else [AUTOREGRESSIVE])
+        + [LlamaSetting(n, p) for n in args.draft_max for p in args.draft_p_min]
+        + [LlamaSetting(ngram=nm) for nm in args.ngram]
+    )
     names = [s.name for s in settings]
     opts = dict(
         max_new_tokens=args.max_new_tokens, threads=args.threads, ctx_size=args.ctx_size, timeout=args.timeout

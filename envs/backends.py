@@ -24,6 +24,7 @@ import numpy as np
 from engine.control import Controller, DraftState
 from engine.cost_profile import CostProfile
 from engine.engine import SpeculativeEngine
+from engine.lookup import LookupConfig
 from engine.results import CycleRecord
 from envs.profiles import PerturbedProfile, ProfileMix
 from envs.replay import (
@@ -78,9 +79,11 @@ class ReplayBackend:
         profile: CostProfile,
         time_noise: bool = False,
         profiles: ProfileMix | None = None,
+        lookup: LookupConfig | None = None,
     ):
         """``profiles``: draw each episode's cost profile from this mix (``sample_profile``) instead of
-        ``profile``, which stays the one ``throughput_of`` and the environments' rho refer to."""
+        ``profile``, which stays the one ``throughput_of`` and the environments' rho refer to. ``lookup``: the
+        engine's context lookup (``EngineConfig.lookup``): its cycles happen in every episode unasked."""
         if not traces:
             raise ValueError("no traces: record some with `python -m envs.record_traces`")
         widths = {rt.width for rt in traces}
@@ -88,6 +91,7 @@ class ReplayBackend:
             raise ValueError(f"traces of one tree width expected, got widths {sorted(widths)}")
         self.traces, self.profile, self.time_noise = list(traces), profile, time_noise
         self.profiles = profiles
+        self.lookup = lookup
         self.width = self.traces[0].width
         self.num_episodes = len(self.traces)
 
@@ -106,10 +110,14 @@ class ReplayBackend:
         profile: CostProfile | PerturbedProfile | None = None,
     ) -> Episode:
         noise_rng = np.random.default_rng(int(rng.integers(2**31))) if self.time_noise else None
-        return replay_cycles(self.traces[index], profile or self.profile, noise_rng, depth_zero=depth_zero)
+        return replay_cycles(
+            self.traces[index], profile or self.profile, noise_rng, depth_zero=depth_zero, lookup=self.lookup
+        )
 
     def throughput_of(self, controller: Controller | None) -> float:
-        return throughput([replay_generate(rt, controller, self.profile) for rt in self.traces])
+        return throughput(
+            [replay_generate(rt, controller, self.profile, lookup=self.lookup) for rt in self.traces]
+        )
 
 
 class _Abort(Exception):

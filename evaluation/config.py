@@ -11,7 +11,7 @@ from engine.cli import ModelConfig
 from engine.lookup import parse_lookup
 from envs.prompts import interleave_languages, load_suite
 from envs.record_traces import MAX_TRACE_DEPTH, read_prompts
-from evaluation.llama_peer import parse_spec_setting
+from evaluation.llama_peer import parse_lookup_setting, parse_spec_setting
 
 ENGINE_CONTROLLERS = (
     "autoregressive",
@@ -30,8 +30,9 @@ ENGINE_CONTROLLERS = (
 LOOKUP_SUFFIX = "+lookup"
 PEERS = ("hf_assisted_default", "hf_assisted_heuristic")
 """transformers' assisted generation (``assistant_model=``) with its default and its heuristic schedule."""
-LLAMA_PEERS = ("llama_cpp", "llama_cpp_spec")
-"""llama.cpp on the same GGUF files (evaluation.llama_peer): its autoregressive and speculative decoding."""
+LLAMA_PEERS = ("llama_cpp", "llama_cpp_spec", "llama_cpp_lookup")
+"""llama.cpp on the same GGUF files (evaluation.llama_peer): its autoregressive decoding, its speculative
+decoding with the draft model, and its n-gram lookup drafting (no draft model)."""
 REPLAY_ONLY = ("oracle",)
 """The hindsight oracle: replay numbers on the test traces (it needs the future)."""
 CONTROLLERS = ENGINE_CONTROLLERS + PEERS + LLAMA_PEERS + REPLAY_ONLY
@@ -49,7 +50,7 @@ class EvalConfig(ModelConfig):
     """Comma list of controllers to run (all: every one). Names: autoregressive, static_chain, static_tree,
     heuristic, confidence, analytic, learned, autoregressive+lookup, static_chain+lookup, learned+lookup (the
     controller on an engine with context lookup drafting, --lookup), hf_assisted_default, hf_assisted_heuristic,
-    llama_cpp, llama_cpp_spec, oracle. autoregressive always runs: every speedup is measured against it."""
+    llama_cpp, llama_cpp_spec, llama_cpp_lookup, oracle. autoregressive always runs: every speedup is measured against it."""
     lookup: str = "on"
     """The context lookup setting of the +lookup controllers: "on" (engine.lookup.LookupConfig's defaults) or
     MIN-MAX:K (n-gram sizes MIN..MAX, up to K proposed tokens)."""
@@ -57,6 +58,8 @@ class EvalConfig(ModelConfig):
     """Directory with llama.cpp's llama-completion and llama-speculative-simple for the llama_cpp rows (empty:
     where benchmarks/llama_cpp.py builds and caches them). evaluate.py never builds llama.cpp: without the
     programs, or for a pair not published as GGUF, the rows are left out with a warning."""
+    llama_lookup: str = "3:3"
+    """llama_cpp_lookup's N:M (--spec-type ngram-simple: lookup the last N tokens, draft up to M >= N)."""
     llama_spec: str = "16,0.75"
     """llama_cpp_spec's --spec-draft-n-max,--spec-draft-p-min (its fastest setting on the default pair in
     benchmarks/llama_cpp.py's grid)."""
@@ -134,6 +137,7 @@ class EvalConfig(ModelConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         parse_spec_setting(self.llama_spec)  # a bad setting fails before any model loads
+        parse_lookup_setting(self.llama_lookup)
         if parse_lookup(self.lookup) is None:
             raise ValueError(
                 f'lookup (--lookup) is the setting of the +lookup controllers: not "off", got {self.lookup!r}'
@@ -186,6 +190,10 @@ class EvalConfig(ModelConfig):
             raise ValueError(f"unknown controller(s) {unknown}; known: {', '.join(CONTROLLERS)}")
         return [n for n in CONTROLLERS if n in names or n == BASELINE]
 
+    def uses_policy(self) -> bool:
+        """Whether a learned policy runs (learned, or learned+lookup)."""
+        return any(n.removesuffix(LOOKUP_SUFFIX) == "learned" for n in self.controller_names())
+
     def tune_tokens(self) -> int:
         """Tokens per tune prompt of the static grid search."""
         return self.tune_max_new_tokens or self.max_new_tokens
@@ -206,7 +214,7 @@ class EvalConfig(ModelConfig):
         def absolute(path: str | None) -> str | None:
             return str(Path(path).resolve()) if path else None
 
-        policy = str(find_policy(self, runs_dir).resolve()) if "learned" in self.controller_names() else None
+        policy = str(find_policy(self, runs_dir).resolve()) if self.uses_policy() else None
         return replace(
             self,
             out=absolute(str(self.out_dir())),

@@ -1,8 +1,10 @@
 """llama.cpp as a peer in the evaluation: the same GGUF files, threads, prompts (chat template applied with
 our tokenizer) and token budget, run prompt by prompt interleaved with our controllers.
 
-Two rows: ``llama_cpp`` (its autoregressive decoding, ``llama-completion``) and ``llama_cpp_spec`` (its
-speculative decoding with the draft GGUF, ``llama-speculative-simple``, at ``EvalConfig.llama_spec``). The
+Three rows: ``llama_cpp`` (its autoregressive decoding, ``llama-completion``), ``llama_cpp_spec`` (its
+speculative decoding with the draft GGUF, ``llama-speculative-simple``, at ``EvalConfig.llama_spec``) and
+``llama_cpp_lookup`` (its n-gram lookup drafting without a draft model, ``--spec-type ngram-simple`` at
+``EvalConfig.llama_lookup``; left out with a warning where the build lacks it). The
 programs are the ones ``benchmarks/llama_cpp.py`` builds and caches (the evaluation never builds them: it
 says why and leaves the rows out when they, or the pair's GGUF files, are missing). Each run is one
 subprocess; its timings are llama.cpp's own (prompt evaluation, then decoding), model loading excluded, as
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from engine.weights import DEFAULT_PAIRS, cache_dir, fetch_gguf
 
-LLAMA_PEERS = ("llama_cpp", "llama_cpp_spec")
+LLAMA_PEERS = ("llama_cpp", "llama_cpp_spec", "llama_cpp_lookup")
 BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "llama_cpp.py"
 
 
@@ -47,15 +49,34 @@ def parse_spec_setting(text: str) -> tuple[int, float]:
     return n_max, p_min
 
 
+def parse_lookup_setting(text: str) -> tuple[int, int]:
+    """``"N:M"`` -> (N, M), 1 <= N <= M (``benchmarks/llama_cpp.parse_ngram``)."""
+    try:
+        return _benchmark_module().parse_ngram(text)
+    except ValueError as err:
+        raise ValueError(f"llama_lookup: {err}") from None
+
+
 class LlamaPeer:
-    """Runs the two llama.cpp rows for one pair."""
+    """Runs the llama.cpp rows for one pair."""
 
     def __init__(
-        self, binaries, target_gguf: Path, draft_gguf: Path, spec: tuple[int, float], threads: int, pair
+        self,
+        binaries,
+        target_gguf: Path,
+        draft_gguf: Path,
+        spec: tuple[int, float],
+        threads: int,
+        pair,
+        lookup: tuple[int, int] = (3, 3),
     ):
         self.lc = _benchmark_module()
         self.binaries, self.target, self.draft = binaries, target_gguf, draft_gguf
-        self.settings = {"llama_cpp": self.lc.AUTOREGRESSIVE, "llama_cpp_spec": self.lc.LlamaSetting(*spec)}
+        self.settings = {
+            "llama_cpp": self.lc.AUTOREGRESSIVE,
+            "llama_cpp_spec": self.lc.LlamaSetting(*spec),
+            "llama_cpp_lookup": self.lc.LlamaSetting(ngram=lookup),
+        }
         self.threads, self.pair = threads, pair
 
     @classmethod
@@ -77,15 +98,21 @@ class LlamaPeer:
         target, draft = DEFAULT_PAIRS[config.pair]
         root = Path(config.cache_dir) if getattr(config, "cache_dir", None) else cache_dir()
         paths = fetch_gguf(target, root, progress=False), fetch_gguf(draft, root, progress=False)
-        return cls(binaries, paths[0], paths[1], parse_spec_setting(config.llama_spec), threads, pair), None
+        lookup = parse_lookup_setting(getattr(config, "llama_lookup", "3:3"))
+        peer = cls(binaries, paths[0], paths[1], parse_spec_setting(config.llama_spec), threads, pair, lookup)
+        return peer, None
 
     def describe(self, name: str) -> str:
         setting = self.settings[name]
-        what = (
-            "autoregressive"
-            if setting.n_max is None
-            else f"speculative, --spec-draft-n-max {setting.n_max} --spec-draft-p-min {setting.p_min:g}"
-        )
+        if setting.ngram is not None:
+            what = (
+                f"n-gram lookup, --spec-type ngram-simple --spec-ngram-simple-size-n {setting.ngram[0]} "
+                f"--spec-ngram-simple-size-m {setting.ngram[1]}"
+            )
+        elif setting.n_max is None:
+            what = "autoregressive"
+        else:
+            what = f"speculative, --spec-draft-n-max {setting.n_max} --spec-draft-p-min {setting.p_min:g}"
         version = (self.binaries.version or {}).get("version", "?")
         return f"llama.cpp {version} ({what}), {self.threads} threads, same GGUF files"
 

@@ -61,7 +61,7 @@ class Setup:
         self.lookup = parse_lookup(config.lookup)
         """The engine's context lookup setting of the ``+lookup`` controllers."""
         self.tune_prompts, self.test_prompts, self.warnings = select_prompts(config)
-        self.policy_path = find_policy(config) if "learned" in self.names else None
+        self.policy_path = find_policy(config) if config.uses_policy() else None
         try:  # fail early on a bad file
             policy = load_policy(self.policy_path) if self.policy_path else None
         except (DraftpilotError, OSError) as err:
@@ -87,6 +87,11 @@ class Setup:
             if self.llama is None:
                 self.names = [n for n in self.names if n not in LLAMA_PEERS]
                 self.warnings.append(why)
+            elif "llama_cpp_lookup" in self.names and not self.llama.binaries.ngram_simple:
+                self.names.remove("llama_cpp_lookup")
+                self.warnings.append(
+                    "llama_cpp_lookup left out: this llama.cpp build has no --spec-type ngram-simple"
+                )
         if policy and self.policy_meta.get("pair") not in (None, self.pair.name):
             self.warnings.append(
                 f"the policy was trained on pair {self.policy_meta.get('pair')!r}, evaluated on "

@@ -24,6 +24,7 @@ LEARNED_VS = (
     "hf_assisted_heuristic",
     "llama_cpp",
     "llama_cpp_spec",
+    "llama_cpp_lookup",
     "autoregressive",
 )
 """Controllers the learned policy is compared with (paired bootstrap over prompts)."""

@@ -367,3 +367,24 @@ def test_lookup_controllers_run_on_the_lookup_engine(evaluated):
     ratios = evaluated["results"]["summary"]["learned_lookup_ratios"]
     assert {"learned", "autoregressive"} <= set(ratios)
     assert "learned+lookup / learned" in (evaluated["out"] / "report.md").read_text()
+
+
+def test_learned_lookup_alone_loads_the_policy(workdir, tiny_policy):
+    """learned+lookup without learned still finds and loads the policy."""
+    rc, stdout, stderr = run_cli(
+        tiny_args(
+            workdir,
+            tiny_policy,
+            "eval-lookup-only",
+            "--controllers",
+            "learned+lookup",
+            "--prompts-per-language",
+            "1",
+            "--max-new-tokens",
+            "16",
+            "--no-exactness",
+        )
+    )
+    assert rc == 0, stderr
+    results = json.loads((workdir / "eval-lookup-only" / "results.json").read_text())
+    assert {r["controller"] for r in results["runs"]} == {"autoregressive", "learned+lookup"}

@@ -70,6 +70,7 @@ SPECULATIVE_HELP = """\
 --spec-draft-n-max N                    number of tokens to draft for speculative decoding (default: 3)
 --spec-draft-p-min, --draft-p-min P     minimum speculative decoding probability (greedy) (default: 0.00)
 --spec-type none,draft-simple,draft-eagle3,draft-mtp,draft-dflash,draft-dspark,ngram-simple,ngram-map-k
+--spec-ngram-simple-size-n N            ngram size N for ngram-simple speculative decoding, length of lookup
 """
 COMPLETION_HELP = """\
 --display-prompt, --no-display-prompt   whether to print prompt at generation (default: true)
@@ -311,3 +312,32 @@ def test_summary_reports_prefill_speed_where_every_run_has_it(script):
     summary = script.summarize(runs, ["autoregressive", "spec"])
     assert summary["autoregressive"]["prefill_tok_s"] == 3000 / 40.0
     assert summary["spec"]["prefill_tok_s"] is None
+
+
+def test_evaluation_llama_lookup_row_runs_ngram_simple_without_the_draft(fake_bin, tmp_path):
+    pair = load_pair("tiny", device="cpu")
+    binaries = _benchmark_find(fake_bin)
+    assert binaries.ngram_simple
+    peer = LlamaPeer(binaries, tmp_path / "t.gguf", tmp_path / "d.gguf", (16, 0.75), 2, pair, lookup=(2, 4))
+    run = peer.run("llama_cpp_lookup", "hello", 32, 0)
+    assert run["num_tokens"] > 1 and run["decode_s"] > 0
+    args = json.loads((fake_bin / "llama-speculative-simple.data" / "args").read_text())
+    assert args[args.index("--spec-type") + 1] == "ngram-simple" and "-md" not in args
+    assert args[args.index("--spec-ngram-simple-size-n") + 1] == "2"
+    assert args[args.index("--spec-ngram-simple-size-m") + 1] == "4"
+    assert "ngram-simple" in peer.describe("llama_cpp_lookup")
+
+
+def test_ngram_settings_parse_and_refuse(script):
+    assert script.parse_ngram("3:3") == (3, 3) and script.parse_ngram("2,4") == (2, 4)
+    assert script._ngram_list("2:2,3:4,2:2") == [(2, 2), (3, 4)]
+    assert script.LlamaSetting(ngram=(3, 3)).name == "lookup n=3 m=3"
+    for bad in ("3:2", "0:1", "a:b", "3"):
+        with pytest.raises(ValueError):
+            script.parse_ngram(bad)
+
+
+@pytest.mark.parametrize("text", ["3:2", "x", "0:0"])
+def test_evaluation_refuses_a_bad_llama_lookup_setting(text):
+    with pytest.raises(ValueError, match="llama_lookup"):
+        EvalConfig(llama_lookup=text)

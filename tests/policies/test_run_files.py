@@ -20,8 +20,10 @@ import torch
 import policies.ppo as ppo
 import train
 from engine.cli import save_config
+from engine.errors import InputError
 from engine.features import NUM_DEVICE_FEATURES
 from engine.files import DirectoryBusyError, sha256_file, user_hmac
+from engine.lookup import LookupConfig
 from envs.backends import ReplayBackend
 from envs.environments import EnvConfig
 from envs.trace import Trace
@@ -545,3 +547,31 @@ def test_a_config_stored_before_the_long_settings_means_their_defaults():
 def test_long_requests_need_the_replay_backend():
     with pytest.raises(ValueError, match="--long-train-prompts"):
         train.TrainConfig(pair="tiny", backend="live", long_train_prompts=1)
+
+
+def test_training_with_context_lookup(base, monkeypatch):
+    """--lookup: the episodes, the static baselines and validation replay with the engine's lookup, and the
+    stored config says so (a deployment reads it from the policy file)."""
+    seen = []
+    real = train.ReplayBackend
+
+    def spy(*args, **kwargs):
+        backend = real(*args, **kwargs)
+        seen.append(backend.lookup)
+        return backend
+
+    monkeypatch.setattr(train, "ReplayBackend", spy)
+    config = quick_config(base["tmp"], run_name="lookup", lookup="1-2:2")
+    metrics = train.train(config)
+    assert seen == [LookupConfig(1, 2, 2)]
+    plain = json.loads((base["run"] / "metrics.json").read_text())
+    # the tiny pair repeats itself: autoregressive decoding with lookup beats plain autoregressive decoding
+    assert metrics["autoregressive_on_val"] > plain["autoregressive_on_val"]
+    assert load_policy(metrics["policy"]).meta["train_config"]["lookup"] == "1-2:2"
+
+
+def test_lookup_training_needs_the_replay_backend_and_a_valid_setting():
+    with pytest.raises(ValueError, match="--lookup needs --backend replay"):
+        train.TrainConfig(pair="tiny", backend="live", lookup="on")
+    with pytest.raises(InputError, match="lookup setting"):
+        train.TrainConfig(pair="tiny", lookup="3-")
