@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from engine import EngineConfig, SamplingConfig, SpeculativeEngine
 from engine.errors import DraftpilotError, InputError
-from engine.lookup import LookupConfig, parse_lookup
+from engine.lookup import LookupConfig, describe_lookup, parse_lookup
 from envs import workspace
 from envs.oracle import oracle_throughput
 from envs.prompts import language_of
@@ -92,6 +92,8 @@ class Setup:
                 self.warnings.append(
                     "llama_cpp_lookup left out: this llama.cpp build has no --spec-type ngram-simple"
                 )
+        if policy:
+            self.warnings += lookup_mismatches(self.policy_meta, self.names, self.lookup)
         if policy and self.policy_meta.get("pair") not in (None, self.pair.name):
             self.warnings.append(
                 f"the policy was trained on pair {self.policy_meta.get('pair')!r}, evaluated on "
@@ -148,6 +150,20 @@ class Setup:
             elif name == "learned":
                 made[full] = self.learned
         return made
+
+
+def lookup_mismatches(policy_meta: dict, names: Sequence[str], lookup: LookupConfig | None) -> list[str]:
+    """Warnings for a learned row whose engine's context lookup differs from the one the policy was trained
+    with (``train.py --lookup``; policies stored before the setting were trained without)."""
+    trained = parse_lookup((policy_meta.get("train_config") or {}).get("lookup", "off"))
+    out = []
+    for name, used in (("learned", None), ("learned" + LOOKUP_SUFFIX, lookup)):
+        if name in names and used != trained:
+            out.append(
+                f"{name} runs with context lookup {describe_lookup(used)}, the policy was trained with "
+                f"{describe_lookup(trained)} (train.py --lookup): its decisions assume the other engine"
+            )
+    return out
 
 
 class Engines:

@@ -388,3 +388,20 @@ def test_learned_lookup_alone_loads_the_policy(workdir, tiny_policy):
     assert rc == 0, stderr
     results = json.loads((workdir / "eval-lookup-only" / "results.json").read_text())
     assert {r["controller"] for r in results["runs"]} == {"autoregressive", "learned+lookup"}
+
+
+def test_lookup_mismatch_warnings():
+    from engine.lookup import LookupConfig
+    from evaluation.runner import lookup_mismatches
+
+    plain = {"train_config": {}}  # stored before the setting: trained without lookup
+    looked = {"train_config": {"lookup": "on"}}
+    assert lookup_mismatches(plain, ["learned"], LookupConfig()) == []
+    assert lookup_mismatches(looked, ["learned+lookup"], LookupConfig()) == []
+    (warning,) = lookup_mismatches(plain, ["learned", "learned+lookup"], LookupConfig())
+    assert warning.startswith(
+        "learned+lookup runs with context lookup 3-4:2, the policy was trained with off"
+    )
+    plain_row, lookup_row = lookup_mismatches(looked, ["learned", "learned+lookup"], LookupConfig(2, 2, 2))
+    assert plain_row.startswith("learned runs with context lookup off, the policy was trained with 3-4:2")
+    assert lookup_row.startswith("learned+lookup runs with context lookup 2-2:2")
