@@ -35,7 +35,7 @@ from engine.cli import (
 from engine.control import StaticController
 from engine.engine import MAX_SEED, EngineConfig, SpeculativeEngine
 from engine.errors import InputError
-from engine.lookup import parse_lookup
+from engine.lookup import describe_lookup, parse_lookup
 from engine.models import PAIR_SEPARATOR
 from engine.sampling import SamplingConfig
 from policies import load_policy
@@ -65,10 +65,11 @@ class GenerateConfig(ModelConfig):
     """Target-only decoding (the baseline)."""
     draft_mode: str = "deterministic"
     """deterministic (top-k trees, argmax chains) or sampled (chains drawn from the draft)."""
-    lookup: str = "off"
-    """Context lookup drafting: "off", "on" (min n-gram 3, max 4, 2 tokens) or MIN-MAX:K, e.g. 3-4:2: where the
-    context's last n-gram occurred before, verify the K tokens that followed it without running the draft
-    (with --autoregressive: lookup cycles and autoregressive steps only)."""
+    lookup: str = "auto"
+    """Context lookup drafting: "auto" (the setting a --policy was trained with, train.py --lookup; else off),
+    "off", "on" (min n-gram 3, max 4, 2 tokens) or MIN-MAX:K, e.g. 3-4:2: where the context's last n-gram
+    occurred before, verify the K tokens that followed it without running the draft (with --autoregressive:
+    lookup cycles and autoregressive steps only)."""
     temperature: float = 0.0
     """0: greedy; > 0: sampled at this temperature."""
     top_k: int = 0
@@ -100,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             if name in given_flags(parser, argv) and getattr(config, name) is None:
                 raise InputError(f"--{name}: the model path is empty")
         sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
-        engine_config = EngineConfig(draft_mode=config.draft_mode, lookup=parse_lookup(config.lookup))
+        auto = config.lookup.strip().lower() == "auto"
+        lookup = None if auto else parse_lookup(config.lookup)
         check_positive(max_new_tokens=config.max_new_tokens)
         if not 0 <= config.seed <= MAX_SEED:
             raise InputError(f"--seed must be in [0, 2**64), got {config.seed}")
@@ -114,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         limits = config.check()
         controller = None if config.autoregressive else _controller(config, limits)
+        if auto and config.policy and controller is not None:
+            lookup = controller.trained_lookup
+        engine_config = EngineConfig(draft_mode=config.draft_mode, lookup=lookup)
         pair = config.load()
         if config.policy and (message := controller.pair_warning(pair)):
             warn(message)
@@ -131,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         f"pair={pair.name} weights={pair.precision} device={pair.device} "
-        f"controller={controller!r} sampling={sampling} torch={torch.__version__}"
+        f"controller={controller!r} lookup={describe_lookup(engine_config.lookup)} sampling={sampling} "
+        f"torch={torch.__version__}"
     )
     print(f"prompt tokens={result.prompt_len} finish={result.finish_reason}")
     for key, value in result.stats.items():

@@ -51,6 +51,7 @@ from engine.features import (
     size_observation,
 )
 from engine.files import atomic_save, load_plain
+from engine.lookup import LookupConfig, parse_lookup
 from engine.models import ModelPair
 from engine.results import CycleRecord
 
@@ -293,6 +294,12 @@ class LearnedController(Controller):
             self.fallback.observe(record)
         if self.guard is not None:
             self.guard.observe(record)
+
+    @property
+    def trained_lookup(self) -> LookupConfig | None:
+        """The context lookup the policy was trained for (``train.py --lookup``; None: none, also for files
+        stored before the setting): run it on ``SpeculativeEngine(..., EngineConfig(lookup=this))``."""
+        return parse_lookup((self.meta.get("train_config") or {}).get("lookup", "off"))
 
     def pair_warning(self, pair: ModelPair) -> str | None:
         """A one-line warning when this policy was trained for another pair or weight format than ``pair``

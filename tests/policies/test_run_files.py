@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+import generate
 import policies.ppo as ppo
 import train
 from engine.cli import save_config
@@ -568,6 +569,18 @@ def test_training_with_context_lookup(base, monkeypatch):
     # the tiny pair repeats itself: autoregressive decoding with lookup beats plain autoregressive decoding
     assert metrics["autoregressive_on_val"] > plain["autoregressive_on_val"]
     assert load_policy(metrics["policy"]).meta["train_config"]["lookup"] == "1-2:2"
+    assert load_policy(metrics["policy"]).trained_lookup == LookupConfig(1, 2, 2)
+    assert load_policy(base["run"] / "policy.pt").trained_lookup is None
+    # generate.py --policy runs it with the lookup it was trained for unless told otherwise
+    argv = ["--pair", "tiny", "--policy", metrics["policy"], "--prompt", "abcabcabcabc", "--raw", "--json"]
+    argv += ["--max-new-tokens", "24"]
+    stats = {}
+    for extra in ([], ["--lookup", "off"]):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert generate.main([*argv, *extra]) == 0
+        stats[tuple(extra)] = json.loads(out.getvalue())["stats"]
+    assert stats[()]["lookup_cycles"] > 0 and stats[("--lookup", "off")]["lookup_cycles"] == 0
 
 
 def test_lookup_training_needs_the_replay_backend_and_a_valid_setting():
