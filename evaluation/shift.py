@@ -33,9 +33,10 @@ from tqdm.auto import tqdm
 
 from engine.cli import ModelConfig, check_output_dir
 from engine.cost_profile import CostProfile
-from engine.engine import SpeculativeEngine
+from engine.engine import EngineConfig, SpeculativeEngine
 from engine.errors import InputError
 from engine.files import atomic_path, atomic_write_json
+from engine.lookup import LookupConfig, describe_lookup, parse_lookup
 from engine.measure_costs import device_name
 from engine.sampling import SamplingConfig
 from envs import workspace
@@ -98,6 +99,10 @@ class ShiftConfig(ModelConfig):
     """Bootstrap resamples (over prompts) of every interval."""
     seed: int = 0
     """Seed of the sampled traces (sample 0) and of the live runs and the bootstrap."""
+    lookup: str = "off"
+    """Context lookup drafting on the engine of every controller, in replay and live ("on", MIN-MAX:K;
+    engine.lookup): "autoregressive" is then lookup alone and every static is tuned with it; the oracle plans
+    the draft model's cycles only (no lookup). Use a policy trained with the same setting (train.py --lookup)."""
     cache_dir: str = "runs/cache"
     """Where profiles and traces are cached (shared with train.py and evaluate.py)."""
     progress: bool = True
@@ -128,6 +133,7 @@ class ShiftConfig(ModelConfig):
                 raise InputError(f"{name} (--{name.replace('_', '-')}) must be >= 1, got {value}")
         self.axis_list()
         self.temperature_list()
+        parse_lookup(self.lookup)
 
     def axis_list(self) -> list[str]:
         axes = [a.strip() for a in self.axes.split(",") if a.strip()]
@@ -184,11 +190,14 @@ def in_slice(axis: str, name: str, item: dict) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- replay
-def per_trace(traces: Sequence[ReplayTrace], controller, profile: CostProfile) -> list[tuple[int, float]]:
-    """(decode tokens, decode seconds) of every trace under ``controller`` (None: autoregressive)."""
+def per_trace(
+    traces: Sequence[ReplayTrace], controller, profile: CostProfile, lookup: LookupConfig | None = None
+) -> list[tuple[int, float]]:
+    """(decode tokens, decode seconds) of every trace under ``controller`` (None: autoregressive), with the
+    engine's context ``lookup``."""
     out = []
     for rt in traces:
-        recs = replay_generate(rt, controller, profile)
+        recs = replay_generate(rt, controller, profile, lookup=lookup)
         out.append((sum(r.emitted for r in recs), float(sum(r.total_s for r in recs))))
     return out
 
@@ -210,14 +219,14 @@ def ratio(a: Sequence[tuple[int, float]], b: Sequence[tuple[int, float]], resamp
 
 
 def best_static(
-    traces: Sequence[ReplayTrace], profile: CostProfile, max_depth: int
+    traces: Sequence[ReplayTrace], profile: CostProfile, max_depth: int, lookup: LookupConfig | None = None
 ) -> tuple[tuple[int, int], float]:
     """The static (depth, size) of the best replay throughput on ``traces`` (ties: shallower, smaller). Depth
     0 (no speculation: autoregressive steps) is a candidate: a user tuning a static setting would keep it
     where nothing else pays."""
     sizes = [s for s in SIZE_LADDER if s <= max(1, traces[0].width) * max_depth] or [1]
-    grid = static_grid(traces, profile, depths=range(1, max_depth + 1), sizes=sizes)
-    grid[(0, 0)] = float(static_grid(traces, profile, depths=[0], sizes=[0])[(0, 0)])
+    grid = static_grid(traces, profile, depths=range(1, max_depth + 1), sizes=sizes, lookup=lookup)
+    grid[(0, 0)] = float(static_grid(traces, profile, depths=[0], sizes=[0], lookup=lookup)[(0, 0)])
     best = max(grid, key=lambda k: (grid[k], -k[0], -k[1]))
     return best, float(grid[best])
 
@@ -232,13 +241,14 @@ def evaluate_axis(
     width: int,
     resamples: int,
     seed: int,
+    lookup: LookupConfig | None = None,
 ) -> dict:
-    """The replay matrix of one axis: per tune slice its best static, per test slice every controller's
+    """The replay matrix of one axis (every controller with the engine's context ``lookup``): per tune slice its best static, per test slice every controller's
     per-trace numbers, per (A, B) cell the learned / static-tuned-on-A ratio with its interval."""
     names = list(tune)
     tuned = {}
     for a in names:
-        (depth, size), tps = best_static(tune[a], profile, max_depth)
+        (depth, size), tps = best_static(tune[a], profile, max_depth, lookup)
         tuned[a] = {
             "depth": depth,
             "verify": size,
@@ -248,15 +258,22 @@ def evaluate_axis(
     tests, rows_of = {}, {}
     for b in names:
         traces = test[b]
-        rows: dict[str, list[tuple[int, float]]] = {"autoregressive": per_trace(traces, None, profile)}
+        rows: dict[str, list[tuple[int, float]]] = {
+            "autoregressive": per_trace(traces, None, profile, lookup)
+        }
         for cname, make in controllers.items():
-            rows[cname] = per_trace(traces, make(), profile)
+            rows[cname] = per_trace(traces, make(), profile, lookup)
         for a in names:
             rows[f"static@{a}"] = per_trace(
-                traces, StaticController(tuned[a]["depth"], tuned[a]["verify"], tree_width=width), profile
+                traces,
+                StaticController(tuned[a]["depth"], tuned[a]["verify"], tree_width=width),
+                profile,
+                lookup,
             )
-        (hd, hv), _ = best_static(traces, profile, max_depth)
-        rows["static_hindsight"] = per_trace(traces, StaticController(hd, hv, tree_width=width), profile)
+        (hd, hv), _ = best_static(traces, profile, max_depth, lookup)
+        rows["static_hindsight"] = per_trace(
+            traces, StaticController(hd, hv, tree_width=width), profile, lookup
+        )
         plans = [oracle_plan(rt, profile) for rt in traces]
         rows["oracle"] = [(p.tokens, p.total_s) for p in plans]
         rows_of[b] = rows
@@ -369,6 +386,7 @@ def conditions(config: ShiftConfig, profile: CostProfile) -> dict:
         "threads": torch.get_num_threads(),
         "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "profile": {k: profile.meta.get(k) for k in ("device_name", "dtype", "num_threads", "created")},
+        "lookup": describe_lookup(parse_lookup(config.lookup)),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 
@@ -447,7 +465,16 @@ def run_shift(config: ShiftConfig) -> dict:
             raise InputError(f"axis {axis}: no slice has both tune and test prompts")
         print(f"shift: replay matrix of the {axis} axis ({', '.join(tune)}) ...", flush=True)
         results["axes"][axis] = evaluate_axis(
-            axis, tune, test, controllers, profile, max_depth, width, config.bootstrap, config.seed
+            axis,
+            tune,
+            test,
+            controllers,
+            profile,
+            max_depth,
+            width,
+            config.bootstrap,
+            config.seed,
+            parse_lookup(config.lookup),
         )
     results["summary"] = summarize(results)
     if config.live:
@@ -484,7 +511,9 @@ def run_live(config, pair, results, pools, learned, width, temps) -> dict:
             engine = engines.get(temperature)
             if engine is None:
                 engine = engines[temperature] = SpeculativeEngine(
-                    pair, SamplingConfig(temperature=temperature)
+                    pair,
+                    SamplingConfig(temperature=temperature),
+                    EngineConfig(lookup=parse_lookup(config.lookup)),
                 )
             measured = live_slice(engine, encoded, ctrls, tokens, config.seed, bar)
             rows = measured["rows"]
@@ -573,6 +602,8 @@ def write_shift_report(results: dict, out: Path) -> Path:
         "",
         f"Policy `{results['policy']}`; {cond.get('cpu')}, {cond.get('threads')} threads, load "
         f"{cond.get('load_avg')}; profile {cond.get('profile')}; {cond.get('date')}.",
+        f"Context lookup on every controller's engine: {cond.get('lookup', 'off')} (with lookup, "
+        "autoregressive is lookup alone; the oracle plans the draft model's cycles only).",
         "Replay: exact cycles from recorded traces, times from the cost profile. Cells: learned / static "
         "tuned on the row's slice, measured on the column's slice (95% paired bootstrap over prompts).",
         "",

@@ -134,6 +134,7 @@ def test_axis_matrix_is_consistent_with_its_own_replays():
         (["--test-prompts-per-language", "0"], "--test-prompts-per-language"),
         (["--long-max-new-tokens", "0"], "--long-max-new-tokens"),
         (["--long-test-prompts-per-language", "0"], "--long-test-prompts-per-language"),
+        (["--lookup", "3-"], "lookup setting"),
     ],
 )
 def test_bad_flags_are_one_error_line_and_nothing_written(flags, needle, tmp_path):
@@ -228,3 +229,29 @@ def test_end_to_end_on_the_tiny_pair_with_live_confirmation(workdir, tiny_policy
     assert "live T0.8: learned / static tuned at T0" in results["summary"]["live_temperature"]
     report = (out / "shift.md").read_text()
     assert "## Axis: temperature" in report and "## Live confirmation" in report
+
+
+def test_with_context_lookup_every_row_replays_and_runs_with_it(workdir, tiny_policy):
+    """--lookup: replay matrices and live runs on the lookup engine (autoregressive = lookup alone: other
+    cycles than plain autoregressive decoding), still token-identical live."""
+    out = workdir / "shift-lookup"
+    common = ["shift", "--pair", "tiny", "--threads", "1", "--policy", str(tiny_policy)]
+    common += ["--cache-dir", str(workdir / CACHE), "--axes", "task", "--max-new-tokens", "16"]
+    common += ["--tune-prompts-per-language", "2", "--test-prompts-per-language", "2"]
+    common += ["--live-prompts-per-slice", "1", "--bootstrap", "50", "--no-progress"]
+    rc, _, stderr = run_cli([*common, "--out", str(out), "--lookup", "1-2:2"])
+    assert rc == 0, stderr
+    looked = json.loads((out / "shift.json").read_text())
+    rc, _, stderr = run_cli([*common, "--out", str(workdir / "shift-plain"), "--no-live"])
+    assert rc == 0, stderr
+    plain = json.loads((workdir / "shift-plain" / "shift.json").read_text())
+    assert looked["conditions"]["lookup"] == "1-2:2" and plain["conditions"]["lookup"] == "off"
+    rows = [
+        (run["axes"]["task"]["test"][b]["tokens_per_s"]["autoregressive"] for run in (looked, plain))
+        for b in looked["axes"]["task"]["slices"]
+    ]
+    assert all(a != pytest.approx(b) for a, b in rows)  # lookup cycles replayed: other cycles, other times
+    for entry in looked["live"]["task"].values():
+        n = len(entry["prompts"])
+        assert entry["identical_to_autoregressive"] == f"{n}/{n}"
+    assert "Context lookup on every controller's engine: 1-2:2" in (out / "shift.md").read_text()
