@@ -565,6 +565,7 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
     val_traces += ensure_long_traces(config, pair, long_val, "validation (long)")
     data_s = time.perf_counter() - started
 
+    lookup = parse_lookup(config.lookup)
     base = baselines(train_traces, val_traces, profile, config)
     depth_d, depth_v = base["best_static_train"]
     print(
@@ -589,7 +590,7 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
             profile,
             time_noise=config.time_noise,
             profiles=mix,
-            lookup=parse_lookup(config.lookup),
+            lookup=lookup,
         )
     torch.set_num_threads(1)  # the policy networks are tiny; threads only add overhead
     policy_device = "cuda" if config.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
@@ -601,7 +602,7 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
         config.ppo,
         env_config,
         baseline,
-        validation(val_traces, profile, mix, parse_lookup(config.lookup)),
+        validation(val_traces, profile, mix, lookup),
         max_depth=config.max_depth,
         device_feats=feats,
         seed=config.seed,
@@ -629,13 +630,11 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
     best_tps, depth_actor, size_actor = trainer.best
     if depth_actor is None:  # validation never ran on a complete controller
         depth_actor, size_actor = trainer.actor("depth"), trainer.actor("size")
-        best_tps = validation(val_traces, profile, mix, parse_lookup(config.lookup))(trainer.joint())
+        best_tps = validation(val_traces, profile, mix, lookup)(trainer.joint())
     validated = {}
     if mix is not None:  # validation averaged over the mix: report the deployment profile's figure too
         validated["learned_on_val_mix"] = best_tps
-        best_tps = replay_eval(val_traces, profile, parse_lookup(config.lookup))(
-            trainer.controller(depth_actor, size_actor)
-        )
+        best_tps = replay_eval(val_traces, profile, lookup)(trainer.controller(depth_actor, size_actor))
     metrics = {
         **base,
         **validated,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.lookup import LookupConfig  # noqa: E402
+from engine.lookup import LookupConfig, describe_lookup  # noqa: E402
 from envs import workspace  # noqa: E402
 from envs.oracle import oracle_throughput, static_grid  # noqa: E402
 from envs.prompts import LONG_SUITE, interleave_languages, language_of, load_suite  # noqa: E402
@@ -81,31 +81,24 @@ def main() -> int:
     # the static setting is tuned per lookup setting: it is part of what the lookup changes
     results: dict[str, dict] = {}
     for name in [*controllers, "static (tuned)"]:
-        tune_scores = {}
-        for lookup in [None, *GRID]:
+
+        def setup(lookup, name=name):  # (tuned static or None, controller factory) under ``lookup``
             if name == "static (tuned)":
-                best, factory = static_factory(tune_traces, lookup)
-                tune_scores[lookup] = (throughput(run(factory, tune_traces, lookup)), best, factory)
-            else:
-                factory = controllers[name]
-                tune_scores[lookup] = (throughput(run(factory, tune_traces, lookup)), None, factory)
-        picked = max((k for k in tune_scores if k is not None), key=lambda k: tune_scores[k][0])
+                return static_factory(tune_traces, lookup)
+            return None, controllers[name]
+
+        made = {lookup: setup(lookup) for lookup in [None, *GRID]}
+        tune_tps = {lookup: throughput(run(made[lookup][1], tune_traces, lookup)) for lookup in GRID}
+        picked = max(tune_tps, key=tune_tps.get)
         rows = {}
         for label, lookup in (("no lookup", None), ("tune-picked", picked), ("default", LookupConfig())):
-            if lookup not in tune_scores:
-                best, factory = (
-                    static_factory(tune_traces, lookup)
-                    if name == "static (tuned)"
-                    else (None, controllers[name])
-                )
-                tune_scores[lookup] = (None, best, factory)
-            _, best, factory = tune_scores[lookup]
+            best, factory = made[lookup] if lookup in made else setup(lookup)
             recs = run(factory, test_traces, lookup)
             by_lang = {}
             for rt, r in zip(test_traces, recs):
                 by_lang.setdefault(languages[rt.trace.prompt_id], []).append(r)
             rows[label] = {
-                "lookup": None if lookup is None else lookup.describe(),
+                "lookup": None if lookup is None else describe_lookup(lookup),
                 "static": best,
                 "tps": throughput(recs),
                 "by_language": {lang: throughput(v) for lang, v in by_lang.items()},

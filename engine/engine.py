@@ -175,13 +175,13 @@ class SpeculativeEngine:
         while finish is None:
             remaining = max_new_tokens - (len(req.tokens) - len(prompt_ids))
             room = self.pair.max_context - len(req.tokens)
-            cap = min(self.config.max_depth, remaining - 1, room - 1, tree_cap)
+            budget = min(self.config.max_depth, remaining - 1, room - 1)  # drafted tokens this cycle may add
+            cap = min(budget, tree_cap)
             proposal = []
             if index is not None:
                 t0 = self.clock()
                 index.sync(req.tokens)
-                limit = min(self.config.max_depth, remaining - 1, room - 1, self.config.max_verify)
-                proposal = index.propose(min(limit, lookup.max_tokens))
+                proposal = index.propose(min(budget, self.config.max_verify, lookup.max_tokens))
                 lookup_s = self.clock() - t0
             if proposal:  # a lookup cycle: neither the draft nor the controller runs
                 record = self._lookup_cycle(req, proposal)

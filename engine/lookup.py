@@ -47,9 +47,6 @@ class LookupConfig:
                 f"LookupConfig.max_ngram ({self.max_ngram}) must be >= min_ngram ({self.min_ngram})"
             )
 
-    def describe(self) -> str:
-        return f"lookup n{self.min_ngram}-{self.max_ngram} k{self.max_tokens}"
-
 
 class NgramIndex:
     """Latest continuation of every n-gram of a growing token sequence (see the module docstring)."""
@@ -93,21 +90,9 @@ class NgramIndex:
         return []
 
 
-def lookup_proposal(config: LookupConfig, tokens: Sequence[int], limit: int) -> list[int]:
-    """``NgramIndex(config, tokens).propose(limit)`` without keeping the index (a reference for tests and
-    one-off use)."""
-    return NgramIndex(config, tokens).propose(limit)
-
-
-LOOKUP_SPEC_HELP = (
-    'context lookup drafting (engine.lookup): "off", "on" (the defaults, '
-    f"{LookupConfig().describe()}) or MIN-MAX:K (n-gram sizes MIN..MAX, up to K proposed tokens), e.g. 3-4:3"
-)
-
-
 def parse_lookup(spec: str | None) -> LookupConfig | None:
-    """A command line's lookup setting (``LOOKUP_SPEC_HELP``): None for "off" (or None / empty), else the
-    ``LookupConfig``. Anything else is an ``InputError`` that quotes it."""
+    """A command line's lookup setting: "off" (or None / empty) -> None, "on" -> ``LookupConfig()``, MIN-MAX:K
+    (or N:K for MIN = MAX = N) -> that ``LookupConfig``. Anything else is an ``InputError`` that quotes it."""
     text = (spec or "off").strip().lower()
     if text == "off":
         return None

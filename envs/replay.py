@@ -133,13 +133,17 @@ class ReplayTrace:
     def context_len(self, t: int) -> int:
         return self.trace.prompt_len + t + 1
 
-    def depth_cap(self, t: int) -> int:
-        """The engine's cap: min(engine max depth, remaining budget - 1, context room - 1, the tree-node cap's
-        depth, recorded depth)."""
+    def budget_cap(self, t: int) -> int:
+        """Drafted tokens a cycle at position t may add, as the engine computes it: min(engine max depth,
+        remaining budget - 1, context room - 1)."""
         remaining = self.max_new_tokens - (t + 1)
         room = self.max_context - self.context_len(t)
+        return min(self.engine_max_depth, remaining - 1, room - 1)
+
+    def depth_cap(self, t: int) -> int:
+        """The engine's cap: min(``budget_cap``, the tree-node cap's depth, recorded depth)."""
         tree_cap = depth_limit(self.width, self.engine_max_tree_nodes)
-        return min(self.engine_max_depth, remaining - 1, room - 1, tree_cap, self.max_depth)
+        return min(self.budget_cap(t), tree_cap, self.max_depth)
 
     def verified(self, num_verify: int, num_drafted: int) -> int:
         """Nodes the engine verifies when asked for ``num_verify`` (``engine.tree.clamp_verify``)."""
@@ -195,10 +199,8 @@ class ReplayTrace:
 
     def lookup_cap(self, t: int, config: LookupConfig) -> int:
         """The most tokens the engine lets a context lookup propose at position t (``EngineConfig.lookup``):
-        min(max_tokens, engine max depth, remaining budget - 1, context room - 1, engine max verify)."""
-        remaining = self.max_new_tokens - (t + 1)
-        room = self.max_context - self.context_len(t)
-        return min(config.max_tokens, self.engine_max_depth, remaining - 1, room - 1, self.engine_max_verify)
+        min(``budget_cap``, engine max verify, max_tokens)."""
+        return min(self.budget_cap(t), self.engine_max_verify, config.max_tokens)
 
     def lookup(self, t: int, config: LookupConfig) -> tuple[int, int]:
         """(proposed, accepted) of a context lookup at position t: the engine's ``NgramIndex`` proposal on

@@ -98,7 +98,7 @@ class LlamaPeer:
         target, draft = DEFAULT_PAIRS[config.pair]
         root = Path(config.cache_dir) if getattr(config, "cache_dir", None) else cache_dir()
         paths = fetch_gguf(target, root, progress=False), fetch_gguf(draft, root, progress=False)
-        lookup = parse_lookup_setting(getattr(config, "llama_lookup", "3:3"))
+        lookup = parse_lookup_setting(config.llama_lookup)
         peer = cls(binaries, paths[0], paths[1], parse_spec_setting(config.llama_spec), threads, pair, lookup)
         return peer, None
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from engine.errors import InputError
-from engine.lookup import LookupConfig, NgramIndex, describe_lookup, lookup_proposal, parse_lookup
+from engine.lookup import LookupConfig, NgramIndex, describe_lookup, parse_lookup
 
 
 def brute_force(config: LookupConfig, seq: list[int], limit: int) -> list[int]:
@@ -22,6 +22,10 @@ def brute_force(config: LookupConfig, seq: list[int], limit: int) -> list[int]:
             if seq[start : start + n] == suffix:
                 return seq[start + n : start + n + limit]
     return []
+
+
+def lookup_proposal(config: LookupConfig, tokens: list[int], limit: int) -> list[int]:
+    return NgramIndex(config, tokens).propose(limit)
 
 
 def test_latest_occurrence_and_longest_ngram_win():

@@ -29,6 +29,28 @@ SECTIONS = (
 MEASURED = [n for n in CONTROLLERS if n != "oracle" and n not in LLAMA_PEERS]  # the tiny pair has no GGUF
 
 
+def small_eval(workdir, policy, out: str, controllers: str, *extra: str) -> tuple[int, str, dict | None]:
+    """evaluate.py on one prompt per language, 16 tokens, no exactness audit: (exit code, stderr, the
+    results.json when it succeeded)."""
+    rc, _, stderr = run_cli(
+        tiny_args(
+            workdir,
+            policy,
+            out,
+            "--controllers",
+            controllers,
+            "--prompts-per-language",
+            "1",
+            "--max-new-tokens",
+            "16",
+            "--no-exactness",
+            *extra,
+        )
+    )
+    results = json.loads((workdir / out / "results.json").read_text()) if rc == 0 else None
+    return rc, stderr, results
+
+
 def test_end_to_end_writes_report_results_and_figures(evaluated):
     assert evaluated["rc"] == 0, evaluated["stderr"]
     out = evaluated["out"]
@@ -252,24 +274,10 @@ def test_no_policy_anywhere_says_how_to_train_one(workdir, monkeypatch, tmp_path
 
 
 def test_sampled_mode(workdir, tiny_policy):
-    rc, _, stderr = run_cli(
-        tiny_args(
-            workdir,
-            tiny_policy,
-            "sampled",
-            "--temperature",
-            "0.5",
-            "--controllers",
-            "learned,hf_assisted_default",
-            "--prompts-per-language",
-            "1",
-            "--max-new-tokens",
-            "16",
-            "--no-exactness",
-        )
+    rc, stderr, res = small_eval(
+        workdir, tiny_policy, "sampled", "learned,hf_assisted_default", "--temperature", "0.5"
     )
     assert rc == 0, stderr
-    res = json.loads((workdir / "sampled" / "results.json").read_text())
     assert res["conditions"]["sampling"].startswith("temperature 0.5")
     assert {r["controller"] for r in res["runs"]} == {"autoregressive", "learned", "hf_assisted_default"}
     assert all(r["num_tokens"] > 0 for r in res["runs"])
@@ -304,22 +312,8 @@ def test_chain_policy_is_still_compared_with_a_static_tree(workdir):
     )
     assert rc == 0
     policy = workdir / "runs" / "chain" / "policy.pt"
-    rc, _, stderr = run_cli(
-        tiny_args(
-            workdir,
-            policy,
-            "chain-eval",
-            "--controllers",
-            "static_tree,analytic,learned",
-            "--prompts-per-language",
-            "1",
-            "--max-new-tokens",
-            "16",
-            "--no-exactness",
-        )
-    )
+    rc, stderr, res = small_eval(workdir, policy, "chain-eval", "static_tree,analytic,learned")
     assert rc == 0, stderr
-    res = json.loads((workdir / "chain-eval" / "results.json").read_text())
     assert (
         res["tuning"]["static_tree"]["width"] == 4 and res["tuning"]["static_tree"]["best"]["tree_width"] == 4
     )
@@ -330,25 +324,10 @@ def test_chain_policy_is_still_compared_with_a_static_tree(workdir):
     assert "static_tree" not in res["replay"]["predicted"]  # width 4: not predictable from width-1 traces
     assert not res["warnings"]
 
-    rc, _, stderr = run_cli(
-        tiny_args(
-            workdir,
-            policy,
-            "chain-eval-1",
-            "--controllers",
-            "static_tree,learned",
-            "--prompts-per-language",
-            "1",
-            "--max-new-tokens",
-            "16",
-            "--no-exactness",
-            "--no-replay",
-            "--tree-width",
-            "1",
-        )
+    rc, stderr, res = small_eval(
+        workdir, policy, "chain-eval-1", "static_tree,learned", "--no-replay", "--tree-width", "1"
     )
     assert rc == 0, stderr
-    res = json.loads((workdir / "chain-eval-1" / "results.json").read_text())
     assert "static_tree" not in {r["controller"] for r in res["runs"]}
     assert any("static tree is the static chain" in w for w in res["warnings"])
 
@@ -371,22 +350,8 @@ def test_lookup_controllers_run_on_the_lookup_engine(evaluated):
 
 def test_learned_lookup_alone_loads_the_policy(workdir, tiny_policy):
     """learned+lookup without learned still finds and loads the policy."""
-    rc, stdout, stderr = run_cli(
-        tiny_args(
-            workdir,
-            tiny_policy,
-            "eval-lookup-only",
-            "--controllers",
-            "learned+lookup",
-            "--prompts-per-language",
-            "1",
-            "--max-new-tokens",
-            "16",
-            "--no-exactness",
-        )
-    )
+    rc, stderr, results = small_eval(workdir, tiny_policy, "eval-lookup-only", "learned+lookup")
     assert rc == 0, stderr
-    results = json.loads((workdir / "eval-lookup-only" / "results.json").read_text())
     assert {r["controller"] for r in results["runs"]} == {"autoregressive", "learned+lookup"}
 
 
