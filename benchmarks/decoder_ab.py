@@ -8,6 +8,10 @@ before the trace caches are trusted; the decoder fingerprint test guards it afte
     python benchmarks/decoder_ab.py --against HEAD~1
     python benchmarks/decoder_ab.py --against HEAD~1 --contexts 128,512,2048 --rows 1,4 --reps 9
     python benchmarks/decoder_ab.py --against HEAD~1 --random-weights     # real shapes, no weights needed
+
+``--variant DEFINES`` compares the checkout with itself built with extra ``-D`` flags instead of a revision:
+``--variant KQ_NO_AVX512`` is the AVX2 path (what a CPU without AVX-512 VNNI compiles) against this
+machine's build, bit for bit and timed on this machine's cores.
 """
 
 from __future__ import annotations
@@ -138,6 +142,10 @@ def timing(decoders: dict, model, contexts: list[int], rows: list[int], reps: in
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--against", default="HEAD", help="git revision whose decoder is the reference")
+    ap.add_argument(
+        "--variant",
+        help="comma-separated -D flags: compare the checkout built with them (e.g. KQ_NO_AVX512) instead",
+    )
     ap.add_argument("--pair", default="qwen2.5-coder")
     ap.add_argument("--random-weights", action="store_true", help="the pair's shapes with random weights")
     ap.add_argument("--check-contexts", default="37,300,2047", help="cache lengths of the bitwise check")
@@ -153,10 +161,16 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        old = native.build(
-            "dab_reference", tmp / "build_ref", sources=revision_sources(args.against, tmp / "ref")
-        )
         new = native.build("dab_checkout", tmp / "build_new")
+        if args.variant:
+            reference = "checkout"
+            old, new = new, native.build("dab_variant", tmp / "build_variant", tuple(args.variant.split(",")))
+            print(f"variant {args.variant}: {new.isa()} path; checkout: {old.isa()}")
+        else:
+            reference = args.against
+            old = native.build(
+                "dab_reference", tmp / "build_ref", sources=revision_sources(args.against, tmp / "ref")
+            )
         pair = load_pair(
             args.pair,
             weights="kquant",
@@ -167,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         load = os.getloadavg()
         print(
             f"CPU {platform.processor() or 'unknown'} ({native.cpu_signature().split('|')[1]}), "
-            f"{args.threads} threads for timing, load {load[0]:.2f}; reference {args.against}, "
-            f"checkout {ROOT}"
+            f"{args.threads} threads for timing, load {load[0]:.2f}; reference {reference}, "
+            f"{'variant ' + args.variant if args.variant else 'checkout'} {ROOT}"
         )
         differing = 0
         for which in ("target", "draft"):
@@ -177,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{which}: no native decoder for this model (not all-kquant layers)")
                 continue
             decoders = {
-                args.against: lean.build_decoder(old, model),
-                "checkout": lean.build_decoder(new, model),
+                reference: lean.build_decoder(old, model),
+                args.variant or "checkout": lean.build_decoder(new, model),
             }
             print(f"{which}: bitwise check")
             differing += check(decoders, model, check_contexts)

@@ -28,8 +28,9 @@ DEFAULT_CUDA_DTYPE = torch.bfloat16
 # "Quantized execution"): on the CPU the GGUF's own K-quant blocks through the compiled kernels (kquant
 # target: Q4_K/Q6_K bit for bit, exact greedy decoding, 1.5x torch's int4 kernels) and a 4-bit draft
 # (kquant-strict: c = 0.42 of a target step; the draft is only a proposal, so its rounding costs
-# acceptance, never exactness). Where the kernels cannot be built (no C++ compiler), torch's int4
-# kernels: an int4 target (Q4_K codes kept) and an int4-strict draft.
+# acceptance, never exactness). Where the kernels cannot be built (no C++ compiler), or build only their
+# portable path (no AVX2: 5-10x slower than torch's int4 kernels on the default target, measured with a
+# KQ_NO_SIMD build), torch's int4 kernels: an int4 target (Q4_K codes kept) and an int4-strict draft.
 DEFAULT_CPU_WEIGHTS = "kquant"
 DEFAULT_CPU_DRAFT_WEIGHTS = "kquant-strict"
 FALLBACK_CPU_WEIGHTS = ("int4", "int4-strict")
@@ -38,16 +39,24 @@ DEFAULT_CUDA_WEIGHTS = "bfloat16"
 
 def default_cpu_weights() -> tuple[str, str]:
     """(target, draft) formats of ``weights="auto"`` on the CPU: kquant / kquant-strict when the compiled
-    kernels load here, else int4 / int4-strict (with a one-line warning saying why)."""
-    if native.available():
+    kernels load here with a SIMD path (AVX-512 VNNI or AVX2), else int4 / int4-strict (with a one-line
+    warning saying why)."""
+    reason = None
+    try:
+        ops = native.kernels()
+        if not ops.simd():
+            reason = (
+                f"the kquant kernels built only their portable path here ({ops.isa()}: no AVX2), which is "
+                "slower than torch's int4 kernels"
+            )
+    except native.NativeUnavailable as err:
+        reason = str(err)
+    if reason is None:
         return DEFAULT_CPU_WEIGHTS, DEFAULT_CPU_DRAFT_WEIGHTS
     global _fallback_warned
     if not _fallback_warned:
         _fallback_warned = True
-        try:
-            native.kernels()
-        except native.NativeUnavailable as err:
-            print(f"warning: {err}; using {'/'.join(FALLBACK_CPU_WEIGHTS)} weights", file=sys.stderr)
+        print(f"warning: {reason}; using {'/'.join(FALLBACK_CPU_WEIGHTS)} weights", file=sys.stderr)
     return FALLBACK_CPU_WEIGHTS
 
 

@@ -6,7 +6,8 @@ never loaded on another.
 
 ``kernels()`` returns the loaded extension or raises ``NativeUnavailable`` with the reason (no compiler,
 no ninja, a compile error); ``available()`` says whether it loads. The AVX-512 VNNI path is compiled where
-the CPU has it; elsewhere a portable path (same arithmetic, slower) is.
+the CPU has it, else an AVX2 path (FMA, F16C; AVX-VNNI where present) that computes the same bits, else a
+portable path (the same integer sums, other float orders, slow); ``kernels().isa()`` names the one built.
 """
 
 from __future__ import annotations
@@ -91,6 +92,14 @@ def build(
         build_directory=str(directory),
         verbose=bool(os.environ.get("DRAFTPILOT_VERBOSE_BUILD")),
     )
+
+
+def variant(*defines: str) -> ModuleType:
+    """The extension compiled with extra ``-D`` flags, cached next to the default build: ``variant("KQ_NO_AVX512")``
+    is the AVX2 path on an AVX-512 CPU, which tests compare with the default build bit for bit."""
+    tag = hashlib.sha256(" ".join(defines).encode()).hexdigest()[:8]
+    base = build_dir()
+    return build(f"draftpilot_kquant_{tag}", base.with_name(f"{base.name}-{tag}"), tuple(defines))
 
 
 def kernels() -> ModuleType:

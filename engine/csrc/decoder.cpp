@@ -21,11 +21,21 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__)
+// AVX-512, else AVX2 with FMA computing the same bits (dot products as 16 lanes in two halves, reduced by
+// _mm512_reduce_add_ps's tree; the value sums lane by lane with the same fused multiply-adds), else portable.
+// KQ_NO_AVX512 compiles the AVX2 path on an AVX-512 machine (tests compare the two builds bit for bit),
+// KQ_NO_SIMD the portable one.
+#if !defined(KQ_NO_AVX512) && !defined(KQ_NO_SIMD) && defined(__AVX512F__)
 #include <immintrin.h>
 #define DEC_AVX512 1
+#define DEC_AVX2 0
+#elif !defined(KQ_NO_SIMD) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define DEC_AVX512 0
+#define DEC_AVX2 1
 #else
 #define DEC_AVX512 0
+#define DEC_AVX2 0
 #endif
 
 namespace kq {
@@ -38,6 +48,19 @@ inline float dot(const float* a, const float* b, int64_t n) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
     return _mm512_reduce_add_ps(acc);
+  }
+#elif DEC_AVX2
+  if (n % 16 == 0) {  // lanes 0-7 and 8-15 of the AVX-512 accumulator
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), lo);
+      hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), hi);
+    }
+    const __m256 t = _mm256_add_ps(lo, hi);  // then (0 + 4, ...), (a + c, b + d), the two
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
   }
 #endif
   float s = 0.f;
@@ -86,6 +109,14 @@ void head_attention(const float* qr, const float* kg, const float* vg, int64_t D
   for (int64_t j = 0; j < n; ++j) {
     const float w = p[(size_t)j];
     const float* ve = vg + (ir ? ir[j] : j) * D;
+#if DEC_AVX2
+    if (D % 8 == 0) {  // one fused multiply-add a value, as the AVX-512 path
+      const __m256 vw = _mm256_set1_ps(w);
+      for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(vw, _mm256_loadu_ps(ve + d), _mm256_loadu_ps(o + d)));
+      continue;
+    }
+#endif
     for (int64_t d = 0; d < D; ++d) o[d] += w * ve[d];
   }
   for (int64_t d = 0; d < D; ++d) o[d] *= inv;

@@ -25,13 +25,27 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__F16C__)
+// Instruction paths, chosen at compile time (-march=native): AVX-512 VNNI; else AVX2 with FMA and F16C (the
+// integer dot products by AVX-VNNI where the CPU has it, else vpmaddubsw + vpmaddwd); else portable C++.
+// The AVX2 path computes every output bit for bit as the AVX-512 one (the same integer lane sums, the same
+// float operations per lane, the same reduction tree), so traces, profiles and the fingerprint tests hold on
+// both. KQ_NO_AVX512 (a -D flag) compiles the AVX2 path on an AVX-512 machine, to test exactly that;
+// KQ_NO_SIMD the portable one (to measure it).
+#if !defined(KQ_NO_AVX512) && !defined(KQ_NO_SIMD) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512VL__) && defined(__F16C__)
 #include <immintrin.h>
 #define KQ_AVX512 1
+#define KQ_AVX2 0
+#elif !defined(KQ_NO_SIMD) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define KQ_AVX512 0
+#define KQ_AVX2 1
 #else
 #define KQ_AVX512 0
+#define KQ_AVX2 0
 #endif
 
 namespace kq {
@@ -194,16 +208,56 @@ void k6_rows_portable(const QuantizedRows& a, int64_t m0, int tile, int64_t nb, 
   }
 }
 
-#if KQ_AVX512
-// --------------------------------------------------------------------------------------------- AVX-512
-inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
-
+#if KQ_AVX512 || KQ_AVX2
+// the sum of 8 lanes: (0 + 4, 1 + 5, 2 + 6, 3 + 7), then (a + c, b + d), then the two (the tree of
+// _mm512_reduce_add_ps after its first step, which adds the two 256-bit halves)
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+
+// Ask for a block's codes and scales KQ_PREFETCH bytes of codes ahead (prefetches never fault)
+inline void prefetch_k4(const uint8_t* codes, const uint8_t* meta, int64_t b) {
+#if KQ_PREFETCH
+  _mm_prefetch((const char*)(codes + b * 64 + KQ_PREFETCH), _MM_HINT_T0);
+  _mm_prefetch((const char*)(meta + b * 12 + KQ_PREFETCH * 12 / 64), _MM_HINT_T0);
+#endif
+}
+
+inline void prefetch_k6(const uint8_t* lo, const uint8_t* hi, const uint8_t* meta, int64_t b) {
+#if KQ_PREFETCH
+  _mm_prefetch((const char*)(lo + b * 64 + KQ_PREFETCH), _MM_HINT_T0);
+  _mm_prefetch((const char*)(hi + b * 32 + KQ_PREFETCH / 2), _MM_HINT_T0);
+  _mm_prefetch((const char*)(meta + b * 10 + KQ_PREFETCH * 10 / 64), _MM_HINT_T0);
+#endif
+}
+
+// A k6 block's 8 scales as floats; d its fp16 super-scale as a float (exact conversions)
+inline __m256 k6_scales(const uint8_t* mt, float& d) {
+  d = _cvtsh_ss(load_u16(mt));
+  int64_t sc8;
+  std::memcpy(&sc8, mt + 2, 8);
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(sc8)));
+}
+
+// A k4 block's scales as one vector P = [d * sc[0..3], dmin * m[0..3]] (fp16 -> fp32 is exact and each
+// product is one IEEE multiply of the same two floats on every path)
+inline __m256 k4_scales(const uint8_t* mt) {
+  int32_t ddm;
+  int64_t scm;
+  std::memcpy(&ddm, mt, 4);
+  std::memcpy(&scm, mt + 4, 8);
+  const __m256i idx_dd = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);  // [d x 4, dmin x 4]
+  const __m256 dd = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(ddm))), idx_dd);
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(scm))), dd);
+}
+#endif
+
+#if KQ_AVX512
+// --------------------------------------------------------------------------------------------- AVX-512
+inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
 
 // One activation row against one weight block: wl / wh are the unsigned codes of inputs 0..63 / 64..127,
 // s_lo / s_hi the weight scale of each 32-bit lane (4 inputs), offs the 8 per-16-input offsets (k4: the mins,
@@ -228,7 +282,6 @@ void k4_rows_avx512(const QuantizedRows& a, int64_t m0, int64_t nb, const uint8_
   const __m512i idx_hi = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
   // the 8 sums of 16 activation codes pair with the 4 mins: m[g] (lane 4 + g of P) for sums 2g and 2g + 1
   const __m256i idx_min = _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4);
-  const __m256i idx_dd = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);  // [d x 4, dmin x 4]
   __m512 acc[T];
   __m256 accm[T];
   for (int r = 0; r < T; ++r) {
@@ -236,21 +289,11 @@ void k4_rows_avx512(const QuantizedRows& a, int64_t m0, int64_t nb, const uint8_
     accm[r] = _mm256_setzero_ps();
   }
   for (int64_t b = 0; b < nb; ++b) {
-#if KQ_PREFETCH
-    _mm_prefetch((const char*)(codes + b * 64 + KQ_PREFETCH), _MM_HINT_T0);
-    _mm_prefetch((const char*)(meta + b * 12 + KQ_PREFETCH * 12 / 64), _MM_HINT_T0);
-#endif
+    prefetch_k4(codes, meta, b);
     const __m512i c = _mm512_loadu_si512(codes + b * 64);
     const __m512i wl = _mm512_and_si512(c, mask4);
     const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(c, 4), mask4);
-    const uint8_t* mt = meta + b * 12;
-    int32_t ddm;
-    int64_t scm;
-    std::memcpy(&ddm, mt, 4);
-    std::memcpy(&scm, mt + 4, 8);
-    // fp16 -> fp32 is exact and each product is one IEEE multiply of the same two floats as before
-    const __m256 dd = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(ddm))), idx_dd);
-    const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(scm))), dd);
+    const __m256 p = k4_scales(meta + b * 12);
     const __m512 s_lo = _mm512_permutexvar_ps(idx_lo, _mm512_castps256_ps512(p));  // d * sc per lane
     const __m512 s_hi = _mm512_permutexvar_ps(idx_hi, _mm512_castps256_ps512(p));
     const __m256 mins = _mm256_permutevar8x32_ps(p, idx_min);
@@ -277,22 +320,15 @@ void k6_rows_avx512(const QuantizedRows& a, int64_t m0, int64_t nb, const uint8_
     accc[r] = _mm256_setzero_ps();
   }
   for (int64_t b = 0; b < nb; ++b) {
-#if KQ_PREFETCH
-    _mm_prefetch((const char*)(lo + b * 64 + KQ_PREFETCH), _MM_HINT_T0);
-    _mm_prefetch((const char*)(hi + b * 32 + KQ_PREFETCH / 2), _MM_HINT_T0);
-    _mm_prefetch((const char*)(meta + b * 10 + KQ_PREFETCH * 10 / 64), _MM_HINT_T0);
-#endif
+    prefetch_k6(lo, hi, meta, b);
     const __m512i l = _mm512_loadu_si512(lo + b * 64);
     const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(hi + b * 32)));
     const __m512i wl = _mm512_or_si512(_mm512_and_si512(l, mask4),
                                        _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, cnt_lo), mask2), 4));
     const __m512i wh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), mask4),
                                        _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, cnt_hi), mask2), 4));
-    const uint8_t* mt = meta + b * 10;
-    const float d = _cvtsh_ss(load_u16(mt));
-    int64_t sc8;
-    std::memcpy(&sc8, mt + 2, 8);
-    const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(sc8)));
+    float d;
+    const __m256 scf = k6_scales(meta + b * 10, d);
     const __m256 p = _mm256_mul_ps(scf, _mm256_set1_ps(d));
     const __m512 s_lo = _mm512_permutexvar_ps(idx_lo, _mm512_castps256_ps512(p));  // d * sc per lane
     const __m512 s_hi = _mm512_permutexvar_ps(idx_hi, _mm512_castps256_ps512(p));
@@ -300,6 +336,101 @@ void k6_rows_avx512(const QuantizedRows& a, int64_t m0, int64_t nb, const uint8_
     for (int r = 0; r < T; ++r) block_product(a, (m0 + r) * nb + b, wl, wh, s_lo, s_hi, corr, acc[r], accc[r]);
   }
   for (int r = 0; r < T; ++r) out[r] = hsum(acc[r]) - hsum(accc[r]);
+}
+#endif
+
+#if KQ_AVX2
+// ------------------------------------------------------------------------------------------------ AVX2
+// The AVX-512 path's 16 float lanes held as two 256-bit halves: A = lanes 0-7 (inputs 0-31 of a 64-input
+// half-block), B = lanes 8-15 (inputs 32-63). Each lane gets the same integer sum (4 inputs) and the same
+// float operations as there; _mm512_reduce_add_ps(acc) adds the halves first, so it equals hsum(A + B).
+
+// 8 int32 lanes: lane j = sum over bytes 4j..4j+3 of w (unsigned, < 64) x q (signed, |q| <= 127). Exact either
+// way: a vpmaddubsw pair sum is at most 2 * 63 * 127 = 16002, inside int16.
+inline __m256i dot_u8s8(__m256i w, __m256i q) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, q);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, q), _mm256_set1_epi16(1));
+#endif
+}
+
+// One activation row against one weight block: w[0..3] = unsigned codes of inputs 0-31, 32-63, 64-95,
+// 96-127; s[0..3] their per-lane weight scales; offs the 8 per-16-input offsets (as block_product above).
+inline void block_product2(const QuantizedRows& a, int64_t row, const __m256i* w, const __m256* s, __m256 offs,
+                           __m256& acc_a, __m256& acc_b, __m256& acc_off) {
+  const int8_t* q = &a.q[(size_t)(row * QB)];
+  const __m256i il_a = dot_u8s8(w[0], _mm256_loadu_si256((const __m256i*)q));
+  const __m256i il_b = dot_u8s8(w[1], _mm256_loadu_si256((const __m256i*)(q + 32)));
+  const __m256i ih_a = dot_u8s8(w[2], _mm256_loadu_si256((const __m256i*)(q + 64)));
+  const __m256i ih_b = dot_u8s8(w[3], _mm256_loadu_si256((const __m256i*)(q + 96)));
+  const __m256 xd = _mm256_set1_ps(a.d[(size_t)row]);
+  const __m256 blk_a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih_a), s[2], _mm256_mul_ps(_mm256_cvtepi32_ps(il_a), s[0]));
+  const __m256 blk_b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih_b), s[3], _mm256_mul_ps(_mm256_cvtepi32_ps(il_b), s[1]));
+  acc_a = _mm256_fmadd_ps(blk_a, xd, acc_a);
+  acc_b = _mm256_fmadd_ps(blk_b, xd, acc_b);
+  acc_off = _mm256_fmadd_ps(offs, _mm256_loadu_ps(&a.dsum[(size_t)(row * G16)]), acc_off);
+}
+
+template <int T>
+void k4_rows_avx2(const QuantizedRows& a, int64_t m0, int64_t nb, const uint8_t* codes, const uint8_t* meta,
+                  float* out) {
+  const __m256i mask4 = _mm256_set1_epi8(0x0F);
+  const __m256i idx_min = _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4);
+  __m256 acc_a[T], acc_b[T], accm[T];
+  for (int r = 0; r < T; ++r) acc_a[r] = acc_b[r] = accm[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    prefetch_k4(codes, meta, b);
+    const __m256i c0 = _mm256_loadu_si256((const __m256i*)(codes + b * 64));
+    const __m256i c1 = _mm256_loadu_si256((const __m256i*)(codes + b * 64 + 32));
+    const __m256i w[4] = {_mm256_and_si256(c0, mask4), _mm256_and_si256(c1, mask4),
+                          _mm256_and_si256(_mm256_srli_epi16(c0, 4), mask4),
+                          _mm256_and_si256(_mm256_srli_epi16(c1, 4), mask4)};
+    const __m256 p = k4_scales(meta + b * 12);
+    // d * sc[g] for the 32 inputs of group g = 0..3 (every lane of a half covers one group)
+    const __m256 s[4] = {_mm256_permutevar8x32_ps(p, _mm256_set1_epi32(0)),
+                         _mm256_permutevar8x32_ps(p, _mm256_set1_epi32(1)),
+                         _mm256_permutevar8x32_ps(p, _mm256_set1_epi32(2)),
+                         _mm256_permutevar8x32_ps(p, _mm256_set1_epi32(3))};
+    const __m256 mins = _mm256_permutevar8x32_ps(p, idx_min);
+    for (int r = 0; r < T; ++r) block_product2(a, (m0 + r) * nb + b, w, s, mins, acc_a[r], acc_b[r], accm[r]);
+  }
+  for (int r = 0; r < T; ++r) out[r] = hsum(_mm256_add_ps(acc_a[r], acc_b[r])) - hsum(accm[r]);
+}
+
+template <int T>
+void k6_rows_avx2(const QuantizedRows& a, int64_t m0, int64_t nb, const uint8_t* lo, const uint8_t* hi,
+                  const uint8_t* meta, float* out) {
+  const __m256i mask4 = _mm256_set1_epi8(0x0F);
+  const __m256i mask2 = _mm256_set1_epi8(0x03);
+  __m256 acc_a[T], acc_b[T], accc[T];
+  for (int r = 0; r < T; ++r) acc_a[r] = acc_b[r] = accc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    prefetch_k6(lo, hi, meta, b);
+    const __m256i l0 = _mm256_loadu_si256((const __m256i*)(lo + b * 64));
+    const __m256i l1 = _mm256_loadu_si256((const __m256i*)(lo + b * 64 + 32));
+    const __m256i h = _mm256_loadu_si256((const __m256i*)(hi + b * 32));
+    // byte t of h: bits 0-1 = high bits of input t, 2-3 of t + 32, 4-5 of t + 64, 6-7 of t + 96
+    const __m256i w[4] = {
+        _mm256_or_si256(_mm256_and_si256(l0, mask4), _mm256_slli_epi16(_mm256_and_si256(h, mask2), 4)),
+        _mm256_or_si256(_mm256_and_si256(l1, mask4),
+                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), mask2), 4)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), mask4),
+                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), mask2), 4)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), mask4),
+                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), mask2), 4))};
+    float d;
+    const __m256 scf = k6_scales(meta + b * 10, d);
+    const __m256 p = _mm256_mul_ps(scf, _mm256_set1_ps(d));
+    // d * sc[g] for the 16 inputs of group g = 0..7 (4 lanes a group)
+    const __m256 s[4] = {_mm256_permutevar8x32_ps(p, _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0)),
+                         _mm256_permutevar8x32_ps(p, _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2)),
+                         _mm256_permutevar8x32_ps(p, _mm256_set_epi32(5, 5, 5, 5, 4, 4, 4, 4)),
+                         _mm256_permutevar8x32_ps(p, _mm256_set_epi32(7, 7, 7, 7, 6, 6, 6, 6))};
+    const __m256 corr = _mm256_mul_ps(scf, _mm256_set1_ps(32.f * d));
+    for (int r = 0; r < T; ++r) block_product2(a, (m0 + r) * nb + b, w, s, corr, acc_a[r], acc_b[r], accc[r]);
+  }
+  for (int r = 0; r < T; ++r) out[r] = hsum(_mm256_add_ps(acc_a[r], acc_b[r])) - hsum(accc[r]);
 }
 #endif
 
@@ -311,6 +442,8 @@ struct K4Row {
   void run(const QuantizedRows& a, int64_t m0, int64_t nb, float* out) const {
 #if KQ_AVX512
     k4_rows_avx512<T>(a, m0, nb, codes, meta, out);
+#elif KQ_AVX2
+    k4_rows_avx2<T>(a, m0, nb, codes, meta, out);
 #else
     k4_rows_portable(a, m0, T, nb, codes, meta, out);
 #endif
@@ -325,6 +458,8 @@ struct K6Row {
   void run(const QuantizedRows& a, int64_t m0, int64_t nb, float* out) const {
 #if KQ_AVX512
     k6_rows_avx512<T>(a, m0, nb, lo, hi, meta, out);
+#elif KQ_AVX2
+    k6_rows_avx2<T>(a, m0, nb, lo, hi, meta, out);
 #else
     k6_rows_portable(a, m0, T, nb, lo, hi, meta, out);
 #endif
@@ -475,7 +610,19 @@ std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x_in) {
   return {q, d};
 }
 
-bool simd() { return KQ_AVX512; }
+bool simd() { return KQ_AVX512 || KQ_AVX2; }
+
+std::string isa() {
+#if KQ_AVX512
+  return "avx512-vnni";
+#elif KQ_AVX2 && defined(__AVXVNNI__)
+  return "avx2-vnni";
+#elif KQ_AVX2
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
 
 }  // namespace
 }  // namespace kq
@@ -485,6 +632,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("k4_matmul", &k4_matmul, "y = x @ W.T (+ bias) with W in the k4 (Q4_K) layout");
   m.def("k6_matmul", &k6_matmul, "y = x @ W.T (+ bias) with W in the k6 (Q6_K) layout");
   m.def("quantize_activations", &quantize_activations, "the int8 codes and block scales the products use");
-  m.def("simd", &simd, "whether the AVX-512 VNNI path was compiled (else the portable one)");
+  m.def("simd", &simd, "whether a SIMD path (AVX-512 VNNI or AVX2, bitwise alike) was compiled (else the portable one)");
+  m.def("isa", &isa, "the compiled path: avx512-vnni, avx2-vnni, avx2 or portable");
   register_decoder(m);
 }

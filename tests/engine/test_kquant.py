@@ -195,6 +195,38 @@ def test_unavailable_kernels_are_a_clear_error(monkeypatch):
     assert not native.available()
 
 
+def test_cpu_default_takes_kquant_only_with_a_simd_path(monkeypatch, capsys):
+    """weights="auto" on the CPU: kquant where the kernels have an AVX-512 or AVX2 path; torch's int4 kernels
+    (with a warning naming the reason) where they build only the slow portable path or not at all."""
+    from engine import models
+
+    class Ops:
+        def __init__(self, isa):
+            self._isa = isa
+
+        def simd(self):
+            return self._isa != "portable"
+
+        def isa(self):
+            return self._isa
+
+    monkeypatch.setattr(native, "_error", None)
+    for isa in ("avx512-vnni", "avx2"):
+        monkeypatch.setattr(native, "_module", Ops(isa))
+        assert models.default_cpu_weights() == ("kquant", "kquant-strict")
+    monkeypatch.setattr(models, "_fallback_warned", False)
+    monkeypatch.setattr(native, "_module", Ops("portable"))
+    assert models.default_cpu_weights() == models.FALLBACK_CPU_WEIGHTS
+    assert "portable path" in capsys.readouterr().err
+    monkeypatch.setattr(models, "_fallback_warned", False)
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(
+        native, "_error", "the compiled kquant kernels are unavailable on this machine (test)"
+    )
+    assert models.default_cpu_weights() == models.FALLBACK_CPU_WEIGHTS
+    assert "unavailable on this machine (test)" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------ greedy exactness
 CONTROLLERS = [
     StaticController(1, 1),
@@ -287,20 +319,44 @@ def test_gguf_conversion_to_kquant(fmt, kinds, tmp_path):
 KERNEL_FINGERPRINT = "16bbd193175d5ec5"
 
 
-def test_kernel_arithmetic_matches_the_recorded_fingerprint():
+def _kernel_digest(ops=None) -> str:
+    """The fingerprint of the products in ``ops`` (a compiled extension; default: the machine's build)."""
     import hashlib
 
-    if not native.kernels().simd():
-        pytest.skip("the fingerprint is of the AVX-512 VNNI path; this CPU runs the portable one")
     rng = np.random.RandomState(7)  # numpy's legacy generator: the same numbers on every machine
     digest = hashlib.sha256()
     for kind, k in (("k4", 896), ("k6", 1536), ("k4", 200)):
         weight = torch.from_numpy(rng.standard_normal((24, k)).astype(np.float32) * 0.05)
         module = _module(kind, quantize_k4(weight) if kind == "k4" else quantize_k6(weight), k)
+        if ops is not None:
+            module._ops = ops
         for m in (1, 3, 9):
             x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
             digest.update(module(x).numpy().tobytes())
-    assert digest.hexdigest()[:16] == KERNEL_FINGERPRINT, (
+    return digest.hexdigest()[:16]
+
+
+def test_kernel_arithmetic_matches_the_recorded_fingerprint():
+    if not native.kernels().simd():
+        pytest.skip("the fingerprint is of the SIMD paths (AVX-512, AVX2); this CPU runs the portable one")
+    assert _kernel_digest() == KERNEL_FINGERPRINT, (
         "the kernels' outputs changed: increment engine.native.KERNEL_NUMERICS (recorded traces no longer "
         "match) and update KERNEL_FINGERPRINT"
     )
+
+
+def test_avx2_kernels_compute_the_avx512_bits(avx2_kernels):
+    """The AVX2 path (a CPU without AVX-512 VNNI compiles it) gives the fingerprint bit for bit, and every
+    product of the real layers' shapes equals the machine's build at 1-17 and 300 rows."""
+    ops = avx2_kernels
+    assert _kernel_digest(ops) == KERNEL_FINGERPRINT
+    rng = np.random.RandomState(3)
+    for kind, n, k in (("k4", 96, 1536), ("k6", 96, 1536), ("k4", 32, 8960), ("k6", 32, 896)):
+        weight = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32) * 0.05)
+        parts = quantize_k4(weight) if kind == "k4" else quantize_k6(weight)
+        bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+        for m in (1, 2, 5, 8, 9, 17, 300):
+            x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+            want = getattr(native.kernels(), f"{kind}_matmul")(x, *parts, bias, k)
+            got = getattr(ops, f"{kind}_matmul")(x, *parts, bias, k)
+            assert torch.equal(got, want), (kind, n, k, m)

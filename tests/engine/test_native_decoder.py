@@ -138,10 +138,10 @@ def test_native_decoder_refuses_bad_inputs(model):
 DECODER_FINGERPRINT = "342a3fbc6ae1a823"
 
 
-def _random_decoder(rng, hidden, heads, kv_heads, head_dim, intermediate, layers=2):
+def _random_decoder(rng, hidden, heads, kv_heads, head_dim, intermediate, layers=2, ops=None):
     from engine.kquant import quantize_k4, quantize_k6
 
-    decoder = native.kernels().Decoder(hidden, heads, kv_heads, head_dim, intermediate, 1e-6)
+    decoder = (ops or native.kernels()).Decoder(hidden, heads, kv_heads, head_dim, intermediate, 1e-6)
     shapes = [
         (heads * head_dim, hidden),
         (kv_heads * head_dim, hidden),
@@ -164,7 +164,8 @@ def _random_decoder(rng, hidden, heads, kv_heads, head_dim, intermediate, layers
     return decoder
 
 
-def _decoder_digest() -> str:
+def _decoder_digest(ops=None) -> str:
+    """The fingerprint of the decoder in ``ops`` (a compiled extension; default: the machine's build)."""
     import hashlib
 
     rng = np.random.RandomState(11)  # numpy's legacy generator: the same numbers on every machine
@@ -174,7 +175,7 @@ def _decoder_digest() -> str:
         (256, 6, 2, 128, 256),
         (96, 4, 4, 24, 160),
     ):
-        decoder = _random_decoder(rng, hidden, heads, kv_heads, head_dim, inter)
+        decoder = _random_decoder(rng, hidden, heads, kv_heads, head_dim, inter, ops=ops)
         cap, n = 64, 40
         keys = [torch.zeros(1, kv_heads, cap, head_dim) for _ in range(2)]
         values = [torch.zeros(1, kv_heads, cap, head_dim) for _ in range(2)]
@@ -206,8 +207,14 @@ def _decoder_digest() -> str:
 
 def test_native_decoder_arithmetic_matches_the_recorded_fingerprint():
     if not native.kernels().simd():
-        pytest.skip("the fingerprint is of the AVX-512 VNNI path; this CPU runs the portable one")
+        pytest.skip("the fingerprint is of the SIMD paths (AVX-512, AVX2); this CPU runs the portable one")
     assert _decoder_digest() == DECODER_FINGERPRINT, (
         "the decoder's outputs changed: increment engine.native.KERNEL_NUMERICS (recorded traces no longer "
         "match) and update DECODER_FINGERPRINT"
     )
+
+
+def test_avx2_decoder_computes_the_avx512_bits(avx2_kernels):
+    """The AVX2 build (what a CPU without AVX-512 compiles) gives the decoder's fingerprint bit for bit, so traces
+    and profiles recorded on one hold on the other. On an AVX-512 machine this compiles the AVX2 path apart."""
+    assert _decoder_digest(avx2_kernels) == DECODER_FINGERPRINT

@@ -1,0 +1,19 @@
+"""Fixtures of the engine tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import native
+
+
+@pytest.fixture(scope="session")
+def avx2_kernels():
+    """The compiled extension built with its AVX2 path (``KQ_NO_AVX512``: what a CPU without AVX-512 VNNI
+    compiles), cached next to the default build; skips where the kernels or the AVX2 path cannot be built."""
+    if not native.available():
+        pytest.skip("the compiled kernels cannot be built here")
+    ops = native.variant("KQ_NO_AVX512")
+    if not ops.isa().startswith("avx2"):
+        pytest.skip(f"this CPU has no AVX2 path (built: {ops.isa()})")
+    return ops
