@@ -402,7 +402,9 @@ def evaluate(config: EvalConfig, checkpoint=None, setup: Setup | None = None) ->
         on_prompt=save_progress if state is not None else None,
     )
     replay = None
-    if config.replay and ({"oracle", "learned", "analytic", "static_tree"} & set(setup.names)):
+    if config.replay and (
+        {"oracle", "learned", "learned+lookup", "analytic", "static_tree"} & set(setup.names)
+    ):
         plain = {
             n: (c.inner if isinstance(c, DecisionLoggingController) else c) for n, c in controllers.items()
         }
@@ -439,6 +441,7 @@ def evaluate(config: EvalConfig, checkpoint=None, setup: Setup | None = None) ->
         },
         "tuning": tuning,
         "best_static": _best_static(tuning),
+        "headline": headline_name(setup.policy_meta, measured),
         "runs": runs,
         "replay": replay,
         "sittings": state.sittings if state is not None else None,
@@ -458,6 +461,14 @@ def evaluate(config: EvalConfig, checkpoint=None, setup: Setup | None = None) ->
     results["summary"] = summarize(results, resamples=config.bootstrap, seed=config.seed)
     results["wall_s"] = time.perf_counter() - started
     return results
+
+
+def headline_name(policy_meta: dict | None, names: Sequence[str]) -> str:
+    """The learned row the report's targets are read from: learned+lookup for a policy trained with context
+    lookup (``train.py --lookup``) when that row is measured, else learned."""
+    trained = parse_lookup(((policy_meta or {}).get("train_config") or {}).get("lookup", "off"))
+    with_lookup = "learned" + LOOKUP_SUFFIX
+    return with_lookup if trained is not None and with_lookup in names else "learned"
 
 
 def _best_static(tuning: dict) -> str | None:

@@ -99,10 +99,10 @@ class ShiftConfig(ModelConfig):
     """Bootstrap resamples (over prompts) of every interval."""
     seed: int = 0
     """Seed of the sampled traces (sample 0) and of the live runs and the bootstrap."""
-    lookup: str = "off"
-    """Context lookup drafting on the engine of every controller, in replay and live ("on", MIN-MAX:K;
-    engine.lookup): "autoregressive" is then lookup alone and every static is tuned with it; the oracle plans
-    the draft model's cycles only (no lookup). Use a policy trained with the same setting (train.py --lookup)."""
+    lookup: str = "auto"
+    """Context lookup drafting on the engine of every controller, in replay and live ("off", "on", MIN-MAX:K;
+    engine.lookup; "auto": the setting the policy was trained with, train.py --lookup): "autoregressive" is then
+    lookup alone and every static is tuned with it; the oracle plans the draft model's cycles only (no lookup)."""
     cache_dir: str = "runs/cache"
     """Where profiles and traces are cached (shared with train.py and evaluate.py)."""
     progress: bool = True
@@ -133,7 +133,8 @@ class ShiftConfig(ModelConfig):
                 raise InputError(f"{name} (--{name.replace('_', '-')}) must be >= 1, got {value}")
         self.axis_list()
         self.temperature_list()
-        parse_lookup(self.lookup)
+        if self.lookup.strip().lower() != "auto":
+            parse_lookup(self.lookup)
 
     def axis_list(self) -> list[str]:
         axes = [a.strip() for a in self.axes.split(",") if a.strip()]
@@ -395,6 +396,8 @@ def run_shift(config: ShiftConfig) -> dict:
     axes, temps = config.axis_list(), config.temperature_list()
     policy_path = find_policy(config)  # type: ignore[arg-type]  # reads .policy only
     learned = load_policy(policy_path)
+    if config.lookup.strip().lower() == "auto":  # resolved here, so the stored config says what ran
+        config.lookup = describe_lookup(learned.trained_lookup)
     width, max_depth = learned.tree_width, learned.max_depth
     pair = config.load()
     profile = workspace.ensure_profile(pair, config.cache_dir, config.profile, widths=(1, 2, max(width, 1)))

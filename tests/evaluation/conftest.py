@@ -53,8 +53,10 @@ def tiny_policy(workdir) -> Path:
             "1",
             "--tree-width",
             "4",
+            "--lookup",
+            "off",
         ]
-    )  # a tree policy (the chain: test_evaluate_cli)
+    )  # a tree policy without context lookup (the chain: test_evaluate_cli)
     assert rc == 0
     path = workdir / "runs" / "p" / "policy.pt"
     assert path.is_file()

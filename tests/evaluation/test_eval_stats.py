@@ -9,7 +9,7 @@ from evaluation.exactness import fisher_combined, homogeneity_test
 from evaluation.measurements import aggregate, itl_samples, per_prompt
 from evaluation.plots import verified_size_rows
 from evaluation.stats import paired_bootstrap_ratio, ratio_of_aggregates
-from evaluation.summary import replay_vs_live, targets
+from evaluation.summary import replay_vs_live, summarize, targets
 
 
 def synthetic_prompts(n: int, seed: int, speedup: float = 1.3):
@@ -115,19 +115,19 @@ def test_replay_vs_live_separates_machine_drift_from_prediction_error():
     assert fid["learned"]["relative_to_autoregressive"] == pytest.approx(1.0)
     assert fid["autoregressive"]["relative_to_autoregressive"] == pytest.approx(1.0)
     assert "relative_to_autoregressive" not in fid["oracle"]
-    target = targets({}, fid, has_learned=True)[-1]
+    target = targets({}, fid, "learned")[-1]
     assert target["pass"] is True and "off by +0.0%" in target["detail"]
     # a prediction error of the learned policy's own: 20% off while autoregressive is exact
     table["autoregressive"]["all"]["decode_tokens_per_s"] = 4.4
     table["learned"]["all"]["decode_tokens_per_s"] = 5.5 / 1.2
     fid = replay_vs_live(replay, table)
     assert fid["learned"]["relative_to_autoregressive"] == pytest.approx(1.2)
-    target = targets({}, fid, has_learned=True)[-1]
+    target = targets({}, fid, "learned")[-1]
     assert target["pass"] is False and "off by +20.0%" in target["detail"]
     # without autoregressive in the run: no relative figure, the target line stays plain
     fid = replay_vs_live({"predicted": {"learned": {"tokens_per_s": 5.5}}}, {"learned": table["learned"]})
     assert "relative_to_autoregressive" not in fid["learned"]
-    assert "off by" not in targets({}, fid, has_learned=True)[-1]["detail"]
+    assert "off by" not in targets({}, fid, "learned")[-1]["detail"]
 
 
 def test_action_map_plots_the_nodes_verified_not_the_ladder_value_asked_for():
@@ -136,3 +136,39 @@ def test_action_map_plots_the_nodes_verified_not_the_ladder_value_asked_for():
     got = verified_size_rows(rows)
     assert got[:, 4].tolist() == [2.0, 1.0, 6.0]
     assert got[:, :4].tolist() == [list(map(float, r[:4])) for r in rows]
+
+
+def test_targets_read_the_headline_row_against_the_fastest_of_each_kind():
+    """A policy trained with context lookup is judged on learned+lookup: best static is the faster of the lookup
+    engine's static chain and no drafting, llama.cpp's speculative the faster of its draft model and its
+    n-gram lookup; without a headline the plain learned row is judged as before."""
+    seconds = {
+        "autoregressive": 2.0,
+        "learned": 1.9,
+        "learned+lookup": 1.5,
+        "autoregressive+lookup": 1.6,
+        "static_chain+lookup": 1.8,
+        "static_chain": 1.95,
+        "llama_cpp": 1.4,
+        "llama_cpp_spec": 2.5,
+        "llama_cpp_lookup": 1.45,
+    }
+    runs = [
+        _run(name, f"p{i}", lang, total * (1 + 0.01 * i))
+        for name, total in seconds.items()
+        for i, lang in enumerate(("it", "en", "zh", "es"))
+    ]
+    results = {"runs": runs, "best_static": "static_chain", "headline": "learned+lookup"}
+    summary = summarize(results, resamples=200)
+    assert summary["headline"] == "learned+lookup"
+    by_target = {t["target"].split(" >= ")[-1]: t for t in summary["targets"]}
+    static = by_target["1.05x best grid-searched static"]
+    assert static["target"].startswith("learned+lookup >=")
+    assert "/ autoregressive+lookup" in static["detail"] and static["value"] == pytest.approx(1.6 / 1.5)
+    spec = next(t for k, t in by_target.items() if k.startswith("1.5x llama.cpp"))
+    assert "/ llama_cpp_lookup" in spec["detail"] and spec["value"] == pytest.approx(1.45 / 1.5)
+    assert spec["pass"] is False
+    plain = summarize({**results, "headline": None}, resamples=200)
+    assert plain["headline"] == "learned"
+    static = next(t for t in plain["targets"] if "grid-searched static" in t["target"])
+    assert "learned / static_chain" in static["detail"] and static["value"] == pytest.approx(1.95 / 1.9)

@@ -308,6 +308,8 @@ def test_chain_policy_is_still_compared_with_a_static_tree(workdir):
             "1",
             "--tree-width",
             "1",
+            "--lookup",
+            "off",
         ]
     )
     assert rc == 0
@@ -370,3 +372,16 @@ def test_lookup_mismatch_warnings():
     plain_row, lookup_row = lookup_mismatches(looked, ["learned", "learned+lookup"], LookupConfig(2, 2, 2))
     assert plain_row.startswith("learned runs with context lookup off, the policy was trained with 3-4:2")
     assert lookup_row.startswith("learned+lookup runs with context lookup 2-2:2")
+
+
+def test_the_headline_row_follows_how_the_policy_was_trained():
+    """The report's targets are read from learned+lookup for a policy trained with context lookup (when that row
+    runs), else from learned (policies stored before the setting were trained without it)."""
+    from evaluation.runner import headline_name
+
+    looked = {"train_config": {"lookup": "3-4:2"}}
+    assert headline_name(looked, ["autoregressive", "learned", "learned+lookup"]) == "learned+lookup"
+    assert headline_name(looked, ["autoregressive", "learned"]) == "learned"
+    assert headline_name({"train_config": {}}, ["learned", "learned+lookup"]) == "learned"
+    assert headline_name({"train_config": {"lookup": "off"}}, ["learned", "learned+lookup"]) == "learned"
+    assert headline_name(None, ["learned+lookup"]) == "learned"

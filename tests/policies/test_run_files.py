@@ -47,6 +47,7 @@ def quick_config(tmp: Path, **kw) -> train.TrainConfig:
         "progress": False,
         "languages": "it,en",
         "run_name": "base",
+        "lookup": "off",  # the base run trains without context lookup (the default is on: a test of its own)
     }
     values.update(kw)
     return train.TrainConfig(**values, ppo=train.PPOConfig(**train.QUICK_PPO))
@@ -78,7 +79,7 @@ def _quick_argv(base: dict, run: Path) -> list[str]:
     """The train.py flags of the base run's config, aimed at ``run``."""
     cache = str(base["tmp"] / "cache")
     return ["--pair", "tiny", "--quick", "--languages", "it,en", "--no-progress", "--cache-dir", cache,
-            "--run-dir", str(run.parent), "--run-name", run.name]  # fmt: skip
+            "--lookup", "off", "--run-dir", str(run.parent), "--run-name", run.name]  # fmt: skip
 
 
 def one_error_line(stderr: str) -> str:
@@ -537,12 +538,25 @@ def test_long_requests_join_the_training_and_validation_traces(base, monkeypatch
     assert stored["long_train_prompts"] == 1 and stored["long_max_new_tokens"] == 40
 
 
-def test_a_config_stored_before_the_long_settings_means_their_defaults():
-    current = dataclasses.asdict(train.TrainConfig(pair="tiny"))
+def test_a_config_stored_before_the_newer_settings_means_the_defaults_of_its_day():
+    current = dataclasses.asdict(train.TrainConfig(pair="tiny", lookup="off"))
     older = {k: v for k, v in current.items() if k not in train.NEWER_FIELDS}
     assert train.config_differences(older, current) == []
-    asked = dataclasses.asdict(train.TrainConfig(pair="tiny", long_train_prompts=2))
+    asked = dataclasses.asdict(train.TrainConfig(pair="tiny", long_train_prompts=2, lookup="off"))
     assert train.config_differences(older, asked) == ["--long-train-prompts: 0 -> 2"]
+    # trained before lookup existed = without it; today's default ("auto": on with replay) differs
+    assert train.config_differences(older, dataclasses.asdict(train.TrainConfig(pair="tiny"))) == [
+        "--lookup: 'off' -> 'on'"
+    ]
+    for field, value in train.NEWER_FIELDS.items():
+        default = next(f.default for f in dataclasses.fields(train.TrainConfig) if f.name == field)
+        assert value == default or field == "lookup"  # only lookup's default has changed since
+
+
+def test_lookup_auto_means_on_for_replay_and_off_for_live():
+    assert train.TrainConfig(pair="tiny").lookup == "on"
+    assert train.TrainConfig(pair="tiny", backend="live").lookup == "off"
+    assert train.TrainConfig(pair="tiny", lookup="off").lookup == "off"
 
 
 def test_long_requests_need_the_replay_backend():
