@@ -67,9 +67,9 @@ class GenerateConfig(ModelConfig):
     """deterministic (top-k trees, argmax chains) or sampled (chains drawn from the draft)."""
     lookup: str = "auto"
     """Context lookup drafting: "auto" (the setting a --policy was trained with, train.py --lookup; else off),
-    "off", "on" (min n-gram 3, max 4, 2 tokens) or MIN-MAX:K, e.g. 3-4:2: where the context's last n-gram
-    occurred before, verify the K tokens that followed it without running the draft (with --autoregressive:
-    lookup cycles and autoregressive steps only)."""
+    "off", "on" (3-4:2+8:4), MIN-MAX:K or MIN-MAX:K+L:J, e.g. 3-4:2: where the context's last n-gram (n from
+    MAX down to MIN) occurred before, verify the K tokens that followed it without running the draft, and J
+    tokens where its last L tokens did (with --autoregressive: lookup cycles and autoregressive steps only)."""
     temperature: float = 0.0
     """0: greedy; > 0: sampled at this temperature."""
     top_k: int = 0

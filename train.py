@@ -55,7 +55,7 @@ from engine.cost_profile import CostProfile
 from engine.errors import DraftpilotError, InputError
 from engine.features import device_features
 from engine.files import DirectoryLock, atomic_write_json
-from engine.lookup import LookupConfig, parse_lookup
+from engine.lookup import LookupConfig, describe_lookup, parse_lookup
 from envs import workspace
 from envs.backends import LiveBackend, ReplayBackend
 from envs.environments import EnvConfig
@@ -100,8 +100,9 @@ class TrainConfig(ModelConfig):
     long_max_new_tokens: int = 512
     """Tokens generated per long request (trajectory length of each long trace)."""
     lookup: str = "auto"
-    """Train for an engine with context lookup drafting (engine.lookup): "off", "on" (3-4:2), MIN-MAX:K, or
-    "auto": "on" with the replay backend, "off" with the live one (which has no lookup). Lookup cycles happen
+    """Train for an engine with context lookup drafting (engine.lookup): "off", "on" (3-4:2+8:4), MIN-MAX:K,
+    MIN-MAX:K+L:J, or "auto": "on" with the replay backend, "off" with the live one (which has no lookup);
+    stored resolved (MIN-MAX:K+L:J). Lookup cycles happen
     in the episodes as in the engine (the policy decides the other cycles); the static baselines and validation
     use it too. Deploy the policy on an engine with the same setting (evaluate.py's learned+lookup row,
     generate.py --lookup auto). The default since measured: on the CPU default formats the lookup-trained
@@ -161,10 +162,10 @@ class TrainConfig(ModelConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if (
-            str(self.lookup).strip().lower() == "auto"
-        ):  # stored resolved: the run's config says what it trained
-            self.lookup = "on" if self.backend == "replay" else "off"
+        text = str(self.lookup).strip().lower()
+        if text == "auto":
+            text = "on" if self.backend == "replay" else "off"
+        self.lookup = describe_lookup(parse_lookup(text))  # stored resolved: what the run trained with
         if isinstance(self.ppo, dict):
             self.ppo = PPOConfig(**self.ppo)
         if self.backend not in ("replay", "live"):

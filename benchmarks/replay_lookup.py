@@ -30,7 +30,9 @@ from envs.replay import replay_generate, throughput  # noqa: E402
 from policies import StaticController, load_policy  # noqa: E402
 
 GRID = [
-    LookupConfig(lo, hi, k)
+    LookupConfig(
+        lo, hi, k, 0, 0
+    )  # the short rule alone; the default (with the long-match rule) is reported too
     for lo, extra, k in itertools.product((1, 2, 3, 4), (0, 2), (1, 2, 3, 4, 6))
     for hi in (lo + extra,)
 ]

@@ -181,7 +181,7 @@ class SpeculativeEngine:
             if index is not None:
                 t0 = self.clock()
                 index.sync(req.tokens)
-                proposal = index.propose(min(budget, self.config.max_verify, lookup.max_tokens))
+                proposal = index.propose(min(budget, self.config.max_verify))
                 lookup_s = self.clock() - t0
             if proposal:  # a lookup cycle: neither the draft nor the controller runs
                 record = self._lookup_cycle(req, proposal)

@@ -29,13 +29,17 @@ class LookupConfig:
     committed tokens (prompt and generated); on a match it verifies up to ``max_tokens`` proposed tokens
     (within the cycle's budget and context caps) in one target forward and neither the draft model nor the
     controller runs; without a match the cycle is the controller's (or an autoregressive step when there is
-    no controller). Defaults chosen by replay on the tune splits of both suites (docs/architecture.md, "Context
-    lookup"): 3-4:2 never fell below 1.05x autoregressive decoding on either, longer proposals lose on the
-    short requests."""
+    no controller). A long match goes first: where the context's last ``long_ngram`` tokens occurred before,
+    up to ``long_tokens`` of what followed them are proposed (``long_ngram`` 0: no such rule). Defaults chosen
+    by replay on the tune splits of both suites (docs/architecture.md, "Context lookup"): 3-4:2 never fell
+    below 1.05x autoregressive decoding on either, longer proposals after a short match lose on the short
+    requests, and 4 tokens after an 8-token match gain on the long ones without a loss on the short."""
 
     min_ngram: int = 3
     max_ngram: int = 4
     max_tokens: int = 2
+    long_ngram: int = 8
+    long_tokens: int = 4
 
     def __post_init__(self) -> None:
         for name in ("min_ngram", "max_ngram", "max_tokens"):
@@ -46,6 +50,21 @@ class LookupConfig:
             raise InputError(
                 f"LookupConfig.max_ngram ({self.max_ngram}) must be >= min_ngram ({self.min_ngram})"
             )
+        for name in ("long_ngram", "long_tokens"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 0:
+                raise InputError(f"LookupConfig.{name} must be an integer >= 0, got {value!r}")
+        if self.long_ngram and (self.long_ngram <= self.max_ngram or self.long_tokens < 1):
+            raise InputError(
+                f"LookupConfig: a long match ({self.long_ngram} tokens) must be longer than max_ngram "
+                f"({self.max_ngram}) and propose at least one token (long_tokens {self.long_tokens}); "
+                "long_ngram 0 switches the rule off"
+            )
+
+    @property
+    def most_tokens(self) -> int:
+        """The longest proposal either rule makes."""
+        return max(self.max_tokens, self.long_tokens if self.long_ngram else 0)
 
 
 class NgramIndex:
@@ -54,9 +73,11 @@ class NgramIndex:
     def __init__(self, config: LookupConfig, tokens: Sequence[int] = ()):
         self.config = config
         self.tokens: list[int] = []
-        self._maps: dict[int, dict[tuple[int, ...], int]] = {
-            n: {} for n in range(config.min_ngram, config.max_ngram + 1)
-        }
+        sizes = [
+            *range(config.min_ngram, config.max_ngram + 1),
+            *([config.long_ngram] if config.long_ngram else []),
+        ]
+        self._maps: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in sizes}
         self.extend(tokens)
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -76,41 +97,68 @@ class NgramIndex:
             self.extend(tokens[len(self.tokens) :])
 
     def propose(self, limit: int) -> list[int]:
-        """Up to ``limit`` tokens that followed the latest earlier occurrence of the longest matching suffix
-        n-gram (``max_ngram`` down to ``min_ngram``); empty without a match or when ``limit < 1``."""
-        seq = self.tokens
+        """The tokens that followed the latest earlier occurrence of the context's last ``long_ngram`` tokens (up
+        to ``long_tokens``), else of the longest matching suffix n-gram, ``max_ngram`` down to ``min_ngram`` (up
+        to ``max_tokens``); at most ``limit`` either way, empty without a match or when ``limit < 1``."""
+        seq, config = self.tokens, self.config
         if limit < 1:
             return []
-        for n in range(self.config.max_ngram, self.config.min_ngram - 1, -1):
+        rules = [(config.long_ngram, config.long_tokens)] if config.long_ngram else []
+        rules += [(n, config.max_tokens) for n in range(config.max_ngram, config.min_ngram - 1, -1)]
+        for n, tokens in rules:
             if len(seq) < n + 1:
                 continue
             start = self._maps[n].get(tuple(seq[len(seq) - n :]))
             if start is not None:
-                return seq[start : start + limit]
+                return seq[start : start + min(limit, tokens)]
         return []
 
 
+LEGACY_ON = "3-4:2"
+"""What "on" meant before the long-match rule (a policy file storing "on" was trained with it)."""
+
+
 def parse_lookup(spec: str | None) -> LookupConfig | None:
-    """A command line's lookup setting: "off" (or None / empty) -> None, "on" -> ``LookupConfig()``, MIN-MAX:K
-    (or N:K for MIN = MAX = N) -> that ``LookupConfig``. Anything else is an ``InputError`` that quotes it."""
+    """A command line's lookup setting: "off" (or None / empty) -> None, "on" -> ``LookupConfig()`` (the
+    defaults), MIN-MAX:K (or N:K for MIN = MAX = N) -> that rule alone, MIN-MAX:K+L:J -> with the long-match
+    rule (L tokens matched: up to J proposed). Anything else is an ``InputError`` that quotes it."""
     text = (spec or "off").strip().lower()
     if text == "off":
         return None
     if text == "on":
         return LookupConfig()
-    grams, sep, tokens = text.partition(":")
-    low, dash, high = grams.partition("-")
-    numbers = [low, high if dash else low, tokens]
-    if not sep or not all(n.isdigit() for n in numbers):
-        raise InputError(f'lookup setting {spec!r}: expected "off", "on" or MIN-MAX:K such as 3-4:3')
+    base, plus, long_rule = text.partition("+")
+    numbers = _rule_numbers(base, spec, ranged=True)
+    long_numbers = _rule_numbers(long_rule, spec, ranged=False) if plus else [0, 0]
     try:
-        return LookupConfig(*(int(n) for n in numbers))
+        return LookupConfig(*numbers, *long_numbers)
     except InputError as err:
         raise InputError(f"lookup setting {spec!r}: {err}") from None
 
 
+def _rule_numbers(text: str, spec: str | None, ranged: bool) -> list[int]:
+    grams, sep, tokens = text.partition(":")
+    low, dash, high = grams.partition("-") if ranged else (grams, "", "")
+    numbers = [low, high if dash else low, tokens] if ranged else [low, tokens]
+    if not sep or not all(n.isdigit() for n in numbers):
+        raise InputError(
+            f'lookup setting {spec!r}: expected "off", "on" or MIN-MAX:K such as 3-4:2, optionally with a long-'
+            "match rule +L:J such as 3-4:2+8:4"
+        )
+    return [int(n) for n in numbers]
+
+
+def stored_lookup(spec: str | None) -> LookupConfig | None:
+    """The setting a stored training config names (a policy file's ``train_config["lookup"]``): as
+    ``parse_lookup``, except that "on" is what it meant when such files were written (``LEGACY_ON``; train.py now
+    stores the resolved setting)."""
+    text = (spec or "off").strip().lower()
+    return parse_lookup(LEGACY_ON if text == "on" else text)
+
+
 def describe_lookup(config: LookupConfig | None) -> str:
-    """The inverse of ``parse_lookup``: "off" or MIN-MAX:K."""
+    """The inverse of ``parse_lookup``: "off", MIN-MAX:K or MIN-MAX:K+L:J."""
     if config is None:
         return "off"
-    return f"{config.min_ngram}-{config.max_ngram}:{config.max_tokens}"
+    base = f"{config.min_ngram}-{config.max_ngram}:{config.max_tokens}"
+    return base + (f"+{config.long_ngram}:{config.long_tokens}" if config.long_ngram else "")

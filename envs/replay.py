@@ -199,8 +199,8 @@ class ReplayTrace:
 
     def lookup_cap(self, t: int, config: LookupConfig) -> int:
         """The most tokens the engine lets a context lookup propose at position t (``EngineConfig.lookup``):
-        min(``budget_cap``, engine max verify, max_tokens)."""
-        return min(self.budget_cap(t), self.engine_max_verify, config.max_tokens)
+        min(``budget_cap``, engine max verify, the config's longest proposal)."""
+        return min(self.budget_cap(t), self.engine_max_verify, config.most_tokens)
 
     def lookup(self, t: int, config: LookupConfig) -> tuple[int, int]:
         """(proposed, accepted) of a context lookup at position t: the engine's ``NgramIndex`` proposal on
@@ -229,7 +229,7 @@ class ReplayTrace:
         out = []
         for tok in self.trace.tokens:
             index.extend([int(tok)])
-            out.append(index.propose(config.max_tokens))
+            out.append(index.propose(config.most_tokens))
         return out
 
     def pending_after(self, t: int, depth: int, accepted: int) -> int:

@@ -51,9 +51,10 @@ class EvalConfig(ModelConfig):
     heuristic, confidence, analytic, learned, autoregressive+lookup, static_chain+lookup, learned+lookup (the
     controller on an engine with context lookup drafting, --lookup), hf_assisted_default, hf_assisted_heuristic,
     llama_cpp, llama_cpp_spec, llama_cpp_lookup, oracle. autoregressive always runs: every speedup is measured against it."""
-    lookup: str = "on"
-    """The context lookup setting of the +lookup controllers: "on" (engine.lookup.LookupConfig's defaults) or
-    MIN-MAX:K (n-gram sizes MIN..MAX, up to K proposed tokens)."""
+    lookup: str = "auto"
+    """The context lookup setting of the +lookup controllers: "auto" (the policy's own, train.py --lookup, else
+    "on"), "on" (engine.lookup.LookupConfig's defaults), MIN-MAX:K (n-gram sizes MIN..MAX, up to K proposed
+    tokens) or MIN-MAX:K+L:J (and up to J after an L-token match)."""
     llama_bin: str = ""
     """Directory with llama.cpp's llama-completion and llama-speculative-simple for the llama_cpp rows (empty:
     where benchmarks/llama_cpp.py builds and caches them). evaluate.py never builds llama.cpp: without the
@@ -138,7 +139,7 @@ class EvalConfig(ModelConfig):
         super().__post_init__()
         parse_spec_setting(self.llama_spec)  # a bad setting fails before any model loads
         parse_lookup_setting(self.llama_lookup)
-        if parse_lookup(self.lookup) is None:
+        if self.lookup.strip().lower() != "auto" and parse_lookup(self.lookup) is None:
             raise ValueError(
                 f'lookup (--lookup) is the setting of the +lookup controllers: not "off", got {self.lookup!r}'
             )

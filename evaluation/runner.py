@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from engine import EngineConfig, SamplingConfig, SpeculativeEngine
 from engine.errors import DraftpilotError, InputError
-from engine.lookup import LookupConfig, describe_lookup, parse_lookup
+from engine.lookup import LookupConfig, describe_lookup, parse_lookup, stored_lookup
 from envs import workspace
 from envs.oracle import oracle_throughput
 from envs.prompts import language_of
@@ -58,8 +58,6 @@ class Setup:
     def __init__(self, config: EvalConfig):
         self.config = config
         self.names = config.controller_names()
-        self.lookup = parse_lookup(config.lookup)
-        """The engine's context lookup setting of the ``+lookup`` controllers."""
         self.tune_prompts, self.test_prompts, self.warnings = select_prompts(config)
         self.policy_path = find_policy(config) if config.uses_policy() else None
         try:  # fail early on a bad file
@@ -67,6 +65,13 @@ class Setup:
         except (DraftpilotError, OSError) as err:
             raise InputError(f"--policy: {err}") from None
         self.policy_meta = policy.meta if policy else None
+        auto = config.lookup.strip().lower() == "auto"
+        self.lookup = (
+            (policy.trained_lookup if policy else None) or LookupConfig()
+            if auto
+            else parse_lookup(config.lookup)
+        )
+        """The engine's context lookup setting of the ``+lookup`` controllers."""
         self.width = config.tree_width or (policy.tree_width if policy else DEFAULT_WIDTH)
         self.max_depth = config.max_depth or (policy.max_depth if policy else DEFAULT_DEPTH)
         if policy and self.width != policy.tree_width:
@@ -155,7 +160,7 @@ class Setup:
 def lookup_mismatches(policy_meta: dict, names: Sequence[str], lookup: LookupConfig | None) -> list[str]:
     """Warnings for a learned row whose engine's context lookup differs from the one the policy was trained
     with (``train.py --lookup``; policies stored before the setting were trained without)."""
-    trained = parse_lookup((policy_meta.get("train_config") or {}).get("lookup", "off"))
+    trained = stored_lookup((policy_meta.get("train_config") or {}).get("lookup", "off"))
     out = []
     for name, used in (("learned", None), ("learned" + LOOKUP_SUFFIX, lookup)):
         if name in names and used != trained:
@@ -466,7 +471,7 @@ def evaluate(config: EvalConfig, checkpoint=None, setup: Setup | None = None) ->
 def headline_name(policy_meta: dict | None, names: Sequence[str]) -> str:
     """The learned row the report's targets are read from: learned+lookup for a policy trained with context
     lookup (``train.py --lookup``) when that row is measured, else learned."""
-    trained = parse_lookup(((policy_meta or {}).get("train_config") or {}).get("lookup", "off"))
+    trained = stored_lookup(((policy_meta or {}).get("train_config") or {}).get("lookup", "off"))
     with_lookup = "learned" + LOOKUP_SUFFIX
     return with_lookup if trained is not None and with_lookup in names else "learned"
 

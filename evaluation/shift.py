@@ -100,8 +100,8 @@ class ShiftConfig(ModelConfig):
     seed: int = 0
     """Seed of the sampled traces (sample 0) and of the live runs and the bootstrap."""
     lookup: str = "auto"
-    """Context lookup drafting on the engine of every controller, in replay and live ("off", "on", MIN-MAX:K;
-    engine.lookup; "auto": the setting the policy was trained with, train.py --lookup): "autoregressive" is then
+    """Context lookup drafting on the engine of every controller, in replay and live ("off", "on", MIN-MAX:K,
+    MIN-MAX:K+L:J; engine.lookup; "auto": the setting the policy was trained with, train.py --lookup): "autoregressive" is then
     lookup alone and every static is tuned with it; the oracle plans the draft model's cycles only (no lookup)."""
     cache_dir: str = "runs/cache"
     """Where profiles and traces are cached (shared with train.py and evaluate.py)."""

@@ -51,7 +51,7 @@ from engine.features import (
     size_observation,
 )
 from engine.files import atomic_save, load_plain
-from engine.lookup import LookupConfig, parse_lookup
+from engine.lookup import LookupConfig, stored_lookup
 from engine.models import ModelPair
 from engine.results import CycleRecord
 
@@ -299,7 +299,7 @@ class LearnedController(Controller):
     def trained_lookup(self) -> LookupConfig | None:
         """The context lookup the policy was trained for (``train.py --lookup``; None: none, also for files
         stored before the setting): run it on ``SpeculativeEngine(..., EngineConfig(lookup=this))``."""
-        return parse_lookup((self.meta.get("train_config") or {}).get("lookup", "off"))
+        return stored_lookup((self.meta.get("train_config") or {}).get("lookup", "off"))
 
     def pair_warning(self, pair: ModelPair) -> str | None:
         """A one-line warning when this policy was trained for another pair or weight format than ``pair``

@@ -73,7 +73,7 @@ def test_replay_reproduces_live_cycles(tiny_pair, recorded, width):
     assert compared > 300 and accepted_total > 100  # many positions, and not a trivially rejecting draft
 
 
-LOOKUPS = (LookupConfig(1, 2, 4), LookupConfig(2, 3, 8), LookupConfig(3, 3, 1))
+LOOKUPS = (LookupConfig(1, 2, 4), LookupConfig(2, 3, 8), LookupConfig(3, 3, 1), LookupConfig(1, 1, 1, 3, 5))
 
 
 def _lookup_cycles(records):

@@ -362,15 +362,23 @@ def test_lookup_mismatch_warnings():
     from evaluation.runner import lookup_mismatches
 
     plain = {"train_config": {}}  # stored before the setting: trained without lookup
-    looked = {"train_config": {"lookup": "on"}}
+    looked = {"train_config": {"lookup": "3-4:2+8:4"}}
+    legacy = {"train_config": {"lookup": "on"}}  # stored before the long-match rule: 3-4:2
     assert lookup_mismatches(plain, ["learned"], LookupConfig()) == []
     assert lookup_mismatches(looked, ["learned+lookup"], LookupConfig()) == []
+    assert lookup_mismatches(legacy, ["learned+lookup"], LookupConfig(3, 4, 2, 0, 0)) == []
     (warning,) = lookup_mismatches(plain, ["learned", "learned+lookup"], LookupConfig())
     assert warning.startswith(
-        "learned+lookup runs with context lookup 3-4:2, the policy was trained with off"
+        "learned+lookup runs with context lookup 3-4:2+8:4, the policy was trained with off"
     )
-    plain_row, lookup_row = lookup_mismatches(looked, ["learned", "learned+lookup"], LookupConfig(2, 2, 2))
-    assert plain_row.startswith("learned runs with context lookup off, the policy was trained with 3-4:2")
+    (warning,) = lookup_mismatches(legacy, ["learned+lookup"], LookupConfig())
+    assert warning.startswith(
+        "learned+lookup runs with context lookup 3-4:2+8:4, the policy was trained with 3-4:2"
+    )
+    plain_row, lookup_row = lookup_mismatches(
+        looked, ["learned", "learned+lookup"], LookupConfig(2, 2, 2, 0, 0)
+    )
+    assert plain_row.startswith("learned runs with context lookup off, the policy was trained with 3-4:2+8:4")
     assert lookup_row.startswith("learned+lookup runs with context lookup 2-2:2")
 
 

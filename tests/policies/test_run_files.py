@@ -546,15 +546,17 @@ def test_a_config_stored_before_the_newer_settings_means_the_defaults_of_its_day
     assert train.config_differences(older, asked) == ["--long-train-prompts: 0 -> 2"]
     # trained before lookup existed = without it; today's default ("auto": on with replay) differs
     assert train.config_differences(older, dataclasses.asdict(train.TrainConfig(pair="tiny"))) == [
-        "--lookup: 'off' -> 'on'"
+        "--lookup: 'off' -> '3-4:2+8:4'"
     ]
     for field, value in train.NEWER_FIELDS.items():
         default = next(f.default for f in dataclasses.fields(train.TrainConfig) if f.name == field)
         assert value == default or field == "lookup"  # only lookup's default has changed since
 
 
-def test_lookup_auto_means_on_for_replay_and_off_for_live():
-    assert train.TrainConfig(pair="tiny").lookup == "on"
+def test_lookup_auto_means_on_for_replay_and_off_for_live_and_is_stored_resolved():
+    assert train.TrainConfig(pair="tiny").lookup == "3-4:2+8:4"
+    assert train.TrainConfig(pair="tiny", lookup="on").lookup == "3-4:2+8:4"
+    assert train.TrainConfig(pair="tiny", lookup=" 1-2:2 ").lookup == "1-2:2"
     assert train.TrainConfig(pair="tiny", backend="live").lookup == "off"
     assert train.TrainConfig(pair="tiny", lookup="off").lookup == "off"
 
@@ -578,12 +580,12 @@ def test_training_with_context_lookup(base, monkeypatch):
     monkeypatch.setattr(train, "ReplayBackend", spy)
     config = quick_config(base["tmp"], run_name="lookup", lookup="1-2:2")
     metrics = train.train(config)
-    assert seen == [LookupConfig(1, 2, 2)]
+    assert seen == [LookupConfig(1, 2, 2, 0, 0)]
     plain = json.loads((base["run"] / "metrics.json").read_text())
     # the tiny pair repeats itself: autoregressive decoding with lookup beats plain autoregressive decoding
     assert metrics["autoregressive_on_val"] > plain["autoregressive_on_val"]
     assert load_policy(metrics["policy"]).meta["train_config"]["lookup"] == "1-2:2"
-    assert load_policy(metrics["policy"]).trained_lookup == LookupConfig(1, 2, 2)
+    assert load_policy(metrics["policy"]).trained_lookup == LookupConfig(1, 2, 2, 0, 0)
     assert load_policy(base["run"] / "policy.pt").trained_lookup is None
     # generate.py --policy runs it with the lookup it was trained for unless told otherwise
     argv = ["--pair", "tiny", "--policy", metrics["policy"], "--prompt", "abcabcabcabc", "--raw", "--json"]
