@@ -35,7 +35,7 @@ from engine.cli import (
 from engine.control import StaticController
 from engine.engine import MAX_SEED, EngineConfig, SpeculativeEngine
 from engine.errors import InputError
-from engine.lookup import describe_lookup, parse_lookup
+from engine.lookup import describe_lookup, resolve_lookup
 from engine.models import PAIR_SEPARATOR
 from engine.sampling import SamplingConfig
 from policies import load_policy
@@ -101,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             if name in given_flags(parser, argv) and getattr(config, name) is None:
                 raise InputError(f"--{name}: the model path is empty")
         sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
-        auto = config.lookup.strip().lower() == "auto"
-        lookup = None if auto else parse_lookup(config.lookup)
+        resolve_lookup(config.lookup)  # a bad setting fails before any model loads
         check_positive(max_new_tokens=config.max_new_tokens)
         if not 0 <= config.seed <= MAX_SEED:
             raise InputError(f"--seed must be in [0, 2**64), got {config.seed}")
@@ -116,9 +115,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         limits = config.check()
         controller = None if config.autoregressive else _controller(config, limits)
-        if auto and config.policy and controller is not None:
-            lookup = controller.trained_lookup
-        engine_config = EngineConfig(draft_mode=config.draft_mode, lookup=lookup)
+        trained = controller.trained_lookup if config.policy and controller is not None else None
+        engine_config = EngineConfig(
+            draft_mode=config.draft_mode, lookup=resolve_lookup(config.lookup, trained)
+        )
         pair = config.load()
         if config.policy and (message := controller.pair_warning(pair)):
             warn(message)

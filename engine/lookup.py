@@ -78,6 +78,9 @@ class NgramIndex:
             *([config.long_ngram] if config.long_ngram else []),
         ]
         self._maps: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in sizes}
+        # (n-gram size, tokens proposed) in the order ``propose`` tries them: the long match first
+        self._rules = [(config.long_ngram, config.long_tokens)] if config.long_ngram else []
+        self._rules += [(n, config.max_tokens) for n in range(config.max_ngram, config.min_ngram - 1, -1)]
         self.extend(tokens)
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -100,12 +103,10 @@ class NgramIndex:
         """The tokens that followed the latest earlier occurrence of the context's last ``long_ngram`` tokens (up
         to ``long_tokens``), else of the longest matching suffix n-gram, ``max_ngram`` down to ``min_ngram`` (up
         to ``max_tokens``); at most ``limit`` either way, empty without a match or when ``limit < 1``."""
-        seq, config = self.tokens, self.config
+        seq = self.tokens
         if limit < 1:
             return []
-        rules = [(config.long_ngram, config.long_tokens)] if config.long_ngram else []
-        rules += [(n, config.max_tokens) for n in range(config.max_ngram, config.min_ngram - 1, -1)]
-        for n, tokens in rules:
+        for n, tokens in self._rules:
             if len(seq) < n + 1:
                 continue
             start = self._maps[n].get(tuple(seq[len(seq) - n :]))
@@ -146,6 +147,17 @@ def _rule_numbers(text: str, spec: str | None, ranged: bool) -> list[int]:
             "match rule +L:J such as 3-4:2+8:4"
         )
     return [int(n) for n in numbers]
+
+
+def resolve_lookup(
+    spec: str | None, trained: LookupConfig | None = None, otherwise: LookupConfig | None = None
+) -> LookupConfig | None:
+    """A command line's lookup setting where "auto" is allowed: "auto" -> ``trained`` (a policy's own setting,
+    ``LearnedController.trained_lookup``) when it has one, else ``otherwise``; anything else as
+    ``parse_lookup``."""
+    if (spec or "").strip().lower() == "auto":
+        return trained if trained is not None else otherwise
+    return parse_lookup(spec)
 
 
 def stored_lookup(spec: str | None) -> LookupConfig | None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.cli import ModelConfig
-from engine.lookup import parse_lookup
+from engine.lookup import LookupConfig, resolve_lookup
 from envs.prompts import interleave_languages, load_suite
 from envs.record_traces import MAX_TRACE_DEPTH, read_prompts
 from evaluation.llama_peer import parse_lookup_setting, parse_spec_setting
@@ -139,7 +139,7 @@ class EvalConfig(ModelConfig):
         super().__post_init__()
         parse_spec_setting(self.llama_spec)  # a bad setting fails before any model loads
         parse_lookup_setting(self.llama_lookup)
-        if self.lookup.strip().lower() != "auto" and parse_lookup(self.lookup) is None:
+        if resolve_lookup(self.lookup, otherwise=LookupConfig()) is None:
             raise ValueError(
                 f'lookup (--lookup) is the setting of the +lookup controllers: not "off", got {self.lookup!r}'
             )

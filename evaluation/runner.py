@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from engine import EngineConfig, SamplingConfig, SpeculativeEngine
 from engine.errors import DraftpilotError, InputError
-from engine.lookup import LookupConfig, describe_lookup, parse_lookup, stored_lookup
+from engine.lookup import LookupConfig, describe_lookup, resolve_lookup
 from envs import workspace
 from envs.oracle import oracle_throughput
 from envs.prompts import language_of
@@ -45,6 +45,7 @@ from policies import (
     StaticController,
     load_policy,
 )
+from policies.learned import trained_lookup
 
 STATIC = ("static_chain", "static_tree")
 DEFAULT_WIDTH, DEFAULT_DEPTH = 4, 8
@@ -65,12 +66,7 @@ class Setup:
         except (DraftpilotError, OSError) as err:
             raise InputError(f"--policy: {err}") from None
         self.policy_meta = policy.meta if policy else None
-        auto = config.lookup.strip().lower() == "auto"
-        self.lookup = (
-            (policy.trained_lookup if policy else None) or LookupConfig()
-            if auto
-            else parse_lookup(config.lookup)
-        )
+        self.lookup = resolve_lookup(config.lookup, policy.trained_lookup if policy else None, LookupConfig())
         """The engine's context lookup setting of the ``+lookup`` controllers."""
         self.width = config.tree_width or (policy.tree_width if policy else DEFAULT_WIDTH)
         self.max_depth = config.max_depth or (policy.max_depth if policy else DEFAULT_DEPTH)
@@ -160,7 +156,7 @@ class Setup:
 def lookup_mismatches(policy_meta: dict, names: Sequence[str], lookup: LookupConfig | None) -> list[str]:
     """Warnings for a learned row whose engine's context lookup differs from the one the policy was trained
     with (``train.py --lookup``; policies stored before the setting were trained without)."""
-    trained = stored_lookup((policy_meta.get("train_config") or {}).get("lookup", "off"))
+    trained = trained_lookup(policy_meta)
     out = []
     for name, used in (("learned", None), ("learned" + LOOKUP_SUFFIX, lookup)):
         if name in names and used != trained:
@@ -471,7 +467,7 @@ def evaluate(config: EvalConfig, checkpoint=None, setup: Setup | None = None) ->
 def headline_name(policy_meta: dict | None, names: Sequence[str]) -> str:
     """The learned row the report's targets are read from: learned+lookup for a policy trained with context
     lookup (``train.py --lookup``) when that row is measured, else learned."""
-    trained = stored_lookup(((policy_meta or {}).get("train_config") or {}).get("lookup", "off"))
+    trained = trained_lookup(policy_meta)
     with_lookup = "learned" + LOOKUP_SUFFIX
     return with_lookup if trained is not None and with_lookup in names else "learned"
 

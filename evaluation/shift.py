@@ -36,7 +36,7 @@ from engine.cost_profile import CostProfile
 from engine.engine import EngineConfig, SpeculativeEngine
 from engine.errors import InputError
 from engine.files import atomic_path, atomic_write_json
-from engine.lookup import LookupConfig, describe_lookup, parse_lookup
+from engine.lookup import LookupConfig, describe_lookup, parse_lookup, resolve_lookup
 from engine.measure_costs import device_name
 from engine.sampling import SamplingConfig
 from envs import workspace
@@ -133,8 +133,7 @@ class ShiftConfig(ModelConfig):
                 raise InputError(f"{name} (--{name.replace('_', '-')}) must be >= 1, got {value}")
         self.axis_list()
         self.temperature_list()
-        if self.lookup.strip().lower() != "auto":
-            parse_lookup(self.lookup)
+        resolve_lookup(self.lookup)  # a bad setting fails before any model loads
 
     def axis_list(self) -> list[str]:
         axes = [a.strip() for a in self.axes.split(",") if a.strip()]
@@ -396,8 +395,8 @@ def run_shift(config: ShiftConfig) -> dict:
     axes, temps = config.axis_list(), config.temperature_list()
     policy_path = find_policy(config)  # type: ignore[arg-type]  # reads .policy only
     learned = load_policy(policy_path)
-    if config.lookup.strip().lower() == "auto":  # resolved here, so the stored config says what ran
-        config.lookup = describe_lookup(learned.trained_lookup)
+    # resolved here, so the stored config says what ran
+    config.lookup = describe_lookup(resolve_lookup(config.lookup, learned.trained_lookup))
     width, max_depth = learned.tree_width, learned.max_depth
     pair = config.load()
     profile = workspace.ensure_profile(pair, config.cache_dir, config.profile, widths=(1, 2, max(width, 1)))

@@ -110,41 +110,35 @@ def summarize(results: dict, resamples: int = 2000, seed: int = 0) -> dict:
             speedup_ci[name][lang] = paired_ratio_from_rows(
                 by_pid, ar, resamples=resamples, rng=rng, language=None if lang == "all" else lang
             )
-    ratios = {}
-    if "learned" in rows:
-        for other in LEARNED_VS:
-            name = results.get("best_static") if other == "best_static" else other
-            if name in rows:
-                ratios[other] = {
-                    "against": name,
-                    **paired_ratio_from_rows(rows["learned"], rows[name], resamples=resamples, rng=rng),
-                }
-    lookup_ratios = {}
-    if "learned+lookup" in rows:  # the learned policy on the engine with context lookup
-        for other in ("learned", *LEARNED_VS):
-            name = results.get("best_static") if other == "best_static" else other
-            if name in rows:
-                lookup_ratios[other] = {
-                    "against": name,
-                    **paired_ratio_from_rows(
-                        rows["learned+lookup"], rows[name], resamples=resamples, rng=rng
-                    ),
-                }
+
+    def versus(name: str, against: dict[str, str | None]) -> dict:
+        """key -> the paired ratio of row ``name`` over row ``against[key]``, for every such row that ran."""
+        out = {}
+        for key, other in against.items():
+            if other in rows:
+                r = paired_ratio_from_rows(rows[name], rows[other], resamples=resamples, rng=rng)
+                if r is not None:
+                    out[key] = {"against": other, **r}
+        return out
+
+    named = {o: results.get("best_static") if o == "best_static" else o for o in LEARNED_VS}
+    ratios = versus("learned", named) if "learned" in rows else {}
+    # the learned policy on the engine with context lookup
+    lookup_ratios = (
+        versus("learned+lookup", {"learned": "learned", **named}) if "learned+lookup" in rows else {}
+    )
     fidelity = replay_vs_live(results.get("replay"), table)
     head = headline_row(results, rows)
     head_ratios = dict(lookup_ratios if head == "learned+lookup" else ratios)
-    if head is not None:
+    if head is not None:  # against the fastest row of a kind
+        kinds = {"best_static": LOOKUP_STATICS} if head == "learned+lookup" else {}
+        kinds["llama_cpp_best_spec"] = LLAMA_SPECULATIVE
         fastest = {
-            "best_static": LOOKUP_STATICS if head == "learned+lookup" else None,
-            "llama_cpp_best_spec": LLAMA_SPECULATIVE,
+            key: max(present, key=lambda n: table[n]["all"]["tokens_per_s"])
+            for key, names in kinds.items()
+            if (present := [n for n in names if n in rows])
         }
-        for key, names in fastest.items():
-            present = [n for n in names or () if n in rows]
-            if present:
-                best = max(present, key=lambda n: table[n]["all"]["tokens_per_s"])
-                r = paired_ratio_from_rows(rows[head], rows[best], resamples=resamples, rng=rng)
-                if r is not None:
-                    head_ratios[key] = {"against": best, **r}
+        head_ratios.update(versus(head, fastest))
     return {
         "table": table,
         "speedup_ci": speedup_ci,

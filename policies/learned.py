@@ -225,6 +225,12 @@ class SpeculationGuard:
             self.pause = self.backoff
 
 
+def trained_lookup(meta: dict | None) -> LookupConfig | None:
+    """The context lookup a policy file's metadata says it was trained for (``train_config["lookup"]``;
+    None: none, also for files stored before the setting)."""
+    return stored_lookup(((meta or {}).get("train_config") or {}).get("lookup", "off"))
+
+
 class LearnedController(Controller):
     """Depth (continue/stop) and size (ladder index) from exported PPO actors.
 
@@ -299,7 +305,7 @@ class LearnedController(Controller):
     def trained_lookup(self) -> LookupConfig | None:
         """The context lookup the policy was trained for (``train.py --lookup``; None: none, also for files
         stored before the setting): run it on ``SpeculativeEngine(..., EngineConfig(lookup=this))``."""
-        return stored_lookup((self.meta.get("train_config") or {}).get("lookup", "off"))
+        return trained_lookup(self.meta)
 
     def pair_warning(self, pair: ModelPair) -> str | None:
         """A one-line warning when this policy was trained for another pair or weight format than ``pair``
