@@ -450,8 +450,8 @@ def validation(val_traces, profile, mix: ProfileMix | None, lookup: LookupConfig
 
 def baselines(train_traces, val_traces, profile, config: TrainConfig) -> dict:
     """Static grid (train: the baseline depth; validation: the best static a user could tune there),
-    analytic, autoregressive and the oracle on the validation traces (with the config's context lookup,
-    except the oracle, which plans the draft model's cycles only)."""
+    analytic, autoregressive and the oracle on the validation traces (all with the config's context
+    lookup: the oracle plans around its cycles, so it bounds every controller replayed with it)."""
     width, depth = config.tree_width, config.max_depth
     lookup = parse_lookup(config.lookup)
     grid_train = static_grid(train_traces, profile, lookup=lookup)
@@ -466,7 +466,7 @@ def baselines(train_traces, val_traces, profile, config: TrainConfig) -> dict:
         "static_best_on_val": grid_val[best_val],
         "analytic_on_val": val(AnalyticController(profile, width, depth)),
         "autoregressive_on_val": val(None),
-        "oracle_on_val": oracle_throughput(val_traces, profile),
+        "oracle_on_val": oracle_throughput(val_traces, profile, lookup=lookup),
     }
 
 

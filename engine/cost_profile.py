@@ -62,6 +62,15 @@ def _lerp2(
     return float(_lerp(contexts, _lerp(xs, table, x, extrapolate), context, extrapolate))
 
 
+def chunk_curve(profile: Any, max_pending: int, context: int) -> np.ndarray:
+    """``profile.draft_chunk_s(p, context)`` for p = 1 .. ``max_pending``: the profile's own vectorised
+    ``draft_chunk_curve`` where it has one, else one call per count (profiles of the replay interface)."""
+    curve = getattr(profile, "draft_chunk_curve", None)
+    if curve is not None:
+        return curve(max_pending, context)
+    return np.array([profile.draft_chunk_s(p, context) for p in range(1, max_pending + 1)], dtype=np.float64)
+
+
 @dataclass
 class CostProfile:
     """Measured cycle costs on one device, pair and dtype (seconds; spreads are IQR/median over reps).
@@ -115,6 +124,7 @@ class CostProfile:
 
     def __post_init__(self) -> None:
         self._arrays: dict[str, np.ndarray] = {}
+        self._curve_rows: dict[tuple[str, int], np.ndarray] = {}
         shapes = {
             "draft_step": (self.widths, "draft_step_table"),
             "verify": (self.sizes, "verify_table"),
@@ -181,6 +191,17 @@ class CostProfile:
         if "draft_chunk" not in a:
             return self.draft_step_s(num_pending, context)
         return _lerp2(a["draft_chunk_grid"], a["contexts"], a["draft_chunk"], num_pending, context)
+
+    def draft_chunk_curve(self, max_pending: int, context: int) -> np.ndarray:
+        """``draft_chunk_s(p, context)`` for p = 1 .. ``max_pending`` as one array, the same values (the
+        hindsight oracle reads every pending count at every position)."""
+        key = "draft_chunk" if "draft_chunk" in self._arrays else "draft_step"
+        rows = self._curve_rows.get((key, max_pending))
+        if rows is None:
+            a = self._arrays
+            rows = np.stack([_lerp(a[key + "_grid"], a[key], p) for p in range(1, max_pending + 1)])
+            self._curve_rows[(key, max_pending)] = rows
+        return np.asarray(_lerp(self._arrays["contexts"], rows.T, context), dtype=np.float64)
 
     def verify_s(self, num_nodes: int, context: int, chain: bool = False) -> float:
         """The target forward over the root and ``num_nodes`` verified nodes at ``context``; ``chain``: the

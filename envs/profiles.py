@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.cost_profile import CostProfile
+from engine.cost_profile import CostProfile, chunk_curve
 from engine.errors import InputError
 
 REFERENCE_CONTEXT = 512
@@ -55,6 +55,9 @@ class PerturbedProfile:
 
     def draft_chunk_s(self, num_pending: int, context: int) -> float:
         return self.scale * self.draft * self.base.draft_chunk_s(num_pending, context)
+
+    def draft_chunk_curve(self, max_pending: int, context: int) -> np.ndarray:
+        return self.scale * self.draft * chunk_curve(self.base, max_pending, context)
 
     def verify_s(self, num_nodes: int, context: int, chain: bool = False) -> float:
         one = self.base.verify_s(0, context, chain)  # the root alone: an autoregressive step

@@ -207,6 +207,12 @@ def tuning_md(tuning: dict, best_static: str | None) -> list[str]:
     return out
 
 
+ORACLE_ROWS = {
+    "oracle": "hindsight oracle (upper bound, replay only)",
+    "oracle+lookup": "hindsight oracle + lookup (upper bound of the lookup rows, replay only)",
+}
+
+
 def replay_md(replay: dict | None, summary: dict) -> list[str]:
     if not replay:
         return []
@@ -227,18 +233,11 @@ def replay_md(replay: dict | None, summary: dict) -> list[str]:
             _f(v.get("relative_to_autoregressive")),
         ]
         for name, v in fid.items()
-        if name != "oracle"
+        if name not in ORACLE_ROWS
     ]
-    if "oracle" in fid:
-        rows.append(
-            [
-                "hindsight oracle (upper bound, replay only)",
-                _f(fid["oracle"]["replay_tokens_per_s"]),
-                "–",
-                "–",
-                "–",
-            ]
-        )
+    for name, label in ORACLE_ROWS.items():
+        if name in fid:
+            rows.append([label, _f(fid[name]["replay_tokens_per_s"]), "–", "–", "–"])
     note = [
         "Relative to autoregressive: a controller's replay / live divided by autoregressive decoding's. A "
         "change of the machine's speed since the cost profile was measured moves every row's replay / live alike "

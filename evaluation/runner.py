@@ -262,6 +262,8 @@ def replay_section(setup: Setup, controllers: dict[str, object]) -> dict:
         }
     if "oracle" in setup.names:
         out["oracle_tokens_per_s"] = oracle_throughput(traces, setup.profile)
+        if setup.lookup is not None:  # the upper bound of the rows run with the engine's context lookup
+            out["oracle_lookup_tokens_per_s"] = oracle_throughput(traces, setup.profile, lookup=setup.lookup)
     out["seconds"] = time.perf_counter() - started
     return out
 

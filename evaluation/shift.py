@@ -102,7 +102,7 @@ class ShiftConfig(ModelConfig):
     lookup: str = "auto"
     """Context lookup drafting on the engine of every controller, in replay and live ("off", "on", MIN-MAX:K,
     MIN-MAX:K+L:J; engine.lookup; "auto": the setting the policy was trained with, train.py --lookup): "autoregressive" is then
-    lookup alone and every static is tuned with it; the oracle plans the draft model's cycles only (no lookup)."""
+    lookup alone, every static is tuned with it and the oracle plans around its cycles."""
     cache_dir: str = "runs/cache"
     """Where profiles and traces are cached (shared with train.py and evaluate.py)."""
     progress: bool = True
@@ -274,7 +274,7 @@ def evaluate_axis(
         rows["static_hindsight"] = per_trace(
             traces, StaticController(hd, hv, tree_width=width), profile, lookup
         )
-        plans = [oracle_plan(rt, profile) for rt in traces]
+        plans = [oracle_plan(rt, profile, lookup=lookup) for rt in traces]
         rows["oracle"] = [(p.tokens, p.total_s) for p in plans]
         rows_of[b] = rows
         tests[b] = {
@@ -605,7 +605,7 @@ def write_shift_report(results: dict, out: Path) -> Path:
         f"Policy `{results['policy']}`; {cond.get('cpu')}, {cond.get('threads')} threads, load "
         f"{cond.get('load_avg')}; profile {cond.get('profile')}; {cond.get('date')}.",
         f"Context lookup on every controller's engine: {cond.get('lookup', 'off')} (with lookup, "
-        "autoregressive is lookup alone; the oracle plans the draft model's cycles only).",
+        "autoregressive is lookup alone; the oracle plans around the lookup's cycles).",
         "Replay: exact cycles from recorded traces, times from the cost profile. Cells: learned / static "
         "tuned on the row's slice, measured on the column's slice (95% paired bootstrap over prompts).",
         "",

@@ -173,6 +173,8 @@ def replay_vs_live(replay: dict | None, table: dict) -> dict:
             row["relative_to_autoregressive"] = row["replay_over_live"] / base["replay_over_live"]
     if "oracle_tokens_per_s" in replay:
         out["oracle"] = {"replay_tokens_per_s": replay["oracle_tokens_per_s"]}
+    if "oracle_lookup_tokens_per_s" in replay:
+        out["oracle+lookup"] = {"replay_tokens_per_s": replay["oracle_lookup_tokens_per_s"]}
     return out
 
 

@@ -176,6 +176,21 @@ def test_chunk_falls_back_to_width_table():
     assert p.draft_chunk_s(2, 100) == p.draft_step_s(2, 100)
 
 
+@pytest.mark.parametrize("chunked", [True, False])
+def test_chunk_curve_is_every_chunk_time_bitwise(chunked):
+    """The oracle's vectorised curve equals draft_chunk_s at every count (inside, between, above the grid),
+    at contexts inside, between and outside the grid, with and without a chunk table."""
+    p = hand_profile(
+        draft_chunk_table=[[1e-3 * (2 + q + c / 100) + 1e-7 * q * q for c in [100, 300]] for q in [1, 2]]
+    )
+    if not chunked:
+        p = hand_profile(chunks=[], draft_chunk_table=[])
+    for ctx in (50, 100, 171, 300, 777):
+        curve = p.draft_chunk_curve(40, ctx)
+        assert curve.shape == (40,)
+        assert [float(v) for v in curve] == [p.draft_chunk_s(q, ctx) for q in range(1, 41)]
+
+
 # ---------------------------------------------------------------------------------------- composition
 def test_cycle_is_the_sum_of_its_parts():
     p = hand_profile()

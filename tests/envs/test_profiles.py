@@ -28,6 +28,9 @@ def test_a_perturbation_scales_exactly_the_part_it_names():
     )
     dear = PerturbedProfile(base, draft=3.0, overhead=0.5, scale=2.0)
     assert dear.draft_chunk_s(3, 300) == pytest.approx(6 * base.draft_chunk_s(3, 300))
+    assert dear.draft_chunk_curve(5, 300) == pytest.approx(
+        [6 * base.draft_chunk_s(q, 300) for q in range(1, 6)]
+    )
     assert dear.overhead_s(4) == pytest.approx(base.overhead_s(4))  # 2 * 0.5
     assert dear.verify_s(4, 300) == pytest.approx(2 * base.verify_s(4, 300))
 

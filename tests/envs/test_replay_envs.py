@@ -11,6 +11,7 @@ from gymnasium.utils.env_checker import check_env
 from stable_baselines3.common.env_checker import check_env as sb3_check_env
 
 import envs  # noqa: F401 - registers the environment ids
+from engine.lookup import LookupConfig
 from engine.sampling import verify_tree
 from engine.tree import DraftTree
 from envs import EnvConfig, ReplayBackend, ReplayTrace, WrongBackendError, replay_generate, throughput
@@ -87,6 +88,37 @@ def test_oracle_bounds_every_static_setting(linear_profile):
         plan = oracle_plan(rt, linear_profile)
         recs = replay_generate(rt, OracleController(rt, plan), linear_profile)
         assert sum(r.total_s for r in recs) == pytest.approx(plan.total_s, rel=1e-12)
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_oracle_bounds_every_controller_with_context_lookup(linear_profile, width):
+    """With the engine's context lookup, lookup cycles are forced moves for every controller; the oracle
+    plans around them and still bounds autoregressive decoding, every static setting and the analytic
+    controller replayed with the same lookup (a small vocabulary makes the lookup propose often)."""
+    lookup = LookupConfig(min_ngram=2, max_ngram=3, max_tokens=3)
+    traces = [
+        ReplayTrace(make_synthetic_trace(seed, length=60, width=width, max_depth=5, vocab=6))
+        for seed in range(3)
+    ]
+    lookup_cycles = sum(r.lookup for rt in traces for r in replay_generate(rt, None, lookup=lookup))
+    assert lookup_cycles >= 10
+    oracle = oracle_throughput(traces, linear_profile, lookup=lookup)
+    rows = list(static_grid(traces, linear_profile, depths=range(1, 6), lookup=lookup).values())
+    for ctrl in (None, AnalyticController(linear_profile, tree_width=width)):
+        rows.append(throughput([replay_generate(rt, ctrl, linear_profile, lookup=lookup) for rt in traces]))
+    assert oracle >= max(rows) - 1e-9
+    for rt in traces:  # the plan is playable around the lookup cycles it is not shown
+        plan = oracle_plan(rt, linear_profile, lookup=lookup)
+        recs = replay_generate(rt, OracleController(rt, plan), linear_profile, lookup=lookup)
+        assert any(r.lookup for r in recs) and any(r.depth > 0 for r in recs)
+        assert sum(r.total_s for r in recs) == pytest.approx(plan.total_s, rel=1e-12)
+    # negative control: the plan made without the lookup does not realise its time once the lookup is on
+    plans = [oracle_plan(rt, linear_profile) for rt in traces]
+    played = [
+        sum(r.total_s for r in replay_generate(rt, OracleController(rt, plan), linear_profile, lookup=lookup))
+        for rt, plan in zip(traces, plans)
+    ]
+    assert any(abs(t - plan.total_s) > 1e-6 * plan.total_s for t, plan in zip(played, plans))
 
 
 def _backend(linear_profile, width=2):

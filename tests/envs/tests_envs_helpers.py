@@ -75,6 +75,7 @@ def make_synthetic_trace(
         "max_new_tokens": max_new_tokens or length,
         "max_context": 10_000,
         "pair": "synthetic",
+        "prompt_ids": [int(x) for x in tokens[:10]],  # context lookup replay reads the prompt
     }
     return Trace(
         f"synthetic-{seed}",
