@@ -72,6 +72,45 @@ CMAKE_FLAGS = (
     "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF",
 )  # fmt: skip
 """Static binaries (they are copied out of the build tree), no network code, optimised for this CPU."""
+NO_AMX = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
+"""On x86 the build leaves out ggml's AMX kernels, which ``-march=native`` enables on a CPU that lists AMX: in
+this llama.cpp they crash (SIGSEGV on the first request with the default pair's Q4_K_M target, measured on a
+Sapphire Rapids VM, 2026-12-02), and the AVX-512 kernels, which the build keeps, run the same files."""
+
+
+def cmake_flags(cxx: str | None = None) -> tuple[str, ...]:
+    """``CMAKE_FLAGS`` plus, on x86 with a compiler that knows them, the ``NO_AMX`` flags (an explicit
+    ``-mno-...`` wins over ``-march=native`` whatever the order)."""
+    import platform
+
+    cxx = cxx or next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
+    if cxx is None or platform.machine().lower() not in ("x86_64", "amd64"):
+        return CMAKE_FLAGS
+    try:
+        probe = subprocess.run(
+            [cxx, *NO_AMX, "-x", "c++", "-E", "-"], input="", capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return CMAKE_FLAGS
+    if probe.returncode != 0:
+        return CMAKE_FLAGS
+    extra = " ".join(NO_AMX)
+    return (*CMAKE_FLAGS, f"-DCMAKE_C_FLAGS={extra}", f"-DCMAKE_CXX_FLAGS={extra}")
+
+
+def stale_build(bin_dir: Path | str) -> str | None:
+    """Why the binaries this script built in ``bin_dir`` should be built again (their recorded cmake flags
+    are not this version's), or None (up to date, or not built by this script: ``--llama-bin`` builds are the
+    user's)."""
+    info = Path(bin_dir).expanduser() / "BUILD_INFO.json"
+    try:
+        flags = json.loads(info.read_text()).get("cmake_flags")
+    except (OSError, ValueError, AttributeError):
+        return None
+    want = list(cmake_flags())
+    if flags != want:
+        return f"built with other cmake flags ({' '.join(sorted(set(want) - set(flags or [])))} missing)"
+    return None
 
 
 class LlamaCppUnavailable(RuntimeError):
@@ -343,7 +382,8 @@ def build_binaries(bin_dir: Path | str, jobs: int = 1, niceness: int = 19, echo=
             flush=True,
         )
         started = time.perf_counter()
-        configure = [cmake, "-S", str(source), "-B", str(build), *CMAKE_FLAGS]
+        flags = cmake_flags()
+        configure = [cmake, "-S", str(source), "-B", str(build), *flags]
         _run_logged("cmake configure", prefix + configure, log)
         _run_logged(
             "cmake build",
@@ -373,7 +413,7 @@ def build_binaries(bin_dir: Path | str, jobs: int = 1, niceness: int = 19, echo=
             json.dumps(
                 {
                     "source": f"{SOURCE_PACKAGE}=={SOURCE_VERSION} vendor/llama.cpp",
-                    "cmake_flags": list(CMAKE_FLAGS),
+                    "cmake_flags": list(flags),
                     "built": datetime.datetime.now().isoformat(timespec="seconds"),
                     "build_s": round(time.perf_counter() - started, 1),
                 },
@@ -715,6 +755,10 @@ def main(argv: list[str] | None = None) -> int:
 
     bin_dir = Path(args.llama_bin).expanduser() if args.llama_bin else default_bin_dir()
     binaries = find_binaries(bin_dir)
+    stale = None if args.llama_bin or binaries is None else stale_build(bin_dir)
+    if stale and not args.no_build:
+        print(f"llama.cpp in {bin_dir}: {stale}; building it again", flush=True)
+        binaries = None
     if binaries is None:
         if args.no_build:
             return skip(f"no runnable {COMPLETION_NAMES[0]}/{SPECULATIVE_NAME} in {bin_dir} and --no-build")

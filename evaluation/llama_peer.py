@@ -95,6 +95,12 @@ class LlamaPeer:
                 f"llama.cpp rows left out: no llama.cpp programs in {bin_dir} (build them once with "
                 f"`python benchmarks/llama_cpp.py`, or pass --llama-bin)"
             )
+        stale = None if config.llama_bin else lc.stale_build(bin_dir)
+        if stale:
+            return None, (
+                f"llama.cpp rows left out: the programs in {bin_dir} were {stale}; build them again with "
+                "`python benchmarks/llama_cpp.py`"
+            )
         target, draft = DEFAULT_PAIRS[config.pair]
         root = Path(config.cache_dir) if getattr(config, "cache_dir", None) else cache_dir()
         paths = fetch_gguf(target, root, progress=False), fetch_gguf(draft, root, progress=False)

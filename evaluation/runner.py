@@ -374,11 +374,16 @@ def evaluate(config: EvalConfig, checkpoint=None, setup: Setup | None = None) ->
     measured = engine_names + [n for n in setup.names if n in PEERS + LLAMA_PEERS]
 
     warm = setup.pair.encode(setup.tune_prompts[0]["prompt"])  # warm-up (allocator, kernels): not measured
-    for name in measured:
+    for name in list(measured):
         if name in PEERS:
             run_peer(setup.pair, warm, 8, name, config.temperature, config.seed)
         elif name in LLAMA_PEERS:
-            setup.llama.run(name, setup.tune_prompts[0]["prompt"], 8, config.seed)
+            try:
+                setup.llama.run(name, setup.tune_prompts[0]["prompt"], 8, config.seed)
+            except setup.llama.lc.LlamaCppRunError as err:  # a peer that cannot run here leaves its row out
+                measured.remove(name)
+                setup.names.remove(name)
+                setup.warnings.append(f"{name} left out: llama.cpp failed its warm-up request: {err}")
         else:
             run_engine(engines(name), warm, controllers[name], 8, config.seed)
     recorder = controllers.get("learned")

@@ -341,3 +341,66 @@ def test_ngram_settings_parse_and_refuse(script):
 def test_evaluation_refuses_a_bad_llama_lookup_setting(text):
     with pytest.raises(ValueError, match="llama_lookup"):
         EvalConfig(llama_lookup=text)
+
+
+def test_a_peer_that_crashes_on_its_warm_up_leaves_its_row_out(fake_bin, workdir, tiny_policy, monkeypatch):
+    """A llama.cpp build that dies on this CPU (e.g. a kernel path the CPU lists but cannot run: a signal on
+    the first request) costs the evaluation its llama.cpp row, with a warning, not the whole run; the other
+    llama.cpp rows, whose program runs, stay."""
+    import signal
+
+    from test_evaluate_cli import small_eval
+
+    from evaluation import runner
+
+    completion = fake_bin / "llama-completion"
+    lines = completion.read_text().splitlines()
+    lines.insert(
+        3,
+        f"import os\nif sys.argv[1:] not in (['--help'], ['--version']): os.kill(os.getpid(), {int(signal.SIGSEGV)})",
+    )
+    completion.write_text("\n".join(lines) + "\n")
+
+    def find(config, pair, threads):
+        binaries = _benchmark_find(fake_bin)
+        return LlamaPeer(binaries, fake_bin / "t.gguf", fake_bin / "d.gguf", (16, 0.75), threads, pair), None
+
+    monkeypatch.setattr(runner.LlamaPeer, "find", staticmethod(find))
+    rc, stderr, res = small_eval(
+        workdir, tiny_policy, "llama-crash", "autoregressive,llama_cpp,llama_cpp_spec", "--no-replay"
+    )
+    assert rc == 0, stderr
+    assert "llama_cpp" not in res["summary"]["table"] and "llama_cpp_spec" in res["summary"]["table"]
+    assert any(w.startswith("llama_cpp left out: llama.cpp failed its warm-up") for w in res["warnings"])
+
+
+def _fake_compiler(path: Path, rc: int) -> str:
+    path.write_text(f"#!/bin/sh\ncat > /dev/null\nexit {rc}\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+def test_the_build_leaves_amx_out_on_x86_where_the_compiler_can(script, tmp_path, monkeypatch):
+    import platform
+
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    accepts, refuses = _fake_compiler(tmp_path / "ok++", 0), _fake_compiler(tmp_path / "old++", 1)
+    flags = script.cmake_flags(accepts)
+    assert flags[: len(script.CMAKE_FLAGS)] == script.CMAKE_FLAGS
+    extra = " ".join(script.NO_AMX)
+    assert f"-DCMAKE_C_FLAGS={extra}" in flags and f"-DCMAKE_CXX_FLAGS={extra}" in flags
+    assert script.cmake_flags(refuses) == script.CMAKE_FLAGS  # a compiler without AMX flags: as before
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert script.cmake_flags(accepts) == script.CMAKE_FLAGS
+
+
+def test_a_cached_build_with_other_flags_is_stale(script, tmp_path, monkeypatch):
+    monkeypatch.setattr(script, "cmake_flags", lambda cxx=None: ("-DA=1", "-DB=2"))
+    assert script.stale_build(tmp_path) is None  # no BUILD_INFO.json: not built by the script
+    info = tmp_path / "BUILD_INFO.json"
+    info.write_text(json.dumps({"cmake_flags": ["-DA=1", "-DB=2"]}))
+    assert script.stale_build(tmp_path) is None
+    info.write_text(json.dumps({"cmake_flags": ["-DA=1"]}))
+    assert "-DB=2 missing" in script.stale_build(tmp_path)
+    info.write_text("{not json")
+    assert script.stale_build(tmp_path) is None
