@@ -180,6 +180,10 @@ def test_policy_file_round_trip_is_exact(tiny_data, tmp_path):
     obs = np.random.default_rng(1).uniform(0, 2, (50, depth.weights[0].shape[1])).astype(np.float32)
     assert [depth.act(o) for o in obs] == [loaded.depth_actor.act(o) for o in obs]
     assert torch.allclose(depth.logits(obs), loaded.depth_actor.logits(obs), atol=1e-6)
+    # the CPU decision (numpy) is the argmax of the torch logits, for both actors, on and off the clip
+    for actor in (loaded.depth_actor, loaded.size_actor):
+        wide = np.random.default_rng(2).normal(0, 30, (300, actor.weights[0].shape[1])).astype(np.float32)
+        assert [actor.act(o) for o in wide] == torch.argmax(actor.logits(wide), dim=-1).tolist()
 
 
 def test_training_is_deterministic_given_the_seed(tiny_data):
