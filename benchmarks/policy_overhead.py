@@ -86,7 +86,7 @@ def main() -> int:
             total_s = sum(c.total_s for c in cycles)
             rows[name].append((ctrl_s / max(calls, 1), ctrl_s / total_s, total_s / max(len(cycles), 1)))
     print(
-        f"\npair={pair.name} dtype={str(pair.dtype).removeprefix('torch.')} threads={torch.get_num_threads()} "
+        f"\npair={pair.name} weights={pair.precision} threads={torch.get_num_threads()} "
         f"prompts={len(prompts)} ({args.split}) max_new_tokens={args.max_new_tokens}"
     )
     for name, values in rows.items():
