@@ -55,7 +55,7 @@ from engine.cost_profile import CostProfile
 from engine.errors import DraftpilotError, InputError
 from engine.features import device_features
 from engine.files import DirectoryLock, atomic_write_json
-from engine.lookup import LookupConfig, describe_lookup, parse_lookup
+from engine.lookup import LookupConfig, describe_lookup, parse_lookup, resolve_lookup
 from envs import workspace
 from envs.backends import LiveBackend, ReplayBackend
 from envs.environments import EnvConfig
@@ -162,10 +162,9 @@ class TrainConfig(ModelConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        text = str(self.lookup).strip().lower()
-        if text == "auto":
-            text = "on" if self.backend == "replay" else "off"
-        self.lookup = describe_lookup(parse_lookup(text))  # stored resolved: what the run trained with
+        # stored resolved: what the run trained with ("auto": the defaults in replay, off live)
+        default = LookupConfig() if self.backend == "replay" else None
+        self.lookup = describe_lookup(resolve_lookup(str(self.lookup), otherwise=default))
         if isinstance(self.ppo, dict):
             self.ppo = PPOConfig(**self.ppo)
         if self.backend not in ("replay", "live"):
