@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import native  # noqa: E402
-from engine.kquant import quantize_k4, quantize_k6  # noqa: E402
+from engine.kquant import quantize_k4, quantize_k6, tiled_parts  # noqa: E402
 
 # one layer of the default target (hidden 1536, MLP 8960; q/k/v as one product, gate/up as one) and a
 # quarter of its LM head (151936 x 1536, k6)
@@ -66,16 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         for name, n, k, kind in SHAPES:
             w = torch.randn(n, k) * 0.02
             base = quantize_k4(w) if kind == "k4" else quantize_k6(w)
-            weights[name] = (k, kind, [tuple(t.clone() for t in base) for _ in range(args.copies)])
+            weights[name] = (n, k, kind, [tiled_parts(base, k) for _ in range(args.copies)])
 
         def run(module, x, name, i):
-            k, kind, copies = weights[name]
-            t = copies[i % len(copies)]
-            if kind == "k4":
-                return module.k4_matmul(x, t[0], t[1], None, k)
-            return module.k6_matmul(x, t[0], t[1], t[2], None, k)
+            n, k, kind, copies = weights[name]
+            return getattr(module, f"{kind}_matmul")(x, *copies[i % len(copies)], None, k, n)
 
-        nbytes = sum(t.numel() for _, _, copies in weights.values() for t in copies[0])
+        nbytes = sum(t.numel() for _, _, _, copies in weights.values() for t in copies[0])
         load = os.getloadavg()
         print(
             f"CPU {platform.processor() or 'unknown'} ({native.cpu_signature().split('|')[1]}), "

@@ -162,9 +162,74 @@ def quantize_k6(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return pack_k6(codes.clip(0, 63).reshape(n, kp).astype(np.uint8), d, sc.astype(np.int8))
 
 
+# ------------------------------------------------------------------------------------ the kernels' tiles
+NT = 16  # weight rows interleaved in one tile of the kernels' layout
+WIDTHS = {"codes": 64, "lo": 64, "hi": 32}  # bytes a row and block of each field (meta: K4_META / K6_META)
+
+
+def _meta_fields(kind: str) -> list[tuple[int, int]]:
+    """The fields of a row's meta bytes as (offset, size): k4: d, dmin, sc[4], m[4]; k6: d, sc[8]."""
+    if kind == "k4":
+        return [(0, 2), (2, 2)] + [(4 + i, 1) for i in range(8)]
+    return [(0, 2)] + [(2 + i, 1) for i in range(8)]
+
+
+def tile_tensors(kind: str, tensors: dict[str, torch.Tensor], n: int, nb: int) -> dict[str, torch.Tensor]:
+    """The row layouts above -> the kernels' tiled layouts (``engine/csrc/kquant.cpp``'s header): rows
+    interleaved 16 at a time (the last tile zero-padded), so the 16 lanes of a vector are 16 outputs. A
+    codes tile of a block is [16 quad-rows, 16 rows, 4 bytes]: byte i of quad-row r of row j is byte 4r + i
+    of that row's 64 code bytes (the nibbles unchanged); the meta of a tile's block is each field of the 16
+    rows in turn (d[16], dmin[16], sc[0][16], ...). Only bytes move."""
+    t = -(-n // NT)
+    out = {}
+    for name, x in tensors.items():
+        width = WIDTHS.get(name) or (K4_META if kind == "k4" else K6_META)
+        x = x.to(torch.uint8).reshape(n, nb, width)
+        if t * NT != n:
+            x = torch.cat([x, x.new_zeros(t * NT - n, nb, width)])
+        x = x.reshape(t, NT, nb, width)
+        if name == "meta":
+            parts = [
+                x[..., o : o + k].permute(0, 2, 1, 3).reshape(t, nb, NT * k) for o, k in _meta_fields(kind)
+            ]
+            out[name] = torch.cat(parts, dim=2).contiguous()
+        else:  # [t, 16 rows, nb, width / 4 quads, 4] -> [t, nb, quads, 16 rows, 4]
+            out[name] = x.reshape(t, NT, nb, width // 4, 4).permute(0, 2, 3, 1, 4).contiguous()
+    return out
+
+
+def untile_tensors(kind: str, tiled: dict[str, torch.Tensor], n: int, nb: int) -> dict[str, torch.Tensor]:
+    """The inverse of ``tile_tensors``: the row layouts [n, nb, width]."""
+    t = -(-n // NT)
+    out = {}
+    for name, x in tiled.items():
+        if name == "meta":
+            parts, at = [], 0
+            for _, k in _meta_fields(kind):
+                parts.append(x[..., at : at + NT * k].reshape(t, nb, NT, k).permute(0, 2, 1, 3))
+                at += NT * k
+            rows = torch.cat(parts, dim=3)
+        else:
+            width = WIDTHS[name]
+            rows = x.reshape(t, nb, width // 4, NT, 4).permute(0, 3, 1, 2, 4).reshape(t, NT, nb, width)
+        out[name] = rows.reshape(t * NT, nb, -1)[:n].contiguous()
+    return out
+
+
+def tiled_parts(parts, in_features: int) -> list[torch.Tensor]:
+    """Row-layout tensors (k4: codes, meta; k6: lo, hi, meta) -> the kernels' tiled tensors in the same order
+    (for calling the compiled products or the native decoder directly)."""
+    kind, names = ("k4", ("codes", "meta")) if len(parts) == 2 else ("k6", ("lo", "hi", "meta"))
+    tiled = tile_tensors(
+        kind, dict(zip(names, parts, strict=True)), int(parts[0].shape[0]), blocks(in_features)
+    )
+    return [tiled[name] for name in names]
+
+
 # -------------------------------------------------------------------------------------------- modules
 class KQuantLinear(nn.Module):
-    """``y = x @ W.T + b`` with W in the k4 or k6 layout, through the compiled kernels; float32 in and out."""
+    """``y = x @ W.T + b`` with W in the k4 or k6 layout, through the compiled kernels; float32 in and out.
+    Built from the row layouts (what the conversion cache stores); holds the kernels' tiled layout."""
 
     def __init__(
         self, kind: str, tensors: dict[str, torch.Tensor], in_features: int, bias: torch.Tensor | None
@@ -177,27 +242,41 @@ class KQuantLinear(nn.Module):
             raise ValueError(f"unknown kquant layout {kind!r}")
         self.kind, self.in_features = kind, int(in_features)
         names = ("codes", "meta") if kind == "k4" else ("lo", "hi", "meta")
-        first = tensors[names[0]]
-        self.out_features = int(first.shape[0])
-        nb = blocks(self.in_features)
-        widths = {"codes": 64, "lo": 64, "hi": 32, "meta": K4_META if kind == "k4" else K6_META}
+        self.out_features = int(tensors[names[0]].shape[0])
+        tiled = tile_tensors(
+            kind, {name: tensors[name] for name in names}, self.out_features, blocks(self.in_features)
+        )
         for name in names:
-            t = tensors[name].to(torch.uint8).reshape(self.out_features, nb, widths[name])
-            self.register_buffer(name, t.clone(memory_format=torch.contiguous_format))
+            self.register_buffer(name, tiled[name])
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).clone())
+
+    def tiles(self) -> list[torch.Tensor]:
+        """The tiled tensors in the kernels' argument order."""
+        return [self.codes, self.meta] if self.kind == "k4" else [self.lo, self.hi, self.meta]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
             return self.forward(x.float()).to(x.dtype)
-        if self.kind == "k4":  # the bias is added inside the kernel (one call: this runs ~200 times a step)
-            return self._ops.k4_matmul(x, self.codes, self.meta, self.bias, self.in_features)
-        return self._ops.k6_matmul(x, self.lo, self.hi, self.meta, self.bias, self.in_features)
+        # the bias is added inside the kernel (one call: this runs ~200 times a step)
+        op = self._ops.k4_matmul if self.kind == "k4" else self._ops.k6_matmul
+        return op(x, *self.tiles(), self.bias, self.in_features, self.out_features)
+
+    def row_tensors(self) -> list[torch.Tensor]:
+        """The weights in the row layouts (``pack_k4`` / ``pack_k6``'s), in the kernels' argument order."""
+        names = ("codes", "meta") if self.kind == "k4" else ("lo", "hi", "meta")
+        rows = untile_tensors(
+            self.kind,
+            dict(zip(names, self.tiles(), strict=True)),
+            self.out_features,
+            blocks(self.in_features),
+        )
+        return [rows[name] for name in names]
 
     def weight_float64(self) -> np.ndarray:
         """The weights this layer applies, [N, K] float64 (exact)."""
         if self.kind == "k4":
-            return unpack_k4(self.codes, self.meta, self.in_features)
-        return unpack_k6(self.lo, self.hi, self.meta, self.in_features)
+            return unpack_k4(*self.row_tensors(), self.in_features)
+        return unpack_k6(*self.row_tensors(), self.in_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, layout={self.kind}"

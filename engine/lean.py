@@ -81,7 +81,7 @@ def build_decoder(ops, model):
         decoder.add_layer(
             layer.input_layernorm.weight.detach().contiguous(),
             layer.post_attention_layernorm.weight.detach().contiguous(),
-            [[x.codes, x.meta] if x.kind == "k4" else [x.lo, x.hi, x.meta] for x in linears],
+            [x.tiles() for x in linears],
             [x.bias for x in linears],
         )
     return decoder

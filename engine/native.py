@@ -21,7 +21,7 @@ from types import ModuleType
 
 from engine.errors import DraftpilotError
 
-KERNEL_NUMERICS = 1
+KERNEL_NUMERICS = 2
 """Version of the kernels' arithmetic (every output bit). Traces and profiles recorded through the kernels
 are cached under a key that includes it (``envs.workspace.pair_dir``) when it is above 1: a change to
 ``engine/csrc`` that alters any output bit (tests/engine/test_kquant.py holds a fingerprint of the

@@ -244,7 +244,7 @@ class Decoder {
     L.post_norm = post_norm;
     Linear* dst[7] = {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down};
     for (int i = 0; i < 7; ++i) {
-      *dst[i] = make_linear(linears[i], biases[i], in[i]);
+      *dst[i] = make_linear(linears[i], biases[i], in[i], outs[i]);
       TORCH_CHECK(dst[i]->N == outs[i], "decoder: linear ", i, " has ", dst[i]->N, " outputs, expected ", outs[i]);
     }
     layers_.push_back(std::move(L));

@@ -17,3 +17,12 @@ def avx2_kernels():
     if not ops.isa().startswith("avx2"):
         pytest.skip(f"this CPU has no AVX2 path (built: {ops.isa()})")
     return ops
+
+
+@pytest.fixture(scope="session")
+def portable_kernels():
+    """The compiled extension built with its portable path (``KQ_NO_SIMD``: what a CPU without AVX2 compiles),
+    cached next to the default build; skips where the kernels cannot be built."""
+    if not native.available():
+        pytest.skip("the compiled kernels cannot be built here")
+    return native.variant("KQ_NO_SIMD")

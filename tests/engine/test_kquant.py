@@ -171,6 +171,7 @@ def test_non_finite_input_gives_nan_in_its_row_only():
     module = _module("k4", quantize_k4(torch.randn(16, 256) * 0.05), 256)
     x = torch.randn(3, 256)
     x[1, 7] = float("inf")
+    assert torch.isnan(_module("k6", quantize_k6(torch.randn(16, 256) * 0.05), 256)(x)[1]).all()
     y = module(x)
     assert torch.isnan(y[1]).all() and torch.isfinite(y[0]).all() and torch.isfinite(y[2]).all()
 
@@ -178,11 +179,13 @@ def test_non_finite_input_gives_nan_in_its_row_only():
 def test_kernel_refuses_bad_inputs():
     module = _module("k6", quantize_k6(torch.randn(16, 256)), 256)
     with pytest.raises(RuntimeError, match=r"input must be \[\.\.\., 256\]"):
-        module._ops.k6_matmul(torch.randn(2, 128), module.lo, module.hi, module.meta, None, 256)
+        module._ops.k6_matmul(torch.randn(2, 128), module.lo, module.hi, module.meta, None, 256, 16)
     with pytest.raises(RuntimeError, match="bias must be"):
-        module._ops.k6_matmul(torch.randn(2, 256), module.lo, module.hi, module.meta, torch.zeros(3), 256)
+        module._ops.k6_matmul(torch.randn(2, 256), module.lo, module.hi, module.meta, torch.zeros(3), 256, 16)
     with pytest.raises(RuntimeError, match="bytes, expected"):
-        module._ops.k6_matmul(torch.randn(2, 256), module.lo[:8], module.hi, module.meta, None, 256)
+        module._ops.k6_matmul(torch.randn(2, 256), module.lo[:, :1], module.hi, module.meta, None, 256, 16)
+    with pytest.raises(RuntimeError, match="bytes, expected"):  # 17 outputs need two tiles
+        module._ops.k6_matmul(torch.randn(2, 256), module.lo, module.hi, module.meta, None, 256, 17)
 
 
 def test_unavailable_kernels_are_a_clear_error(monkeypatch):
@@ -313,10 +316,10 @@ def test_gguf_conversion_to_kquant(fmt, kinds, tmp_path):
         assert err == modules[name]["max_abs_error"] or abs(err - modules[name]["max_abs_error"]) < 1e-12
 
 
-# Fingerprint of the AVX-512 kernels' outputs on fixed inputs (sha256 of the float32 bytes). Recorded
+# Fingerprint of the kernels' outputs (every path: AVX-512, AVX2, portable) on fixed inputs (sha256 of the float32 bytes). Recorded
 # traces hold what these kernels computed: a change that alters any bit must increment
 # engine.native.KERNEL_NUMERICS (the trace caches' key) and then update this fingerprint.
-KERNEL_FINGERPRINT = "16bbd193175d5ec5"
+KERNEL_FINGERPRINT = "0bdaec540f053436"
 
 
 def _kernel_digest(ops=None) -> str:
@@ -337,26 +340,63 @@ def _kernel_digest(ops=None) -> str:
 
 
 def test_kernel_arithmetic_matches_the_recorded_fingerprint():
-    if not native.kernels().simd():
-        pytest.skip("the fingerprint is of the SIMD paths (AVX-512, AVX2); this CPU runs the portable one")
     assert _kernel_digest() == KERNEL_FINGERPRINT, (
         "the kernels' outputs changed: increment engine.native.KERNEL_NUMERICS (recorded traces no longer "
         "match) and update KERNEL_FINGERPRINT"
     )
 
 
-def test_avx2_kernels_compute_the_avx512_bits(avx2_kernels):
-    """The AVX2 path (a CPU without AVX-512 VNNI compiles it) gives the fingerprint bit for bit, and every
-    product of the real layers' shapes equals the machine's build at 1-17 and 300 rows."""
-    ops = avx2_kernels
-    assert _kernel_digest(ops) == KERNEL_FINGERPRINT
+def _same_bits_as_the_machine_build(ops) -> None:
+    """Every product of the real layers' shapes (and a ragged one) through ``ops`` equals the machine's
+    build at 1-17 and 300 rows."""
     rng = np.random.RandomState(3)
-    for kind, n, k in (("k4", 96, 1536), ("k6", 96, 1536), ("k4", 32, 8960), ("k6", 32, 896)):
+    shapes = (("k4", 96, 1536), ("k6", 96, 1536), ("k4", 32, 8960), ("k6", 32, 896), ("k4", 21, 200))
+    for kind, n, k in shapes:
         weight = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32) * 0.05)
-        parts = quantize_k4(weight) if kind == "k4" else quantize_k6(weight)
         bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+        module = _module(kind, quantize_k4(weight) if kind == "k4" else quantize_k6(weight), k, bias)
         for m in (1, 2, 5, 8, 9, 17, 300):
             x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
-            want = getattr(native.kernels(), f"{kind}_matmul")(x, *parts, bias, k)
-            got = getattr(ops, f"{kind}_matmul")(x, *parts, bias, k)
+            want = module(x)
+            got = getattr(ops, f"{kind}_matmul")(x, *module.tiles(), bias, k, n)
             assert torch.equal(got, want), (kind, n, k, m)
+
+
+def test_avx2_kernels_compute_the_avx512_bits(avx2_kernels):
+    """The AVX2 path (a CPU without AVX-512 VNNI compiles it) gives the fingerprint bit for bit, and every
+    product of the real layers' shapes equals the machine's build."""
+    assert _kernel_digest(avx2_kernels) == KERNEL_FINGERPRINT
+    _same_bits_as_the_machine_build(avx2_kernels)
+
+
+def test_portable_kernels_compute_the_simd_bits(portable_kernels):
+    """The portable path (a CPU without AVX2) computes the same bits too: the arithmetic is defined per
+    output (exact integer sums per block, then the same float operations), not by the instructions."""
+    assert _kernel_digest(portable_kernels) == KERNEL_FINGERPRINT
+    _same_bits_as_the_machine_build(portable_kernels)
+
+
+@pytest.mark.parametrize("kind", ["k4", "k6"])
+@pytest.mark.parametrize("n", [1, 16, 37])
+def test_tiles_only_move_bytes(kind, n):
+    """The kernels' tiled layout is the row layout's bytes rearranged (rows padded to 16): back and forth
+    is the identity, and a tile holds what the kernels' header says."""
+    from engine.kquant import tile_tensors, untile_tensors
+
+    torch.manual_seed(n)
+    parts = quantize_k4(torch.randn(n, 256)) if kind == "k4" else quantize_k6(torch.randn(n, 256))
+    names = ("codes", "meta") if kind == "k4" else ("lo", "hi", "meta")
+    rows = dict(zip(names, parts, strict=True))
+    tiled = tile_tensors(kind, rows, n, 2)
+    back = untile_tensors(kind, tiled, n, 2)
+    assert all(torch.equal(back[name], rows[name].reshape(back[name].shape)) for name in names)
+    first = names[0]
+    # quad-row 3 of block 1 of tile 0, row 0: bytes 12..15 of row 0's codes of block 1
+    assert torch.equal(tiled[first][0, 1, 3, 0], rows[first].reshape(n, 2, 64)[0, 1, 12:16])
+    meta = rows["meta"].reshape(n, 2, -1)
+    assert torch.equal(tiled["meta"][0, 1, 0:2], meta[0, 1, 0:2])  # the first row's fp16 d
+    if n > 1:
+        assert torch.equal(tiled["meta"][0, 1, 2:4], meta[1, 1, 0:2])  # the second row's d
+    pad = -(-n // 16) * 16 - n
+    if pad:
+        assert int(tiled["meta"].reshape(-1, 2, tiled["meta"].shape[-1])[-1, :, 30:32].sum()) == 0
