@@ -54,6 +54,16 @@
 #define KQ_AVX512 0
 #define KQ_AVX2 0
 #endif
+// AMX (Intel Sapphire Rapids and later): the prefill's products (more than 16 rows) take the int8 tile
+// multiply for whole groups of 16 activation rows; same integers, same float operations, same bits (used
+// only where the OS grants the tile state: amx_permitted). KQ_NO_AMX compiles it out.
+#if KQ_AVX512 && !defined(KQ_NO_AMX) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define KQ_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define KQ_AMX 0
+#endif
 
 namespace kq {
 namespace {
@@ -521,6 +531,184 @@ void k6_tile_avx2(const QuantizedRows& a, int64_t m0, int64_t nb, const uint8_t*
 }
 #endif
 
+#if KQ_AMX
+// ------------------------------------------------------------------------------------------------- AMX
+// A tile multiply gives, for 16 activation rows x 16 outputs, the exact integer sum over one group of
+// inputs (k4: 32, k6: 16) -- the sums the AVX-512 path accumulates lane by lane -- so per output the same
+// integers I and J come out, and the float step below is the AVX-512 path's, operation for operation.
+// Tiles: 0-3 sums of four groups, 4 activations (rows x group bytes), 5 weight codes (quads x 16 outputs).
+
+bool amx_permitted() {
+  // Linux grants a process the AMX tile state on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+struct TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void amx_config(int group) {  // group: inputs a group (32 or 16)
+  alignas(64) TileConfig c;
+  for (int i = 0; i < 4; ++i) {
+    c.rows[i] = 16;
+    c.colsb[i] = 64;
+  }
+  c.rows[4] = 16;
+  c.colsb[4] = (uint16_t)group;
+  c.rows[5] = (uint8_t)(group / 4);
+  c.colsb[5] = 64;
+  _tile_loadconfig(&c);
+}
+
+// The four group sums of 16 rows (activations at qa, row stride `stride` bytes; group g at qa + g * width)
+// against the weight codes B[g] (width / 4 quads of 64 bytes), into C[g][row][output].
+template <int width>
+inline void amx_groups(const int8_t* qa, int64_t stride, const uint8_t* B, int32_t* C) {
+  constexpr int bsz = width / 4 * 64;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, qa, stride);
+  _tile_loadd(5, B, 64);
+  _tile_dpbsud(0, 4, 5);
+  _tile_loadd(4, qa + width, stride);
+  _tile_loadd(5, B + bsz, 64);
+  _tile_dpbsud(1, 4, 5);
+  _tile_loadd(4, qa + 2 * width, stride);
+  _tile_loadd(5, B + 2 * bsz, 64);
+  _tile_dpbsud(2, 4, 5);
+  _tile_loadd(4, qa + 3 * width, stride);
+  _tile_loadd(5, B + 3 * bsz, 64);
+  _tile_dpbsud(3, 4, 5);
+  _tile_stored(0, C, 64);
+  _tile_stored(1, C + 256, 64);
+  _tile_stored(2, C + 512, 64);
+  _tile_stored(3, C + 768, 64);
+}
+
+// rows [m0, m0 + 16 * mt): out[r * 16 + j] as k4_tile_avx512 computes it
+void k4_tile_amx(const QuantizedRows& a, int64_t m0, int64_t mt, int64_t nb, const uint8_t* codes, const uint8_t* meta,
+                 float* out) {
+  thread_local std::vector<float> accs;
+  const int64_t R = mt * 16;
+  accs.assign((size_t)(R * 32), 0.f);  // row r: acc at 32 r, accm at 32 r + 16
+  alignas(64) uint8_t B[4 * 8 * 64];   // group g: 8 quads x 64 bytes
+  alignas(64) int32_t C[4 * 256];
+  const __m512i mask4 = _mm512_set1_epi8(0x0F);
+  amx_config(32);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* c = codes + b * K4_TILE;
+    const uint8_t* mt_ = meta + b * K4_META;
+    for (int u = 0; u < 16; ++u) {  // quad-row u: low nibbles -> group u / 8, high -> 2 + u / 8
+      prefetch(c, u * 64 + KQ_PREFETCH);
+      const __m512i w = _mm512_loadu_si512(c + u * 64);
+      _mm512_store_si512(B + ((u >> 3) * 8 + (u & 7)) * 64, _mm512_and_si512(w, mask4));
+      _mm512_store_si512(B + ((2 + (u >> 3)) * 8 + (u & 7)) * 64, _mm512_and_si512(_mm512_srli_epi16(w, 4), mask4));
+    }
+    __m512i sc[4];
+    for (int g = 0; g < 4; ++g) sc[g] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mt_ + 64 + 16 * g)));
+    const __m512i m01 = _mm512_or_si512(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mt_ + 128))),
+        _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mt_ + 144))), 16));
+    const __m512i m23 = _mm512_or_si512(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mt_ + 160))),
+        _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mt_ + 176))), 16));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)mt_));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(mt_ + 32)));
+    for (int64_t i = 0; i < mt; ++i) {
+      amx_groups<32>(&a.q[(size_t)(((m0 + 16 * i) * nb + b) * QB)], nb * QB, B, C);
+      for (int r = 0; r < 16; ++r) {
+        const int64_t row = (m0 + 16 * i + r) * nb + b;
+        const __m512i I = _mm512_add_epi32(
+            _mm512_add_epi32(_mm512_mullo_epi32(_mm512_load_si512(C + 16 * r), sc[0]),
+                             _mm512_mullo_epi32(_mm512_load_si512(C + 256 + 16 * r), sc[1])),
+            _mm512_add_epi32(_mm512_mullo_epi32(_mm512_load_si512(C + 512 + 16 * r), sc[2]),
+                             _mm512_mullo_epi32(_mm512_load_si512(C + 768 + 16 * r), sc[3])));
+        const __m512i J = _mm512_add_epi32(_mm512_madd_epi16(m01, _mm512_set1_epi32(a.p32[(size_t)(row * 2)])),
+                                           _mm512_madd_epi16(m23, _mm512_set1_epi32(a.p32[(size_t)(row * 2 + 1)])));
+        const __m512 xd = _mm512_set1_ps(a.d[(size_t)row]);
+        float* acc = &accs[(size_t)((16 * i + r) * 32)];
+        _mm512_storeu_ps(acc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(d, xd), _mm512_loadu_ps(acc)));
+        _mm512_storeu_ps(acc + 16,
+                         _mm512_fmadd_ps(_mm512_cvtepi32_ps(J), _mm512_mul_ps(dmin, xd), _mm512_loadu_ps(acc + 16)));
+      }
+    }
+  }
+  _tile_release();
+  for (int64_t r = 0; r < R; ++r)
+    _mm512_storeu_ps(out + r * NT, _mm512_sub_ps(_mm512_loadu_ps(&accs[(size_t)(r * 32)]),
+                                                 _mm512_loadu_ps(&accs[(size_t)(r * 32 + 16)])));
+}
+
+void k6_tile_amx(const QuantizedRows& a, int64_t m0, int64_t mt, int64_t nb, const uint8_t* lo, const uint8_t* hi,
+                 const uint8_t* meta, float* out) {
+  thread_local std::vector<float> accs;
+  const int64_t R = mt * 16;
+  accs.assign((size_t)(R * 16), 0.f);
+  alignas(64) uint8_t B[8 * 4 * 64];  // group g: 4 quads x 64 bytes
+  alignas(64) int32_t C[4 * 256];
+  alignas(64) int32_t Ipart[16 * 16];
+  const __m512i lo16 = _mm512_set1_epi32(0xFFFF);
+  amx_config(16);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* l = lo + b * K4_TILE;
+    const uint8_t* h = hi + b * K6_HI;
+    const uint8_t* mt_ = meta + b * K6_META;
+    for (int u = 0; u < 16; ++u) {  // quad-row u: low half -> group u / 4, high half -> 4 + u / 4
+      prefetch(l, u * 64 + KQ_PREFETCH);
+      if (u < 8) prefetch(h, u * 64 + KQ_PREFETCH / 2);
+      __m512i cl, ch;
+      k6_codes512(l, h, u, cl, ch);
+      _mm512_store_si512(B + ((u >> 2) * 4 + (u & 3)) * 64, cl);
+      _mm512_store_si512(B + ((4 + (u >> 2)) * 4 + (u & 3)) * 64, ch);
+    }
+    __m512i sc[8], scp[4];
+    for (int g = 0; g < 8; ++g) sc[g] = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(mt_ + 32 + 16 * g)));
+    for (int i = 0; i < 4; ++i)
+      scp[i] = _mm512_or_si512(_mm512_and_si512(sc[2 * i], lo16), _mm512_slli_epi32(sc[2 * i + 1], 16));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)mt_));
+    for (int64_t i = 0; i < mt; ++i) {
+      const int8_t* qa = &a.q[(size_t)(((m0 + 16 * i) * nb + b) * QB)];
+      amx_groups<16>(qa, nb * QB, B, C);  // groups 0-3 (inputs 0-63)
+      for (int r = 0; r < 16; ++r)
+        _mm512_store_si512(Ipart + 16 * r,
+                           _mm512_add_epi32(_mm512_add_epi32(_mm512_mullo_epi32(_mm512_load_si512(C + 16 * r), sc[0]),
+                                                             _mm512_mullo_epi32(_mm512_load_si512(C + 256 + 16 * r), sc[1])),
+                                            _mm512_add_epi32(_mm512_mullo_epi32(_mm512_load_si512(C + 512 + 16 * r), sc[2]),
+                                                             _mm512_mullo_epi32(_mm512_load_si512(C + 768 + 16 * r), sc[3]))));
+      amx_groups<16>(qa + 64, nb * QB, B + 4 * 4 * 64, C);  // groups 4-7 (inputs 64-127)
+      for (int r = 0; r < 16; ++r) {
+        const int64_t row = (m0 + 16 * i + r) * nb + b;
+        const __m512i I = _mm512_add_epi32(
+            _mm512_load_si512(Ipart + 16 * r),
+            _mm512_add_epi32(_mm512_add_epi32(_mm512_mullo_epi32(_mm512_load_si512(C + 16 * r), sc[4]),
+                                              _mm512_mullo_epi32(_mm512_load_si512(C + 256 + 16 * r), sc[5])),
+                             _mm512_add_epi32(_mm512_mullo_epi32(_mm512_load_si512(C + 512 + 16 * r), sc[6]),
+                                              _mm512_mullo_epi32(_mm512_load_si512(C + 768 + 16 * r), sc[7]))));
+        const int32_t* p = &a.p16[(size_t)(row * 4)];
+        const __m512i S = _mm512_add_epi32(
+            _mm512_add_epi32(_mm512_madd_epi16(scp[0], _mm512_set1_epi32(p[0])), _mm512_madd_epi16(scp[1], _mm512_set1_epi32(p[1]))),
+            _mm512_add_epi32(_mm512_madd_epi16(scp[2], _mm512_set1_epi32(p[2])), _mm512_madd_epi16(scp[3], _mm512_set1_epi32(p[3]))));
+        const __m512i Ib = _mm512_sub_epi32(I, _mm512_slli_epi32(S, 5));
+        float* acc = &accs[(size_t)((16 * i + r) * 16)];
+        _mm512_storeu_ps(acc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(Ib), _mm512_mul_ps(d, _mm512_set1_ps(a.d[(size_t)row])),
+                                              _mm512_loadu_ps(acc)));
+      }
+    }
+  }
+  _tile_release();
+  for (int64_t r = 0; r < R; ++r) _mm512_storeu_ps(out + r * NT, _mm512_loadu_ps(&accs[(size_t)(r * 16)]));
+}
+#else
+bool amx_permitted() { return false; }
+#endif
+
 // One weight tile against activation rows [m0, m0 + R): out[r * 16 + j] = y[m0 + r, 16 t + j].
 struct K4Tile {
   const uint8_t* codes;
@@ -570,17 +758,9 @@ void run_rows(const Tile& tile, const QuantizedRows& a, int64_t m0, int rows, in
 }  // namespace
 
 void Linear::tile(int64_t t, const QuantizedRows& a, int64_t m_begin, int64_t m_end, float* y, int64_t ldy) const {
-  float out[8 * NT];
   const int64_t n0 = t * NT, width = std::min<int64_t>(NT, N - n0);
-  const int64_t pass = m_end - m_begin <= FEW_ROWS ? MAX_TILE : PREFILL_TILE;
-  for (int64_t m0 = m_begin; m0 < m_end; m0 += pass) {
-    const int rows = (int)std::min<int64_t>(pass, m_end - m0);
-    if (kind == 4) {
-      run_rows(K4Tile{p0 + t * nb * K4_TILE, p2 + t * nb * K4_META}, a, m0, rows, nb, out);
-    } else {
-      run_rows(K6Tile{p0 + t * nb * K4_TILE, p1 + t * nb * K6_HI, p2 + t * nb * K6_META}, a, m0, rows, nb, out);
-    }
-    for (int r = 0; r < rows; ++r) {
+  auto emit = [&](int64_t m0, int64_t rows, const float* out) {  // out[r * 16 + j] -> y, plus the bias
+    for (int64_t r = 0; r < rows; ++r) {
       float* yr = y + (m0 + r) * ldy + n0;
       const float* o = out + r * NT;
       if (bias) {
@@ -589,6 +769,33 @@ void Linear::tile(int64_t t, const QuantizedRows& a, int64_t m_begin, int64_t m_
         for (int64_t j = 0; j < width; ++j) yr[j] = o[j];
       }
     }
+  };
+  const bool few = m_end - m_begin <= FEW_ROWS;
+  int64_t m0 = m_begin;
+#if KQ_AMX
+  if (!few && amx_permitted()) {  // whole groups of 16 rows by tile multiplies, the rest below: same bits
+    const int64_t mt = (m_end - m_begin) / 16;
+    thread_local std::vector<float> buf;
+    buf.resize((size_t)(mt * 16 * NT));
+    if (kind == 4) {
+      k4_tile_amx(a, m0, mt, nb, p0 + t * nb * K4_TILE, p2 + t * nb * K4_META, buf.data());
+    } else {
+      k6_tile_amx(a, m0, mt, nb, p0 + t * nb * K4_TILE, p1 + t * nb * K6_HI, p2 + t * nb * K6_META, buf.data());
+    }
+    emit(m0, mt * 16, buf.data());
+    m0 += mt * 16;
+  }
+#endif
+  float out[8 * NT];
+  const int64_t pass = few ? MAX_TILE : PREFILL_TILE;
+  for (; m0 < m_end; m0 += pass) {
+    const int rows = (int)std::min<int64_t>(pass, m_end - m0);
+    if (kind == 4) {
+      run_rows(K4Tile{p0 + t * nb * K4_TILE, p2 + t * nb * K4_META}, a, m0, rows, nb, out);
+    } else {
+      run_rows(K6Tile{p0 + t * nb * K4_TILE, p1 + t * nb * K6_HI, p2 + t * nb * K6_META}, a, m0, rows, nb, out);
+    }
+    emit(m0, rows, out);
   }
 }
 
@@ -707,6 +914,8 @@ std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x_in) {
 
 bool simd() { return KQ_AVX512 || KQ_AVX2; }
 
+bool amx() { return KQ_AMX && amx_permitted(); }
+
 std::string isa() {
 #if KQ_AVX512
   return "avx512-vnni";
@@ -728,6 +937,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("k6_matmul", &k6_matmul, "y = x @ W.T (+ bias) with W in the tiled k6 (Q6_K) layout (K inputs, N outputs)");
   m.def("quantize_activations", &quantize_activations, "the int8 codes and block scales the products use");
   m.def("simd", &simd, "whether a SIMD path (AVX-512 VNNI or AVX2, bitwise alike) was compiled (else the portable one)");
+  m.def("amx", &amx, "whether prefill-sized products take AMX tile multiplies (compiled, and granted by the OS)");
   m.def("isa", &isa, "the compiled path: avx512-vnni, avx2-vnni, avx2 or portable");
   register_decoder(m);
 }

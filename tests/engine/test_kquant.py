@@ -355,7 +355,7 @@ def _same_bits_as_the_machine_build(ops) -> None:
         weight = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32) * 0.05)
         bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
         module = _module(kind, quantize_k4(weight) if kind == "k4" else quantize_k6(weight), k, bias)
-        for m in (1, 2, 5, 8, 9, 17, 300):
+        for m in (1, 2, 5, 8, 9, 17, 33, 300):
             x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
             want = module(x)
             got = getattr(ops, f"{kind}_matmul")(x, *module.tiles(), bias, k, n)
@@ -374,6 +374,14 @@ def test_portable_kernels_compute_the_simd_bits(portable_kernels):
     output (exact integer sums per block, then the same float operations), not by the instructions."""
     assert _kernel_digest(portable_kernels) == KERNEL_FINGERPRINT
     _same_bits_as_the_machine_build(portable_kernels)
+
+
+def test_amx_prefill_products_compute_the_vnni_bits():
+    """Where the CPU has AMX (and the OS grants it), prefill-sized products (17+ rows) take tile multiplies
+    for whole groups of 16 rows; the build without AMX must give the same bits at every row count."""
+    if not native.kernels().amx():
+        pytest.skip("no AMX here (CPU, compiler or OS)")
+    _same_bits_as_the_machine_build(native.variant("KQ_NO_AMX"))
 
 
 @pytest.mark.parametrize("kind", ["k4", "k6"])
