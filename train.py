@@ -2,7 +2,7 @@
 
     python train.py                                  # main job: default pair, built-in suite, ~13 min on CPU
     python train.py --pair tiny --quick              # plumbing check in seconds
-    python train.py --rounds 3 --size-steps 200000   # a bigger budget (default: 2 rounds, 100000 steps)
+    python train.py --rounds 4 --size-steps 400000   # a bigger budget (default: 3 rounds, 200000 steps)
     python train.py --backend live --pair tiny       # train on the real engine with wall-clock reward
     python train.py --resume runs/<run>              # continue an interrupted run (phase granularity)
     python train.py --run-name main --retrain        # train again in a run directory that holds a policy
@@ -137,11 +137,11 @@ class TrainConfig(ModelConfig):
     """replay (exact traces + cost profile) or live (the real engine, wall-clock reward)."""
     reward: str = "average"
     """average (emitted - rho * time, dense) or throughput (LTD's per-cycle emitted / time)."""
-    rounds: int = 2
+    rounds: int = 3
     """Co-adaptation rounds (each: size phase, then depth phase)."""
-    size_steps: int = 100_000
+    size_steps: int = 200_000
     """Environment steps per size phase (one per cycle)."""
-    depth_steps: int = 100_000
+    depth_steps: int = 200_000
     """Environment steps per depth phase (one per draft step)."""
     eval_every: int = 10_000
     """Validate the joint controller every this many environment steps (and at each phase end)."""

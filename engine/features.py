@@ -17,14 +17,19 @@ from engine.control import DraftState
 from engine.cost_profile import CostProfile
 from engine.results import CycleRecord
 
-FEATURE_VERSION = 4
+FEATURE_VERSION = 5
 """2: the history features gained the draft lag (version 1 policies cannot see it; retrain them).
 3: the common part gained the request's sampling temperature (one policy serves greedy and sampled
 decoding; version 2 policies were trained for one temperature: retrain them).
 4: the device features gained the start of the verification curve (root only, 2 and 4 nodes, over one
 node): chains verify 1-8 nodes, and a device whose first rows are cheap (int8) looked like one whose are
 not through verify(16) and verify(64) alone (a randomised policy never drafted there: 0.86x a policy
-trained on it)."""
+trained on it).
+5: both decisions gained the cost model's estimates (``cost_model_features``): the speedup over an
+autoregressive step that verifying now would give at each size, and (depth) after one more level. With the
+tiled kquant kernels verification became cheap and the analytic controller beat the learned one (1.061x vs
+1.020x the best static on validation); the policy now starts from the model's numbers and learns where
+they are wrong, instead of rebuilding them from probabilities and cost constants."""
 MAX_WIDTH = 8
 """Frontier entries observed by the depth policy (wider frontiers are cut, narrower padded with 0)."""
 MAX_NODES = 64
@@ -40,6 +45,10 @@ MAX_TEMPERATURE = 2.0
 """Temperatures above this are observed as this (the feature saturates)."""
 NUM_STATE_FEATURES = 4
 """depth, depth cap, log context, temperature."""
+MODEL_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
+"""Verification sizes at which the size observation holds the cost model's speedup."""
+MAX_MODEL_SPEEDUP = 8.0
+"""Speedups above this are observed as this."""
 
 
 def device_features(profile: CostProfile, tree_width: int, context: int = 512) -> np.ndarray:
@@ -95,6 +104,54 @@ def history_features(history: Sequence[CycleRecord]) -> np.ndarray:
     )
 
 
+# nodes at which the device features give the verification cost (over verifying one node): 0, 1, 2, 4, 16, 64
+_COST_NODES = np.asarray([0.0, 1.0, 2.0, 4.0, 16.0, 64.0])
+
+
+def _verify_curve(device: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+    """Verification cost of ``nodes`` nodes over one node's, interpolated linearly between the points the
+    device features hold (beyond 64 extrapolated along the last segment)."""
+    known = np.asarray([device[3], 1.0, device[4], device[5], device[1], device[2]], dtype=np.float64)
+    out = np.interp(nodes, _COST_NODES, known)
+    slope = (known[5] - known[4]) / 48.0
+    return np.where(nodes > 64, known[5] + slope * (nodes - 64), out)
+
+
+_SIZES = np.asarray(MODEL_SIZES, dtype=np.float64)
+
+
+def _speedups(path_probs: np.ndarray, depth: int, device: np.ndarray) -> np.ndarray:
+    """[len(MODEL_SIZES)] the cost model's speedup over an autoregressive step of verifying the best V nodes
+    now (``policies.analytic`` without its online calibration): (1 + sum of their path probabilities) /
+    (depth draft steps + verifying V) x (one autoregressive step); V above the node count as that count."""
+    if device[3] <= 0:  # no profile: no model
+        return np.zeros(len(MODEL_SIZES))
+    cum = np.concatenate([[0.0], np.cumsum(np.sort(path_probs)[::-1])])
+    sizes = np.minimum(_SIZES, len(path_probs))
+    expected = cum[sizes.astype(int)]
+    cost = depth * float(device[0]) + _verify_curve(device, sizes)
+    return (1.0 + expected) / np.maximum(cost, 1e-6) * float(device[3])
+
+
+def cost_model_features(state: DraftState, device: np.ndarray) -> tuple[np.ndarray, float, float]:
+    """The cost model's estimates for ``state`` (``policies.analytic``'s, uncalibrated, from the device
+    features alone): the speedup over autoregressive decoding of verifying now at each of ``MODEL_SIZES``,
+    the best of them, and the best after drafting one more level (the next level's path probabilities
+    predicted as the analytic controller does for its best children: each frontier node's best child
+    shares the last step's conditional probability)."""
+    probs = np.exp(np.asarray(state.node_scores, dtype=np.float64))
+    now = _speedups(probs, state.depth, device)
+    best_now = float(now.max()) if state.depth > 0 else 1.0
+    step = float(np.clip(np.max(state.step_probs), 1e-6, 1.0)) if len(state.step_probs) else 0.5
+    child = np.exp(np.asarray(state.frontier_scores, dtype=np.float64)) * step  # the best child of each
+    if state.depth == 0:  # before the first draft step: no step probabilities yet, so no prediction
+        best_next = 0.0
+    else:
+        best_next = float(_speedups(np.concatenate([probs, child]), state.depth + 1, device).max())
+    clip = lambda v: np.clip(v, 0.0, MAX_MODEL_SPEEDUP)  # noqa: E731
+    return clip(now).astype(np.float32), float(clip(best_now)), float(clip(best_next))
+
+
 def _padded(values: np.ndarray, size: int) -> np.ndarray:
     out = np.zeros(size, dtype=np.float32)
     n = min(len(values), size)
@@ -122,24 +179,29 @@ def _common(state: DraftState, device: np.ndarray) -> np.ndarray:
 
 def depth_observation(state: DraftState, device: np.ndarray) -> np.ndarray:
     """Depth decision (continue/stop): path probabilities exp(score) of the frontier (sorted), the last
-    step's conditional probabilities (sorted), then depth, cap, context, temperature, history and device
-    features."""
+    step's conditional probabilities (sorted), the cost model's best speedup now and after one more level,
+    then depth, cap, context, temperature, history and device features."""
     frontier = np.exp(np.asarray(state.frontier_scores, dtype=np.float32))
     step = np.sort(np.asarray(state.step_probs, dtype=np.float32))[::-1]
-    obs = np.concatenate([_padded(frontier, MAX_WIDTH), _padded(step, MAX_WIDTH), _common(state, device)])
+    _, now, nxt = cost_model_features(state, device)
+    obs = np.concatenate(
+        [_padded(frontier, MAX_WIDTH), _padded(step, MAX_WIDTH), [now, nxt], _common(state, device)]
+    )
     return np.clip(obs, 0.0, DEPTH_OBS_HIGH).astype(np.float32)
 
 
 def size_observation(state: DraftState, device: np.ndarray) -> np.ndarray:
     """Size decision: path probabilities exp(score) of the top-64 nodes (sorted), their running sum
-    (expected accepted tokens if that many are verified, scaled), then the common features."""
+    (expected accepted tokens if that many are verified, scaled), the cost model's speedup at each of
+    ``MODEL_SIZES``, then the common features."""
     nodes = _padded(np.exp(np.asarray(state.node_scores, dtype=np.float32)), MAX_NODES)
     expected = np.cumsum(nodes) / NODES_SCALE
-    obs = np.concatenate([nodes, expected[[0, 1, 3, 7, 15, 31, 63]], _common(state, device)])
+    speedups, _, _ = cost_model_features(state, device)
+    obs = np.concatenate([nodes, expected[[0, 1, 3, 7, 15, 31, 63]], speedups, _common(state, device)])
     return np.clip(obs, 0.0, SIZE_OBS_HIGH).astype(np.float32)
 
 
 NUM_COMMON_FEATURES = NUM_STATE_FEATURES + NUM_HISTORY_FEATURES + NUM_DEVICE_FEATURES
-DEPTH_OBS_DIM = 2 * MAX_WIDTH + NUM_COMMON_FEATURES
-SIZE_OBS_DIM = MAX_NODES + 7 + NUM_COMMON_FEATURES
+DEPTH_OBS_DIM = 2 * MAX_WIDTH + 2 + NUM_COMMON_FEATURES
+SIZE_OBS_DIM = MAX_NODES + 7 + len(MODEL_SIZES) + NUM_COMMON_FEATURES
 DEPTH_OBS_HIGH = SIZE_OBS_HIGH = 64.0
