@@ -117,20 +117,32 @@ def _verify_curve(device: np.ndarray, nodes: np.ndarray) -> np.ndarray:
     return np.where(nodes > 64, known[5] + slope * (nodes - 64), out)
 
 
-_SIZES = np.asarray(MODEL_SIZES, dtype=np.float64)
+_SIZES = np.asarray(MODEL_SIZES)
+_curves: dict[bytes, np.ndarray] = {}
+
+
+def _verify_table(device: np.ndarray) -> np.ndarray:
+    """``_verify_curve`` at 0..max(MODEL_SIZES) nodes, computed once per device (this runs every decision)."""
+    key = device.tobytes()
+    table = _curves.get(key)
+    if table is None:
+        if len(_curves) > 64:
+            _curves.clear()
+        table = _curves[key] = _verify_curve(device, np.arange(MODEL_SIZES[-1] + 1, dtype=np.float64))
+    return table
 
 
 def _speedups(path_probs: np.ndarray, depth: int, device: np.ndarray) -> np.ndarray:
     """[len(MODEL_SIZES)] the cost model's speedup over an autoregressive step of verifying the best V nodes
     now (``policies.analytic`` without its online calibration): (1 + sum of their path probabilities) /
-    (depth draft steps + verifying V) x (one autoregressive step); V above the node count as that count."""
+    (depth draft steps + verifying V) x (one autoregressive step); V above the node count as that count.
+    ``path_probs`` sorted best first."""
     if device[3] <= 0:  # no profile: no model
         return np.zeros(len(MODEL_SIZES))
-    cum = np.concatenate([[0.0], np.cumsum(np.sort(path_probs)[::-1])])
     sizes = np.minimum(_SIZES, len(path_probs))
-    expected = cum[sizes.astype(int)]
-    cost = depth * float(device[0]) + _verify_curve(device, sizes)
-    return (1.0 + expected) / np.maximum(cost, 1e-6) * float(device[3])
+    cum = np.concatenate([[0.0], np.cumsum(path_probs[: MODEL_SIZES[-1]])])
+    cost = depth * float(device[0]) + _verify_table(device)[sizes]
+    return (1.0 + cum[sizes]) / np.maximum(cost, 1e-6) * float(device[3])
 
 
 def cost_model_features(state: DraftState, device: np.ndarray) -> tuple[np.ndarray, float, float]:
@@ -139,17 +151,21 @@ def cost_model_features(state: DraftState, device: np.ndarray) -> tuple[np.ndarr
     the best of them, and the best after drafting one more level (the next level's path probabilities
     predicted as the analytic controller does for its best children: each frontier node's best child
     shares the last step's conditional probability)."""
-    probs = np.exp(np.asarray(state.node_scores, dtype=np.float64))
+    probs = np.exp(np.asarray(state.node_scores, dtype=np.float64))  # sorted best first (DraftState)
     now = _speedups(probs, state.depth, device)
     best_now = float(now.max()) if state.depth > 0 else 1.0
-    step = float(np.clip(np.max(state.step_probs), 1e-6, 1.0)) if len(state.step_probs) else 0.5
-    child = np.exp(np.asarray(state.frontier_scores, dtype=np.float64)) * step  # the best child of each
-    if state.depth == 0:  # before the first draft step: no step probabilities yet, so no prediction
+    if state.depth == 0 or not len(state.step_probs):  # before the first draft step: no prediction
         best_next = 0.0
     else:
-        best_next = float(_speedups(np.concatenate([probs, child]), state.depth + 1, device).max())
-    clip = lambda v: np.clip(v, 0.0, MAX_MODEL_SPEEDUP)  # noqa: E731
-    return clip(now).astype(np.float32), float(clip(best_now)), float(clip(best_next))
+        step = float(np.clip(np.max(state.step_probs), 1e-6, 1.0))
+        child = np.exp(np.asarray(state.frontier_scores, dtype=np.float64)) * step
+        nxt = np.sort(np.concatenate([probs, child]))[::-1]
+        best_next = float(_speedups(nxt, state.depth + 1, device).max())
+    return (
+        np.clip(now, 0.0, MAX_MODEL_SPEEDUP).astype(np.float32),
+        min(max(best_now, 0.0), MAX_MODEL_SPEEDUP),
+        min(max(best_next, 0.0), MAX_MODEL_SPEEDUP),
+    )
 
 
 def _padded(values: np.ndarray, size: int) -> np.ndarray:
