@@ -82,11 +82,12 @@ class TrainConfig(ModelConfig):
     """Split used for validation (best checkpoint) and the final comparison; never the test split."""
     languages: str = "it,en,zh,es"
     """Comma-separated languages of the suite to use."""
-    train_prompts: int = 5
-    """Train prompts per language (the suite's train split rotates tasks: 5 covers all five)."""
-    val_prompts: int = 2
+    train_prompts: int = 10
+    """Train prompts per language (the suite's train split rotates tasks: 5 covers all five; 10 x 128 tokens
+    trained a policy 1.060x the tuned static live where 5 x 64 gave 1.040x, 2026-12-02)."""
+    val_prompts: int = 4
     """Validation prompts per language."""
-    max_new_tokens: int = 64
+    max_new_tokens: int = 128
     """Tokens generated per prompt (trajectory length of each trace)."""
     long_prompts: str | None = None
     """Long-request suite JSONL (same layout as --prompts); none: the built-in long suite (~1.3-2.2k-token
