@@ -275,6 +275,38 @@ inline void prefetch(const uint8_t* p, int64_t offset) {
 // --------------------------------------------------------------------------------------------- AVX-512
 // Lane j = output j of the tile. One 64-byte quad-row load serves every activation row of the call; each
 // row's 4 codes of that quad are broadcast to the 16 lanes.
+// The per-block pieces the AVX-512 and AMX paths share (lane j: output j of the tile):
+// k4 mins as int16 pairs (m[0] | m[1] << 16, m[2] | m[3] << 16), for the rows' pairs of 32-sums
+inline void k4_min_pairs512(const uint8_t* mt, __m512i& m01, __m512i& m23) {
+  m01 = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mt + 128))),
+                        _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mt + 144))), 16));
+  m23 = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mt + 160))),
+                        _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mt + 176))), 16));
+}
+
+// k4: J = sum_g m[g] * s_g of activation block `row`
+inline __m512i k4_min_sum512(const QuantizedRows& a, int64_t row, __m512i m01, __m512i m23) {
+  return _mm512_add_epi32(_mm512_madd_epi16(m01, _mm512_set1_epi32(a.p32[(size_t)(row * 2)])),
+                          _mm512_madd_epi16(m23, _mm512_set1_epi32(a.p32[(size_t)(row * 2 + 1)])));
+}
+
+// k6 scales as int16 pairs (sc[2i] | sc[2i + 1] << 16), for the rows' pairs of 16-sums
+inline void k6_scale_pairs512(const uint8_t* mt, __m512i* scp) {
+  const __m512i lo16 = _mm512_set1_epi32(0xFFFF);
+  for (int i = 0; i < 4; ++i)
+    scp[i] = _mm512_or_si512(
+        _mm512_and_si512(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(mt + 32 + 32 * i))), lo16),
+        _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(mt + 48 + 32 * i))), 16));
+}
+
+// k6: sum_g sc[g] * s_g of activation block `row`
+inline __m512i k6_scaled_sums512(const QuantizedRows& a, int64_t row, const __m512i* scp) {
+  const int32_t* p = &a.p16[(size_t)(row * 4)];
+  return _mm512_add_epi32(
+      _mm512_add_epi32(_mm512_madd_epi16(scp[0], _mm512_set1_epi32(p[0])), _mm512_madd_epi16(scp[1], _mm512_set1_epi32(p[1]))),
+      _mm512_add_epi32(_mm512_madd_epi16(scp[2], _mm512_set1_epi32(p[2])), _mm512_madd_epi16(scp[3], _mm512_set1_epi32(p[3]))));
+}
+
 template <int R>
 void k4_tile_avx512(const QuantizedRows& a, int64_t m0, int64_t nb, const uint8_t* codes, const uint8_t* meta,
                     float* out) {
@@ -309,19 +341,13 @@ void k4_tile_avx512(const QuantizedRows& a, int64_t m0, int64_t nb, const uint8_
     prefetch(mt, KQ_PREFETCH * K4_META / K4_TILE);
     prefetch(mt, 64 + KQ_PREFETCH * K4_META / K4_TILE);
     prefetch(mt, 128 + KQ_PREFETCH * K4_META / K4_TILE);
-    // the mins as int16 pairs (m[0] | m[1] << 16, m[2] | m[3] << 16) against the rows' pairs of 32-sums
-    const __m512i m01 = _mm512_or_si512(
-        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mt + 128))),
-        _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mt + 144))), 16));
-    const __m512i m23 = _mm512_or_si512(
-        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mt + 160))),
-        _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mt + 176))), 16));
+    __m512i m01, m23;
+    k4_min_pairs512(mt, m01, m23);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)mt));
     const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(mt + 32)));
     for (int r = 0; r < R; ++r) {
       const int64_t row = (m0 + r) * nb + b;
-      const __m512i J = _mm512_add_epi32(_mm512_madd_epi16(m01, _mm512_set1_epi32(a.p32[(size_t)(row * 2)])),
-                                         _mm512_madd_epi16(m23, _mm512_set1_epi32(a.p32[(size_t)(row * 2 + 1)])));
+      const __m512i J = k4_min_sum512(a, row, m01, m23);
       const __m512 xd = _mm512_set1_ps(a.d[(size_t)row]);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I[r]), _mm512_mul_ps(d, xd), acc[r]);
       accm[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(J), _mm512_mul_ps(dmin, xd), accm[r]);
@@ -376,21 +402,12 @@ void k6_tile_avx512(const QuantizedRows& a, int64_t m0, int64_t nb, const uint8_
     prefetch(mt, KQ_PREFETCH * K6_META / K4_TILE);
     prefetch(mt, 64 + KQ_PREFETCH * K6_META / K4_TILE);
     prefetch(mt, 128 + KQ_PREFETCH * K6_META / K4_TILE);
-    // 32 * sum_g sc[g] s_g: the scales as int16 pairs (sc[2i] | sc[2i + 1] << 16) against the rows' pairs
-    const __m512i lo16 = _mm512_set1_epi32(0xFFFF);
-    __m512i scp[4];
-    for (int i = 0; i < 4; ++i)
-      scp[i] = _mm512_or_si512(
-          _mm512_and_si512(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(mt + 32 + 32 * i))), lo16),
-          _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(mt + 48 + 32 * i))), 16));
+    __m512i scp[4];  // I - 32 * sum_g sc[g] s_g
+    k6_scale_pairs512(mt, scp);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)mt));
     for (int r = 0; r < R; ++r) {
       const int64_t row = (m0 + r) * nb + b;
-      const int32_t* p = &a.p16[(size_t)(row * 4)];
-      const __m512i S = _mm512_add_epi32(
-          _mm512_add_epi32(_mm512_madd_epi16(scp[0], _mm512_set1_epi32(p[0])), _mm512_madd_epi16(scp[1], _mm512_set1_epi32(p[1]))),
-          _mm512_add_epi32(_mm512_madd_epi16(scp[2], _mm512_set1_epi32(p[2])), _mm512_madd_epi16(scp[3], _mm512_set1_epi32(p[3]))));
-      const __m512i Ib = _mm512_sub_epi32(I[r], _mm512_slli_epi32(S, 5));
+      const __m512i Ib = _mm512_sub_epi32(I[r], _mm512_slli_epi32(k6_scaled_sums512(a, row, scp), 5));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Ib), _mm512_mul_ps(d, _mm512_set1_ps(a.d[(size_t)row])), acc[r]);
     }
   }
@@ -613,12 +630,8 @@ void k4_tile_amx(const QuantizedRows& a, int64_t m0, int64_t mt, int64_t nb, con
     }
     __m512i sc[4];
     for (int g = 0; g < 4; ++g) sc[g] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mt_ + 64 + 16 * g)));
-    const __m512i m01 = _mm512_or_si512(
-        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mt_ + 128))),
-        _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mt_ + 144))), 16));
-    const __m512i m23 = _mm512_or_si512(
-        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mt_ + 160))),
-        _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mt_ + 176))), 16));
+    __m512i m01, m23;
+    k4_min_pairs512(mt_, m01, m23);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)mt_));
     const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(mt_ + 32)));
     for (int64_t i = 0; i < mt; ++i) {
@@ -630,8 +643,7 @@ void k4_tile_amx(const QuantizedRows& a, int64_t m0, int64_t mt, int64_t nb, con
                              _mm512_mullo_epi32(_mm512_load_si512(C + 256 + 16 * r), sc[1])),
             _mm512_add_epi32(_mm512_mullo_epi32(_mm512_load_si512(C + 512 + 16 * r), sc[2]),
                              _mm512_mullo_epi32(_mm512_load_si512(C + 768 + 16 * r), sc[3])));
-        const __m512i J = _mm512_add_epi32(_mm512_madd_epi16(m01, _mm512_set1_epi32(a.p32[(size_t)(row * 2)])),
-                                           _mm512_madd_epi16(m23, _mm512_set1_epi32(a.p32[(size_t)(row * 2 + 1)])));
+        const __m512i J = k4_min_sum512(a, row, m01, m23);
         const __m512 xd = _mm512_set1_ps(a.d[(size_t)row]);
         float* acc = &accs[(size_t)((16 * i + r) * 32)];
         _mm512_storeu_ps(acc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(d, xd), _mm512_loadu_ps(acc)));
@@ -654,7 +666,6 @@ void k6_tile_amx(const QuantizedRows& a, int64_t m0, int64_t mt, int64_t nb, con
   alignas(64) uint8_t B[8 * 4 * 64];  // group g: 4 quads x 64 bytes
   alignas(64) int32_t C[4 * 256];
   alignas(64) int32_t Ipart[16 * 16];
-  const __m512i lo16 = _mm512_set1_epi32(0xFFFF);
   amx_config(16);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* l = lo + b * K4_TILE;
@@ -670,8 +681,7 @@ void k6_tile_amx(const QuantizedRows& a, int64_t m0, int64_t mt, int64_t nb, con
     }
     __m512i sc[8], scp[4];
     for (int g = 0; g < 8; ++g) sc[g] = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(mt_ + 32 + 16 * g)));
-    for (int i = 0; i < 4; ++i)
-      scp[i] = _mm512_or_si512(_mm512_and_si512(sc[2 * i], lo16), _mm512_slli_epi32(sc[2 * i + 1], 16));
+    k6_scale_pairs512(mt_, scp);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)mt_));
     for (int64_t i = 0; i < mt; ++i) {
       const int8_t* qa = &a.q[(size_t)(((m0 + 16 * i) * nb + b) * QB)];
@@ -691,11 +701,7 @@ void k6_tile_amx(const QuantizedRows& a, int64_t m0, int64_t mt, int64_t nb, con
                                               _mm512_mullo_epi32(_mm512_load_si512(C + 256 + 16 * r), sc[5])),
                              _mm512_add_epi32(_mm512_mullo_epi32(_mm512_load_si512(C + 512 + 16 * r), sc[6]),
                                               _mm512_mullo_epi32(_mm512_load_si512(C + 768 + 16 * r), sc[7]))));
-        const int32_t* p = &a.p16[(size_t)(row * 4)];
-        const __m512i S = _mm512_add_epi32(
-            _mm512_add_epi32(_mm512_madd_epi16(scp[0], _mm512_set1_epi32(p[0])), _mm512_madd_epi16(scp[1], _mm512_set1_epi32(p[1]))),
-            _mm512_add_epi32(_mm512_madd_epi16(scp[2], _mm512_set1_epi32(p[2])), _mm512_madd_epi16(scp[3], _mm512_set1_epi32(p[3]))));
-        const __m512i Ib = _mm512_sub_epi32(I, _mm512_slli_epi32(S, 5));
+        const __m512i Ib = _mm512_sub_epi32(I, _mm512_slli_epi32(k6_scaled_sums512(a, row, scp), 5));
         float* acc = &accs[(size_t)((16 * i + r) * 16)];
         _mm512_storeu_ps(acc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(Ib), _mm512_mul_ps(d, _mm512_set1_ps(a.d[(size_t)row])),
                                               _mm512_loadu_ps(acc)));
