@@ -154,7 +154,10 @@ def test_results_json_holds_every_measurement(evaluated):
         assert len(tune["confirmed"]) == 1 and tune["replay_grid"]  # --quick: confirm_top 1
         assert tune["best"]["depth"] == tune["confirmed"][0]["depth"]
     actions = res["learned_actions"]
-    assert actions["size"] and all(len(row) == 5 for row in actions["size"] + actions["depth"])
+    assert actions["depth"] and all(len(row) == 5 for row in actions["size"] + actions["depth"])
+    # whether the tiny policy drafts at all depends on the tiny profile measured under this machine's load
+    # (on a busy machine it can learn never to draft): no size decision only if it never went on drafting
+    assert actions["size"] or not any(row[4] for row in actions["depth"])
 
 
 def test_controllers_are_interleaved_and_rotated(evaluated):
