@@ -16,6 +16,10 @@ evaluate.py measures one policy against the grid-searched statics and the peers;
 is measured once and cached, as for train.py, unless ``--profile`` names one).
 
 ``--static D,V,W``: a static setting (draft depth D, verify V nodes, tree width W; W 1 is a chain).
+
+``--lookup``: context lookup drafting (engine.lookup) on the engine of every static setting and policy
+("auto", the default: the first policy's trained setting, ``train.py --lookup``); a row of lookup alone
+("autoregressive + lookup") is added, and the plain autoregressive row stays the reference.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import SamplingConfig, SpeculativeEngine  # noqa: E402
+from engine import EngineConfig, SamplingConfig, SpeculativeEngine  # noqa: E402
 from engine.errors import InputError  # noqa: E402
+from engine.lookup import describe_lookup, resolve_lookup  # noqa: E402
 from envs import workspace  # noqa: E402
 from envs.prompts import interleave_languages, language_of, load_suite  # noqa: E402
 from evaluation.measurements import run_engine  # noqa: E402
@@ -74,18 +79,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bootstrap", type=int, default=2000)
     ap.add_argument("--cache-dir", default="runs/cache")
+    ap.add_argument(
+        "--lookup",
+        default="auto",
+        help="context lookup on every static and learned row (off, on, MIN-MAX:K, MIN-MAX:K+L:J; auto: the "
+        "first policy's trained setting)",
+    )
     ap.add_argument("--out", help="write every run (without tokens) and the summary as JSON here")
     args = ap.parse_args(argv)
 
     if len(set(args.policy)) != len(args.policy):
         ap.error(f"--policy lists a file twice: {args.policy}")
-    policy_widths = {}
+    policy_widths, trained = {}, []
     for path in args.policy:  # fail on a bad file before loading the models
         try:
-            policy_widths[path] = load_policy(path).tree_width
+            loaded = load_policy(path)
         except (FileNotFoundError, PolicyFileError) as err:
             ap.error(str(err))
+        policy_widths[path] = loaded.tree_width
+        trained.append(loaded.trained_lookup)
     try:
+        lookup = resolve_lookup(args.lookup, trained[0])
         given_profile = workspace.load_profile_arg(args.profile) if args.profile else None
         pair = workspace.load_models(
             args.pair, threads=args.threads, weights=args.weights, draft_weights=args.draft_weights
@@ -94,19 +108,24 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(err))
     widths = sorted({1, 2} | {w for _, _, w in args.static} | set(policy_widths.values()))
     profile = given_profile or workspace.ensure_profile(pair, args.cache_dir, widths=widths)
-    controllers: dict[str, object] = {"autoregressive": None}
+    sampling = SamplingConfig(temperature=0.0)
+    plain = SpeculativeEngine(pair, sampling)
+    engine = SpeculativeEngine(pair, sampling, EngineConfig(lookup=lookup)) if lookup else plain
+    suffix = f" + lookup {describe_lookup(lookup)}" if lookup else ""
+    controllers: dict[str, tuple] = {"autoregressive": (None, plain)}
+    if lookup:
+        controllers["autoregressive" + suffix] = (None, engine)
     for depth, verify, width in args.static:
-        controllers[f"static {'chain' if width == 1 else 'tree'} ({depth},{verify},W{width})"] = (
-            StaticController(depth, verify, tree_width=width)
-        )
+        name = f"static {'chain' if width == 1 else 'tree'} ({depth},{verify},W{width}){suffix}"
+        controllers[name] = (StaticController(depth, verify, tree_width=width), engine)
     for path, width in policy_widths.items():  # reloaded with this device's profile as its device features
-        controllers[f"learned {path} (W{width})"] = load_policy(path, profile=profile)
+        controllers[f"learned {path} (W{width}){suffix}"] = (load_policy(path, profile=profile), engine)
     prompts = interleave_languages(load_suite(split=args.split, limit_per_language=args.prompts_per_language))
-    engine = SpeculativeEngine(pair, SamplingConfig(temperature=0.0))
     names = list(controllers)
     warm = pair.encode(prompts[0]["prompt"])
     for name in names:  # warm-up, not measured
-        run_engine(engine, warm, controllers[name], 8, args.seed)
+        controller, on = controllers[name]
+        run_engine(on, warm, controller, 8, args.seed)
 
     started = time.perf_counter()
     runs: dict[str, dict[str, dict]] = {name: {} for name in names}
@@ -114,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         ids = pair.encode(item["prompt"])
         shift = index % len(names)
         for name in names[shift:] + names[:shift]:
-            run = run_engine(engine, ids, controllers[name], args.max_new_tokens, args.seed)
+            controller, on = controllers[name]
+            run = run_engine(on, ids, controller, args.max_new_tokens, args.seed)
             run.update(language=language_of(item))
             runs[name][item["id"]] = run
         tps = {n: runs[n][item["id"]]["num_tokens"] / runs[n][item["id"]]["total_s"] for n in names}
@@ -138,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(
         f"\n{pair.name} {pair.precision}, {len(ids)} {args.split} prompts x "
-        f"{args.max_new_tokens} tokens, greedy, one sitting ({time.perf_counter() - started:.0f} s)"
+        f"{args.max_new_tokens} tokens, greedy, lookup {describe_lookup(lookup)}, one sitting "
+        f"({time.perf_counter() - started:.0f} s)"
     )
     for name in names:
         print(

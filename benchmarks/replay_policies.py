@@ -5,6 +5,7 @@ policy was trained or selected on (default: the test split).
     python benchmarks/replay_policies.py --policy runs/main/policy.pt runs/thr/policy.pt
     python benchmarks/replay_policies.py --policy runs/main/policy.pt --split test --prompts-per-language 3
     python benchmarks/replay_policies.py --policy runs/devices/policy.pt runs/on-b/policy.pt --profile b.json
+    python benchmarks/replay_policies.py --policy runs/main/policy.pt --lookup off    # without context lookup
 
 Traces come from the shared cache (recorded on first use with the policy's width, depth and length).
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.lookup import describe_lookup, resolve_lookup  # noqa: E402
 from envs import workspace  # noqa: E402
 from envs.oracle import oracle_throughput, static_grid  # noqa: E402
 from envs.prompts import interleave_languages, load_suite  # noqa: E402
@@ -43,6 +45,13 @@ def main() -> int:
     ap.add_argument(
         "--max-new-tokens", type=int, help="trace length (default: the first policy's training length)"
     )
+    ap.add_argument(
+        "--lookup",
+        default="auto",
+        help="context lookup on every row (engine.lookup: off, on, MIN-MAX:K, MIN-MAX:K+L:J; auto: the first "
+        "policy's trained setting): autoregressive is then lookup alone, the statics are tuned with it and "
+        "the oracle plans around its cycles",
+    )
     ap.add_argument("--out", help="write the numbers as JSON here")
     args = ap.parse_args()
 
@@ -50,6 +59,7 @@ def main() -> int:
     policies = {p: load_policy(p, profile=held_out) for p in args.policy}
     first = next(iter(policies.values()))
     config = first.meta["train_config"]
+    lookup = resolve_lookup(args.lookup, first.trained_lookup)
     pair = workspace.load_models(config["pair"], config["dtype"], config["device"], config["threads"])
     profile = held_out or workspace.ensure_profile(pair, args.cache_dir, config.get("profile"))
     kw = {
@@ -76,11 +86,11 @@ def main() -> int:
         **kw,
     )
 
-    grid = static_grid(tune, profile)
+    grid = static_grid(tune, profile, lookup=lookup)
     best = max(grid, key=grid.get)
 
     def run(controller) -> float:
-        return throughput([replay_generate(rt, controller, profile) for rt in measured])
+        return throughput([replay_generate(rt, controller, profile, lookup=lookup) for rt in measured])
 
     rows = {
         "autoregressive": run(None),
@@ -89,18 +99,19 @@ def main() -> int:
         ),
         "analytic": run(AnalyticController(profile, first.tree_width, first.max_depth)),
     }
-    test_grid = static_grid(measured, profile)
+    test_grid = static_grid(measured, profile, lookup=lookup)
     best_here = max(test_grid, key=test_grid.get)
     rows[f"static {best_here} (best on {args.split} itself: a bound for static)"] = test_grid[best_here]
     for path, ctrl in policies.items():
         reward = ctrl.meta["train_config"]["reward"]
         rows[f"learned {path} ({reward})"] = run(ctrl)
-    rows["oracle"] = oracle_throughput(measured, profile)
+    rows["oracle"] = oracle_throughput(measured, profile, lookup=lookup)
     static = rows[f"static {best} (tuned on {args.tune_split})"]
     print(
         f"{len(measured)} {args.split} traces ({sum(rt.trace.num_positions for rt in measured)} positions), "
         f"width {first.tree_width}, depth {first.max_depth}; profile {profile.meta.get('device_name')} "
-        f"{profile.meta.get('dtype')} {profile.meta.get('num_threads')} threads"
+        f"{profile.meta.get('dtype')} {profile.meta.get('num_threads')} threads; lookup "
+        f"{describe_lookup(lookup)}"
     )
     for name, tps in rows.items():
         print(
@@ -109,7 +120,14 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(
             json.dumps(
-                {"rows": rows, "best_static_tune": best, "split": args.split, "policies": args.policy},
+                {
+                    "rows": rows,
+                    "best_static_tune": best,
+                    "split": args.split,
+                    "policies": args.policy,
+                    "profile": args.profile,
+                    "lookup": describe_lookup(lookup),
+                },
                 indent=1,
             )
             + "\n"

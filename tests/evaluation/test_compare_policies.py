@@ -90,3 +90,47 @@ def test_compare_policies_refuses_a_bad_profile_before_loading(tiny_policy, tmp_
     with pytest.raises(SystemExit) as err:
         load_script().main(["--policy", str(tiny_policy), "--pair", "tiny", "--profile", str(bad)])
     assert err.value.code == 2 and "--profile" in capsys.readouterr().err
+
+
+def test_compare_policies_with_context_lookup(workdir, tiny_policy):
+    out = workdir / "compare_lookup.json"
+    rc = load_script().main(
+        [
+            "--policy",
+            str(tiny_policy),
+            "--static",
+            "2,2,1",
+            "--pair",
+            "tiny",
+            "--threads",
+            "1",
+            "--prompts-per-language",
+            "1",
+            "--max-new-tokens",
+            "12",
+            "--bootstrap",
+            "50",
+            "--cache-dir",
+            str(workdir / CACHE),
+            "--lookup",
+            "1-2:3",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    data = json.loads(out.read_text())
+    names = list(data["tokens_per_s"])
+    # the plain autoregressive row stays the reference; every other row runs with lookup
+    assert names[0] == "autoregressive" and names[1] == "autoregressive + lookup 1-2:3"
+    assert names[2] == "static chain (2,2,W1) + lookup 1-2:3" and names[3].endswith("+ lookup 1-2:3")
+    prompts = len(data["runs"]["autoregressive"])
+    assert all(data["identical_to_ar"][n] == prompts for n in names)
+    lookup_cycles = sum(c[5] for run in data["runs"][names[1]].values() for c in run["cycles"])
+    assert lookup_cycles > 0  # lookup proposed on these prompts (the count is the rows' sixth field)
+
+
+def test_compare_policies_refuses_a_bad_lookup(tiny_policy, capsys):
+    with pytest.raises(SystemExit) as err:
+        load_script().main(["--policy", str(tiny_policy), "--pair", "tiny", "--lookup", "sometimes"])
+    assert err.value.code == 2 and "sometimes" in capsys.readouterr().err
