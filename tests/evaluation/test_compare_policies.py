@@ -14,31 +14,18 @@ def load_script():
     return load_benchmark("compare_policies")
 
 
+def run_tiny(workdir, policy, out, *extra: str) -> int:
+    """The script on the tiny pair, one prompt a language x 12 tokens, JSON written to ``out``."""
+    common = ["--pair", "tiny", "--threads", "1", "--prompts-per-language", "1", "--max-new-tokens", "12"]
+    return load_script().main(
+        ["--policy", str(policy), *extra, *common, "--bootstrap", "50", "--cache-dir", str(workdir / CACHE)]
+        + ["--out", str(out)]
+    )
+
+
 def test_compare_policies_runs_every_controller(workdir, tiny_policy, capsys):
     out = workdir / "compare.json"
-    rc = load_script().main(
-        [
-            "--policy",
-            str(tiny_policy),
-            "--static",
-            "2,2,1",
-            "1,2,2",
-            "--pair",
-            "tiny",
-            "--threads",
-            "1",
-            "--prompts-per-language",
-            "1",
-            "--max-new-tokens",
-            "12",
-            "--bootstrap",
-            "50",
-            "--cache-dir",
-            str(workdir / CACHE),
-            "--out",
-            str(out),
-        ]
-    )
+    rc = run_tiny(workdir, tiny_policy, out, "--static", "2,2,1", "1,2,2")
     assert rc == 0
     data = json.loads(out.read_text())
     names = list(data["tokens_per_s"])
@@ -94,30 +81,7 @@ def test_compare_policies_refuses_a_bad_profile_before_loading(tiny_policy, tmp_
 
 def test_compare_policies_with_context_lookup(workdir, tiny_policy):
     out = workdir / "compare_lookup.json"
-    rc = load_script().main(
-        [
-            "--policy",
-            str(tiny_policy),
-            "--static",
-            "2,2,1",
-            "--pair",
-            "tiny",
-            "--threads",
-            "1",
-            "--prompts-per-language",
-            "1",
-            "--max-new-tokens",
-            "12",
-            "--bootstrap",
-            "50",
-            "--cache-dir",
-            str(workdir / CACHE),
-            "--lookup",
-            "1-2:3",
-            "--out",
-            str(out),
-        ]
-    )
+    rc = run_tiny(workdir, tiny_policy, out, "--static", "2,2,1", "--lookup", "1-2:3")
     assert rc == 0
     data = json.loads(out.read_text())
     names = list(data["tokens_per_s"])
