@@ -6,7 +6,9 @@ paths, and every line is one process: whole forwards (embedding, layers, final n
 and the draft at ``--context`` cached tokens, 1 and 4 rows, median of ``--reps``. Paths:
 
 * ``avx512``: this machine's build (AVX-512 VNNI where the CPU has it);
-* ``avx2``: the same sources built with ``-DKQ_NO_AVX512`` (bitwise the same outputs: tests/engine);
+* ``avx2``: the same sources built with ``-DKQ_NO_AVX512`` (bitwise the same outputs: tests/engine), with
+  AVX-VNNI's dot products where the CPU has them;
+* ``avx2-novnni``: also ``-DKQ_NO_AVXVNNI`` (vpmaddubsw + vpmaddwd: an AVX2 CPU without AVX-VNNI);
 * ``portable``: built with ``-DKQ_NO_SIMD``;
 * ``int4``: torch's int4/int8 weight-only kernels (the fallback format), torch's own dispatch;
 * ``int4-avx2``: the same with ``ATEN_CPU_CAPABILITY=avx2`` (torch's AVX2 kernels).
@@ -26,7 +28,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PATHS = ("avx512", "avx2", "portable", "int4", "int4-avx2")
+PATHS = ("avx512", "avx2", "avx2-novnni", "portable", "int4", "int4-avx2")
+VARIANTS = {
+    "avx2": ("KQ_NO_AVX512",),
+    "avx2-novnni": ("KQ_NO_AVX512", "KQ_NO_AVXVNNI"),
+    "portable": ("KQ_NO_SIMD",),
+}
 
 
 def one(path: str, context: int, reps: int, threads: int) -> str:
@@ -36,8 +43,8 @@ def one(path: str, context: int, reps: int, threads: int) -> str:
     sys.path.insert(0, str(ROOT))
     from engine import native
 
-    if path in ("avx2", "portable"):
-        native._module = native.variant("KQ_NO_AVX512" if path == "avx2" else "KQ_NO_SIMD")
+    if path in VARIANTS:
+        native._module = native.variant(*VARIANTS[path])
     from engine.engine import forward_logits
     from engine.kvcache import keep_entries, new_cache
     from engine.models import load_pair

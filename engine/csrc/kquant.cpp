@@ -40,7 +40,14 @@
 // Instruction paths, chosen at compile time (-march=native): AVX-512 VNNI; else AVX2 with FMA and F16C (the
 // integer dot products by AVX-VNNI where the CPU has it, else vpmaddubsw + vpmaddwd); else portable C++.
 // All three compute every output bit for bit alike (the arithmetic above). KQ_NO_AVX512 (a -D flag)
-// compiles the AVX2 path on an AVX-512 machine, to test exactly that; KQ_NO_SIMD the portable one.
+// compiles the AVX2 path on an AVX-512 machine, to test exactly that; KQ_NO_SIMD the portable one;
+// KQ_NO_AVXVNNI keeps the AVX2 path off AVX-VNNI (what an AVX2 CPU without it, e.g. before Alder Lake or
+// Zen 5, runs).
+#if defined(__AVXVNNI__) && !defined(KQ_NO_AVXVNNI)
+#define KQ_AVXVNNI 1
+#else
+#define KQ_AVXVNNI 0
+#endif
 #if !defined(KQ_NO_AVX512) && !defined(KQ_NO_SIMD) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
     defined(__AVX512VL__) && defined(__F16C__)
 #include <immintrin.h>
@@ -423,7 +430,7 @@ void k6_tile_avx512(const QuantizedRows& a, int64_t m0, int64_t nb, const uint8_
 // 8 int32 lanes: lane j += sum over bytes 4j..4j+3 of w (unsigned, < 64) x q (signed, |q| <= 127). Exact either
 // way: a vpmaddubsw pair sum is at most 2 * 63 * 127 = 16002, inside int16.
 inline __m256i dot_u8s8(__m256i acc, __m256i w, __m256i q) {
-#if defined(__AVXVNNI__)
+#if KQ_AVXVNNI
   return _mm256_dpbusd_avx_epi32(acc, w, q);
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, q), _mm256_set1_epi16(1)));
@@ -925,7 +932,7 @@ bool amx() { return KQ_AMX && amx_permitted(); }
 std::string isa() {
 #if KQ_AVX512
   return "avx512-vnni";
-#elif KQ_AVX2 && defined(__AVXVNNI__)
+#elif KQ_AVX2 && KQ_AVXVNNI
   return "avx2-vnni";
 #elif KQ_AVX2
   return "avx2";

@@ -7,15 +7,22 @@ import pytest
 from engine import native
 
 
-@pytest.fixture(scope="session")
-def avx2_kernels():
+@pytest.fixture(
+    scope="session",
+    params=[("KQ_NO_AVX512",), ("KQ_NO_AVX512", "KQ_NO_AVXVNNI")],
+    ids=["avx2", "avx2-no-vnni"],
+)
+def avx2_kernels(request):
     """The compiled extension built with its AVX2 path (``KQ_NO_AVX512``: what a CPU without AVX-512 VNNI
-    compiles), cached next to the default build; skips where the kernels or the AVX2 path cannot be built."""
+    compiles; with ``KQ_NO_AVXVNNI`` also without AVX-VNNI, the integer dot products by vpmaddubsw), cached
+    next to the default build; skips where the kernels or the AVX2 path cannot be built."""
     if not native.available():
         pytest.skip("the compiled kernels cannot be built here")
-    ops = native.variant("KQ_NO_AVX512")
+    ops = native.variant(*request.param)
     if not ops.isa().startswith("avx2"):
         pytest.skip(f"this CPU has no AVX2 path (built: {ops.isa()})")
+    if "KQ_NO_AVXVNNI" in request.param:
+        assert ops.isa() == "avx2"  # the flag reaches the source
     return ops
 
 
