@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.errors import InputError  # noqa: E402
 from engine.lookup import describe_lookup, resolve_lookup  # noqa: E402
 from envs import workspace  # noqa: E402
 from envs.oracle import oracle_throughput, static_grid  # noqa: E402
@@ -27,7 +28,7 @@ from envs.replay import replay_generate, throughput  # noqa: E402
 from policies import AnalyticController, StaticController, load_policy  # noqa: E402
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--policy", nargs="+", required=True, help="one or more policy.pt files (same width/depth)"
@@ -53,13 +54,16 @@ def main() -> int:
         "the oracle plans around its cycles",
     )
     ap.add_argument("--out", help="write the numbers as JSON here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     held_out = workspace.load_profile_arg(args.profile) if args.profile else None
     policies = {p: load_policy(p, profile=held_out) for p in args.policy}
     first = next(iter(policies.values()))
     config = first.meta["train_config"]
-    lookup = resolve_lookup(args.lookup, first.trained_lookup)
+    try:
+        lookup = resolve_lookup(args.lookup, first.trained_lookup)
+    except InputError as err:
+        ap.error(str(err))
     pair = workspace.load_models(config["pair"], config["dtype"], config["device"], config["threads"])
     profile = held_out or workspace.ensure_profile(pair, args.cache_dir, config.get("profile"))
     kw = {
