@@ -90,16 +90,17 @@ def main(argv: list[str] | None = None) -> int:
 
     if len(set(args.policy)) != len(args.policy):
         ap.error(f"--policy lists a file twice: {args.policy}")
-    policy_widths, trained = {}, []
+    policy_widths, trained = {}, None  # trained: the first policy's lookup setting
     for path in args.policy:  # fail on a bad file before loading the models
         try:
             loaded = load_policy(path)
         except (FileNotFoundError, PolicyFileError) as err:
             ap.error(str(err))
         policy_widths[path] = loaded.tree_width
-        trained.append(loaded.trained_lookup)
+        if path == args.policy[0]:
+            trained = loaded.trained_lookup
     try:
-        lookup = resolve_lookup(args.lookup, trained[0])
+        lookup = resolve_lookup(args.lookup, trained)
         given_profile = workspace.load_profile_arg(args.profile) if args.profile else None
         pair = workspace.load_models(
             args.pair, threads=args.threads, weights=args.weights, draft_weights=args.draft_weights

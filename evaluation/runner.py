@@ -485,10 +485,12 @@ def _best_static(tuning: dict) -> str | None:
         return None
 
     def live(kind: str) -> float:
-        t = tuning[kind]
-        if "best_live_tokens_per_s" in t:
-            return t["best_live_tokens_per_s"]
-        return max(r["live_tokens_per_s"] for r in t["confirmed"])  # a checkpoint of an earlier version
+        best = tuning[kind]["best"]
+        return next(
+            r["live_tokens_per_s"]
+            for r in tuning[kind]["confirmed"]
+            if (r["depth"], r["verify"]) == (best["depth"], best["verify"])
+        )
 
     return max(tuning, key=live)
 

@@ -52,8 +52,7 @@ def confirm_live(
     """Run every candidate on every tune prompt (candidate order rotated per prompt); adds live figures:
     the sums over prompts, the per-prompt tokens/s and ``live_median_ratio`` (the median over prompts of the
     candidate's tokens/s over the first candidate's on the same prompt)."""
-    totals = [[0, 0.0] for _ in candidates]
-    per_prompt: list[list[float]] = [[] for _ in candidates]
+    runs: list[list[tuple[int, float]]] = [[] for _ in candidates]  # (tokens, seconds) per prompt
     for index, (_, ids) in enumerate(prompts):
         order = list(range(len(candidates)))
         order = order[index % len(order) :] + order[: index % len(order)]
@@ -66,25 +65,29 @@ def confirm_live(
                 max_new_tokens,
                 seed,
             )
-            totals[i][0] += run["num_tokens"]
-            totals[i][1] += run["total_s"]
-            per_prompt[i].append(run["num_tokens"] / run["total_s"] if run["total_s"] > 0 else float("nan"))
+            runs[i].append((run["num_tokens"], run["total_s"]))
             if bar is not None:
                 bar.update()
-    reference = per_prompt[0] if per_prompt else []
-    return [
-        {
-            **cand,
-            "live_tokens": tokens,
-            "live_s": seconds,
-            "live_tokens_per_s": tokens / seconds if seconds > 0 else float("nan"),
-            "live_prompt_tokens_per_s": rates,
-            "live_median_ratio": statistics.median(r / ref for r, ref in zip(rates, reference))
-            if rates
-            else float("nan"),
-        }
-        for cand, (tokens, seconds), rates in zip(candidates, totals, per_prompt)
-    ]
+
+    def rate(tokens: float, seconds: float) -> float:
+        return tokens / seconds if seconds > 0 else float("nan")
+
+    rates = [[rate(*r) for r in by_prompt] for by_prompt in runs]
+    out = []
+    for cand, by_prompt, own in zip(candidates, runs, rates):
+        tokens, seconds = sum(t for t, _ in by_prompt), sum(s for _, s in by_prompt)
+        ratios = [r / ref for r, ref in zip(own, rates[0])]
+        out.append(
+            {
+                **cand,
+                "live_tokens": tokens,
+                "live_s": seconds,
+                "live_tokens_per_s": rate(tokens, seconds),
+                "live_prompt_tokens_per_s": own,
+                "live_median_ratio": statistics.median(ratios) if ratios else float("nan"),
+            }
+        )
+    return out
 
 
 def confirmed_best(confirmed: Sequence[dict]) -> dict:
@@ -145,7 +148,6 @@ def tune_static(
                 "width": widths[kind],
                 "replay_grid": ranked[kind],
                 "confirmed": confirmed,
-                "best_live_tokens_per_s": best["live_tokens_per_s"],
                 "best": {"depth": best["depth"], "verify": best["verify"], "tree_width": widths[kind]},
                 "tune_prompts": [pid for pid, _ in encoded],
                 "max_new_tokens": max_new_tokens,
