@@ -6,6 +6,8 @@ policy was trained or selected on (default: the test split).
     python benchmarks/replay_policies.py --policy runs/main/policy.pt --split test --prompts-per-language 3
     python benchmarks/replay_policies.py --policy runs/devices/policy.pt runs/on-b/policy.pt --profile b.json
     python benchmarks/replay_policies.py --policy runs/main/policy.pt --lookup off    # without context lookup
+    python benchmarks/replay_policies.py --policy runs/devices/policy.pt --profile real.json \
+        --features-profile random_weights.json    # conditioned on a random-weight profile of the device
 
 Traces come from the shared cache (recorded on first use with the policy's width, depth and length).
 """
@@ -44,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         "features, load_policy(profile=...)); default: the first policy's training profile",
     )
     ap.add_argument(
+        "--features-profile",
+        help="cost profile the policies and the analytic controller are conditioned on, when it is not the one "
+        "times are charged from (--profile): e.g. the device measured with random weights "
+        "(python -m engine.measure_costs --random-weights), as where the real weights cannot be copied",
+    )
+    ap.add_argument(
         "--max-new-tokens", type=int, help="trace length (default: the first policy's training length)"
     )
     ap.add_argument(
@@ -57,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     held_out = workspace.load_profile_arg(args.profile) if args.profile else None
-    policies = {p: load_policy(p, profile=held_out) for p in args.policy}
+    believed = workspace.load_profile_arg(args.features_profile) if args.features_profile else held_out
+    policies = {p: load_policy(p, profile=believed) for p in args.policy}
     first = next(iter(policies.values()))
     config = first.meta["train_config"]
     try:
@@ -101,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         f"static {best} (tuned on {args.tune_split})": run(
             StaticController(best[0], best[1], tree_width=first.tree_width)
         ),
-        "analytic": run(AnalyticController(profile, first.tree_width, first.max_depth)),
+        "analytic": run(AnalyticController(believed or profile, first.tree_width, first.max_depth)),
     }
     test_grid = static_grid(measured, profile, lookup=lookup)
     best_here = max(test_grid, key=test_grid.get)
@@ -130,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                     "split": args.split,
                     "policies": args.policy,
                     "profile": args.profile,
+                    "features_profile": args.features_profile,
                     "lookup": describe_lookup(lookup),
                 },
                 indent=1,

@@ -30,37 +30,37 @@ def workdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("evaluation")
 
 
-@pytest.fixture(scope="session")
-def tiny_policy(workdir) -> Path:
-    """A policy trained by ``train.py --pair tiny --quick`` (seconds); its traces and profile stay cached."""
+def train_tiny(workdir: Path, name: str, tree_width: int) -> Path:
+    """``train.py --pair tiny --quick`` without context lookup (seconds); its traces and profile stay cached."""
     import train
 
-    rc = train.main(
-        [
-            "--pair",
-            "tiny",
-            "--quick",
-            "--no-progress",
-            "--cache-dir",
-            str(workdir / CACHE),
-            "--run-dir",
-            str(workdir / "runs"),
-            "--run-name",
-            "p",
-            "--languages",
-            "it,en",
-            "--threads",
-            "1",
-            "--tree-width",
-            "4",
-            "--lookup",
-            "off",
-        ]
-    )  # a tree policy without context lookup (the chain: test_evaluate_cli)
-    assert rc == 0
-    path = workdir / "runs" / "p" / "policy.pt"
+    flags = ["--pair", "tiny", "--quick", "--no-progress", "--cache-dir", str(workdir / CACHE)]
+    flags += [
+        "--run-dir",
+        str(workdir / "runs"),
+        "--run-name",
+        name,
+        "--languages",
+        "it,en",
+        "--threads",
+        "1",
+    ]
+    assert train.main(flags + ["--tree-width", str(tree_width), "--lookup", "off"]) == 0
+    path = workdir / "runs" / name / "policy.pt"
     assert path.is_file()
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_policy(workdir) -> Path:
+    """A tree policy (tree width 4)."""
+    return train_tiny(workdir, "p", 4)
+
+
+@pytest.fixture(scope="session")
+def tiny_chain_policy(workdir) -> Path:
+    """A chain policy (tree width 1)."""
+    return train_tiny(workdir, "chain", 1)
 
 
 @pytest.fixture(scope="session")

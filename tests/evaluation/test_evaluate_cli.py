@@ -9,7 +9,7 @@ from collections import defaultdict
 import pytest
 
 from evaluation.config import CONTROLLERS, LLAMA_PEERS, PEERS
-from tests_evaluation_helpers import CACHE, run_cli, tiny_args
+from tests_evaluation_helpers import run_cli, tiny_args
 
 SECTIONS = (
     "## Targets",
@@ -288,35 +288,10 @@ def test_sampled_mode(workdir, tiny_policy):
     assert not res["exactness"]["greedy"] and "peer_token_audit" not in res["exactness"]
 
 
-def test_chain_policy_is_still_compared_with_a_static_tree(workdir):
+def test_chain_policy_is_still_compared_with_a_static_tree(workdir, tiny_chain_policy):
     """A policy over chains (W 1): the static tree keeps width 4, while the analytic controller and the replay
     traces follow the policy's width so replay still predicts the learned policy; --tree-width 1 drops the tree."""
-    import train
-
-    rc = train.main(
-        [
-            "--pair",
-            "tiny",
-            "--quick",
-            "--no-progress",
-            "--cache-dir",
-            str(workdir / CACHE),
-            "--run-dir",
-            str(workdir / "runs"),
-            "--run-name",
-            "chain",
-            "--languages",
-            "it,en",
-            "--threads",
-            "1",
-            "--tree-width",
-            "1",
-            "--lookup",
-            "off",
-        ]
-    )
-    assert rc == 0
-    policy = workdir / "runs" / "chain" / "policy.pt"
+    policy = tiny_chain_policy
     rc, stderr, res = small_eval(workdir, policy, "chain-eval", "static_tree,analytic,learned")
     assert rc == 0, stderr
     assert (

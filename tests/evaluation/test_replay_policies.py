@@ -47,3 +47,39 @@ def test_a_bad_lookup_is_refused(tiny_policy, capsys):
     with pytest.raises(SystemExit) as err:
         load_benchmark("replay_policies").main(["--policy", str(tiny_policy), "--lookup", "sometimes"])
     assert err.value.code == 2 and "sometimes" in capsys.readouterr().err
+
+
+def test_features_profile_conditions_the_policies_not_the_clock(workdir, tiny_policy, monkeypatch):
+    """--features-profile: the policies (and the analytic controller) believe another device, every time is
+    still charged from --profile, so the rows that read no profile stay as they were."""
+    import numpy as np
+
+    from engine.cost_profile import CostProfile
+
+    module = load_benchmark("replay_policies")
+    real_path = next((workdir / CACHE).rglob("profile*.json"))
+    real = CostProfile.load(real_path)
+    believed = json.loads(json.dumps(real.to_dict()))
+    believed["draft_step_table"] = (np.asarray(believed["draft_step_table"]) * 4.0).tolist()
+    believed_path = workdir / "believed_profile.json"
+    believed_path.write_text(json.dumps(believed))
+    seen = []
+    original = module.load_policy
+    monkeypatch.setattr(
+        module, "load_policy", lambda p, profile=None: seen.append(profile) or original(p, profile=profile)
+    )
+    common = ["--policy", str(tiny_policy), "--prompts-per-language", "1", "--tune-prompts-per-language", "1"]
+    common += ["--cache-dir", str(workdir / CACHE), "--lookup", "off", "--profile", str(real_path)]
+    runs = {}
+    for name, extra in (("real", []), ("believed", ["--features-profile", str(believed_path)])):
+        out = workdir / f"replay_{name}.json"
+        assert module.main(common + ["--out", str(out), *extra]) == 0
+        runs[name] = json.loads(out.read_text())
+    assert (
+        runs["believed"]["features_profile"] == str(believed_path)
+        and runs["real"]["features_profile"] is None
+    )
+    assert np.allclose(seen[0].draft_step_table, real.draft_step_table)
+    assert np.allclose(seen[1].draft_step_table, 4.0 * np.asarray(real.draft_step_table))
+    for name in ("autoregressive", "oracle"):
+        assert runs["believed"]["rows"][name] == pytest.approx(runs["real"]["rows"][name], rel=1e-9)
