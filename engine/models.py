@@ -227,13 +227,20 @@ def load_pair(
         info = _convert(tgt, fmt), _convert(dft, draft_fmt, head_rows=rows)
         return _make_pair(tgt.to(dev), dft.to(dev), tok, tok, "tiny", fmt, draft_fmt, info, draft_vocab)
     if random_weights:
-        from engine.random_pair import build_random_pair  # random_pair builds on this module: a cycle
+        from engine.random_pair import build_random_pair, published_source_types  # builds on this module
 
         if name is None:
             raise InputError("random_weights=True needs a pair name (the architecture to build)")
         pair = build_random_pair(name, dtype=_dense_dtype(fmt, dtype, dev), device=dev)
         rows = _head_rows(pair.draft, pair.tokenizer, draft_vocab)
-        info = _convert(pair.target, fmt), _convert(pair.draft, draft_fmt, head_rows=rows)
+        types = [
+            published_source_types(name, role, model.config.num_hidden_layers)
+            for role, model in (("target", pair.target), ("draft", pair.draft))
+        ]
+        info = (
+            _convert(pair.target, fmt, source_types=types[0]),
+            _convert(pair.draft, draft_fmt, head_rows=rows, source_types=types[1]),
+        )
         return _make_pair(
             pair.target,
             pair.draft,
@@ -321,13 +328,15 @@ def _convert(
     spec: Any = None,
     head_rows: torch.Tensor | None = None,
     progress: bool = True,
+    source_types: dict[str, str] | None = None,
 ) -> dict | None:
     """Put ``model`` in weight format ``fmt`` (integer formats: from ``spec``'s GGUF blocks when given, else
-    from its float weights) with its LM head restricted to ``head_rows``; returns the conversion info."""
+    from its float weights, laid out by ``source_types`` when given) with its LM head restricted to
+    ``head_rows``; returns the conversion info."""
     if fmt in INTEGER_FORMATS:
         if spec is not None:
             return load_quantized_spec(model, spec, fmt, progress=progress, head_rows=head_rows)
-        return quant.quantize_model(model, fmt, head_rows)
+        return quant.quantize_model(model, fmt, head_rows, source_types)
     if head_rows is not None:
         quant.restrict_dense_head(model, head_rows)
     return None

@@ -434,7 +434,7 @@ def _kquant_fields(
     if exact is not None and qtype == "Q6_K" and not strict:
         lo, hi, meta = exact()
         return "k6", {"lo": lo, "hi": hi, "meta": meta}, kquant.unpack_k6(lo, hi, meta, reference.shape[1])
-    if strict:
+    if strict or qtype == "Q4_K":  # a Q4_K source without its blocks (random weights): rounded to k4
         codes, meta = kquant.quantize_k4(reference)
         return "k4", {"codes": codes, "meta": meta}, kquant.unpack_k4(codes, meta, reference.shape[1])
     lo, hi, meta = kquant.quantize_k6(reference)
@@ -561,17 +561,25 @@ def linear_names(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
-def quantize_model(model: nn.Module, fmt: str, head_rows: torch.Tensor | None = None) -> dict[str, dict]:
+def quantize_model(
+    model: nn.Module,
+    fmt: str,
+    head_rows: torch.Tensor | None = None,
+    source_types: dict[str, str] | None = None,
+) -> dict[str, dict]:
     """Quantize ``model``'s linear layers in place from their current float weights (round to nearest;
-    models without a GGUF source, e.g. the tiny test pair). Returns per-module info with max errors."""
+    models without a GGUF source, e.g. the tiny test pair). ``source_types``: module name -> the GGUF block
+    type the module would have in a published file (kquant then picks the layout that type converts to:
+    Q4_K -> k4, others k6; ``engine.random_pair``). Returns per-module info with max errors."""
     names = linear_names(model)
+    types = source_types or {}
 
     def source():
         for name in names:
             w = model.get_submodule(name).weight
             yield (
                 name,
-                str(w.dtype).removeprefix("torch."),
+                types.get(name, str(w.dtype).removeprefix("torch.")),
                 w.shape[0],
                 w.shape[1],
                 None,

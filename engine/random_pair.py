@@ -7,6 +7,14 @@ with such a pair is meaningless; only its timings are valid.
 The configs mirror the converted checkpoints in ``~/.cache/draftpilot/hf/*/config.json`` exactly (note
 ``tie_word_embeddings=False`` for both: the GGUF conversion stores a separate output matrix, so the
 draft has ~0.63B parameters rather than the published 0.49B).
+
+Integer formats: the random floats are quantized block by block as the published GGUF files are laid out
+(``PUBLISHED_TYPES``: the target keeps Q6_K for its output matrix and for attn_v and ffn_down in 14 of its
+28 layers, Q4_K elsewhere), so kquant gives each linear the layout (k4 or k6) the real conversion gives
+it. Measured within one hour (Intel Xeon, 2 threads, 2026-12-02; docs/results/README.md), verify(16) and
+verify(64) over verify(1): real weights 2.72 / 9.61, random weights in the published layout 2.67 / 9.04,
+random weights all k4 (one layout for every linear) 2.55 / 8.41: the cost of verifying many rows follows
+the block layout. Dense formats (the GPU's bfloat16) have no such choice.
 """
 
 from __future__ import annotations
@@ -36,6 +44,44 @@ RANDOM_PAIR_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
              num_attention_heads=14, num_key_value_heads=2),  # Qwen2.5-Coder-0.5B-Instruct (draft)
     ),
 }  # fmt: skip
+
+
+_TARGET_Q6K_LAYERS = (0, 1, 5, 6, 7, 8, 9, 10, 13, 16, 19, 21, 24, 27)
+_DRAFT_WIDE_LAYERS = (0, 1, 3, 6, 7, 8, 9, 10, 13, 16, 19, 21)
+_DRAFT_Q4K_DOWN_LAYERS = (2, 4, 5, 11, 12, 14, 15, 17, 18, 20, 22, 23)
+
+PUBLISHED_TYPES: dict[str, tuple[tuple[str, dict[str, tuple[int, ...] | None]], ...]] = {
+    "qwen2.5-coder": (
+        ("Q4_K", {"Q6_K": None, "Q6_K self_attn.v_proj mlp.down_proj": _TARGET_Q6K_LAYERS}),
+        ("Q5_0", {"Q8_0": None, "Q8_0 self_attn.v_proj": _DRAFT_WIDE_LAYERS,
+                  "Q6_K mlp.down_proj": _DRAFT_WIDE_LAYERS, "Q4_K mlp.down_proj": _DRAFT_Q4K_DOWN_LAYERS}),
+    ),
+}  # fmt: skip
+"""(target, draft) GGUF block types of the published files (``engine.weights``): the default type, then
+"TYPE modules..." -> the layers where those modules have TYPE ("TYPE" -> None: the output matrix)."""
+
+
+def published_source_types(name: str, role: str, num_layers: int) -> dict[str, str] | None:
+    """Module name -> GGUF block type of the ``role`` ("target" / "draft") of the published pair ``name``
+    for every linear of a ``num_layers``-layer model (None: no published files of that name)."""
+    if name not in PUBLISHED_TYPES:
+        return None
+    default, rules = PUBLISHED_TYPES[name][("target", "draft").index(role)]
+    names = [f"model.layers.{i}.{m}" for i in range(num_layers) for m in _LINEARS] + ["lm_head"]
+    types = dict.fromkeys(names, default)
+    for key, layers in rules.items():
+        qtype, *modules = key.split()
+        if layers is None:
+            types["lm_head"] = qtype
+            continue
+        for i in layers:
+            if i < num_layers:
+                types.update({f"model.layers.{i}.{m}": qtype for m in modules})
+    return types
+
+
+_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fmt: skip
 
 
 class StubTokenizer(ByteTokenizer):

@@ -349,3 +349,41 @@ def test_chains_are_charged_from_the_chain_table_when_there_is_one():
     assert with_chain.cycle_s(3, 4, 100, tree_width=1) < with_chain.cycle_s(3, 4, 100, tree_width=2) - 4e-3
     with pytest.raises(ProfileError):
         hand_profile(verify_chain_table=chain_table[:2])
+
+
+def test_published_types_match_the_published_files():
+    """The block types of the published GGUF files (tensor counts as the files hold them: target 29 Q6_K and
+    168 Q4_K linears; draft 13 Q8_0, 12 Q6_K, 12 Q4_K, 132 Q5_0 linears)."""
+    from collections import Counter
+
+    from engine.random_pair import published_source_types
+
+    target = Counter(published_source_types("qwen2.5-coder", "target", 28).values())
+    draft = Counter(published_source_types("qwen2.5-coder", "draft", 24).values())
+    assert target == {"Q6_K": 29, "Q4_K": 168}
+    assert draft == {"Q8_0": 13, "Q6_K": 12, "Q4_K": 12, "Q5_0": 132}
+    assert published_source_types("qwen2.5-coder", "target", 28)["lm_head"] == "Q6_K"
+    assert published_source_types("elsewhere", "target", 28) is None
+
+
+def test_random_integer_weights_take_the_published_layout():
+    """kquant from random floats: k6 exactly where the published target has Q6_K blocks, k4 elsewhere;
+    kquant-strict k4 everywhere; without published types every linear is k6 (a float source)."""
+    from engine.models import _convert
+    from engine.random_pair import published_source_types
+
+    small = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=2)
+    small.update(num_key_value_heads=1, vocab_size=512, pad_token_id=0, bos_token_id=0, eos_token_id=511)
+    types = published_source_types("qwen2.5-coder", "target", 3)
+    kinds = {}
+    for fmt, source in (("kquant", types), ("kquant-strict", types), ("kquant", None)):
+        pair = build_random_pair("qwen2.5-coder", dtype=torch.float32, overrides=small, seed=2)
+        info = _convert(pair.target, fmt, source_types=source)
+        kinds[fmt, source is None] = {module: entry["kind"] for module, entry in info.items()}
+    mixed = kinds["kquant", False]
+    wide = {"lm_head"} | {
+        f"model.layers.{i}.{m}" for i in (0, 1) for m in ("self_attn.v_proj", "mlp.down_proj")
+    }
+    assert {m for m, k in mixed.items() if k == "k6"} == wide  # layer 2 is not one of the Q6_K layers
+    assert set(kinds["kquant-strict", False].values()) == {"k4"}
+    assert set(kinds["kquant", True].values()) == {"k6"}
