@@ -131,9 +131,13 @@ class TrainConfig(ModelConfig):
     to --profile's one-token verify time; validation averages over them); the policy file still carries
     --profile's device features (load_policy(profile=...) conditions it on another device). Empty: --profile
     alone."""
-    profile_perturbation: float = 0.0
+    profile_perturbation: float | None = None
     """Randomised device: each episode also scales the draft cost, the verification slope and the overhead by
-    independent log-uniform factors in [1/(1+p), 1+p] (0: the profiles as measured)."""
+    independent log-uniform factors in [1/(1+p), 1+p] (0: the profiles as measured); none: 1.0 with the replay
+    backend, 0 with the live one (stored resolved). The default since measured: a policy trained on one
+    profile as measured, fed its device's profile re-measured a session later, fell from 1.076x to 0.981x
+    the static setting in replay; trained with p = 1 it ran 1.078x on its own profile and 1.068x on the
+    re-measured one (docs/results/README.md, 2026-12-02)."""
     backend: str = "replay"
     """replay (exact traces + cost profile) or live (the real engine, wall-clock reward)."""
     reward: str = "average"
@@ -166,6 +170,8 @@ class TrainConfig(ModelConfig):
         # stored resolved: what the run trained with ("auto": the defaults in replay, off live)
         default = LookupConfig() if self.backend == "replay" else None
         self.lookup = describe_lookup(resolve_lookup(str(self.lookup), otherwise=default))
+        if self.profile_perturbation is None:
+            self.profile_perturbation = 1.0 if self.backend == "replay" else 0.0
         if isinstance(self.ppo, dict):
             self.ppo = PPOConfig(**self.ppo)
         if self.backend not in ("replay", "live"):
@@ -249,6 +255,7 @@ NEWER_FIELDS = {
     "long_val_prompts": 0,
     "long_max_new_tokens": 512,
     "lookup": "off",
+    "profile_perturbation": 0.0,
 }
 """Settings added after policies were first stored, with what a stored config without them trained with (the
 default of its day: lookup's is now "auto")."""

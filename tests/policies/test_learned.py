@@ -494,6 +494,21 @@ def test_train_temperatures_are_checked_before_anything_loads():
         train.TrainConfig(train_profiles="a.json", backend="live")
 
 
+def test_profile_perturbation_defaults_to_one_in_replay_and_zero_live():
+    """Stored resolved: replay trains on a randomised neighbourhood of the profile by default, the live
+    backend (real clocks, nothing to perturb) with none; an explicit value stays, and live refuses one > 0."""
+    import train
+
+    assert train.TrainConfig().profile_perturbation == 1.0
+    assert train.TrainConfig(backend="live").profile_perturbation == 0.0
+    assert train.TrainConfig(profile_perturbation=0.0).profile_perturbation == 0.0
+    assert train.TrainConfig(profile_perturbation=2.5).profile_perturbation == 2.5
+    with pytest.raises(ValueError, match="--backend replay"):
+        train.TrainConfig(backend="live", profile_perturbation=0.5)
+    # a run stored before the field existed trained without perturbation
+    assert train.NEWER_FIELDS["profile_perturbation"] == 0.0
+
+
 def test_training_across_temperatures_and_randomised_profiles(tmp_path):
     """One run over greedy and sampled traces and a profile mix (two measured profiles, perturbed): it trains,
     validates over the mix, and reports the deployment profile's figure next to the mix's."""

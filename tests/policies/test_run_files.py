@@ -539,18 +539,23 @@ def test_long_requests_join_the_training_and_validation_traces(base, monkeypatch
 
 
 def test_a_config_stored_before_the_newer_settings_means_the_defaults_of_its_day():
-    current = dataclasses.asdict(train.TrainConfig(pair="tiny", lookup="off"))
+    current = dataclasses.asdict(train.TrainConfig(pair="tiny", lookup="off", profile_perturbation=0.0))
     older = {k: v for k, v in current.items() if k not in train.NEWER_FIELDS}
     assert train.config_differences(older, current) == []
-    asked = dataclasses.asdict(train.TrainConfig(pair="tiny", long_train_prompts=2, lookup="off"))
+    asked = dataclasses.asdict(
+        train.TrainConfig(pair="tiny", long_train_prompts=2, lookup="off", profile_perturbation=0.0)
+    )
     assert train.config_differences(older, asked) == ["--long-train-prompts: 0 -> 2"]
-    # trained before lookup existed = without it; today's default ("auto": on with replay) differs
+    # trained before lookup and the perturbation existed = without them; today's defaults (in replay: lookup
+    # on, perturbation 1) differ
     assert train.config_differences(older, dataclasses.asdict(train.TrainConfig(pair="tiny"))) == [
-        "--lookup: 'off' -> '3-4:2+8:4'"
+        "--lookup: 'off' -> '3-4:2+8:4'",
+        "--profile-perturbation: 0.0 -> 1.0",
     ]
     for field, value in train.NEWER_FIELDS.items():
         default = next(f.default for f in dataclasses.fields(train.TrainConfig) if f.name == field)
-        assert value == default or field == "lookup"  # only lookup's default has changed since
+        # only lookup's and the perturbation's defaults have changed since (both resolved by the backend)
+        assert value == default or field in ("lookup", "profile_perturbation")
 
 
 def test_lookup_auto_means_on_for_replay_and_off_for_live_and_is_stored_resolved():
