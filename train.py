@@ -725,7 +725,7 @@ def config_from_argv(argv: list[str] | None) -> tuple[TrainConfig, Path | None, 
         run = Path(args.resume)
         if not (run / "config.json").is_file():
             raise RunDirectoryError(f"--resume {run}: not a train.py run directory (no config.json)")
-        stored = load_config(TrainConfig, run / "config.json")
+        stored = load_config(TrainConfig, run / "config.json", missing=NEWER_FIELDS)
         given = (given_flags(ap, argv) | set(preset)) - {"resume", "retrain", "quick", "progress"}
         if given:
             requested = from_args(TrainConfig, args, ppo=from_args(PPOConfig, args))

@@ -9,14 +9,15 @@ controller only sees the draft's probabilities and the history. Rows between the
 
 * ``calibrated analytic``: the analytic cost-model controller whose acceptance estimate is replaced by a
   calibration fitted *on the measured traces themselves* (P(the k-th drafted token is accepted | the ones
-  before it were) per depth and draft-confidence bin): the best any rule could make of the draft's
-  confidence and depth, measured optimistically (in sample).
+  before it were) per depth and draft-confidence bin): how far a better reading of the draft's confidence
+  and depth takes the cost model, measured optimistically (in sample). Its draft-at-all decision keeps the
+  analytic controller's estimate from the request's recent cycles (nothing is drafted yet to calibrate).
 * ``learned + first-token foresight``: the learned policy, except that before drafting it is told whether
   the draft's first token will be accepted (one bit of the future a cycle): it drafts exactly when that
   token is accepted, and the policy chooses the depth and size as it would.
-* ``learned + length foresight``: told how many drafted tokens will be accepted (L): it drafts exactly L
-  levels and verifies them, an autoregressive step when L = 0 (what the oracle knows, without its
-  planning of the draft's pending inputs).
+* ``length foresight``: a controller told how many drafted tokens will be accepted (L): it drafts exactly
+  L levels and verifies them, an autoregressive step when L = 0 (what the oracle knows, without its
+  planning of the draft's pending inputs; no policy is consulted).
 
 Every row runs with the context lookup the policy was trained with (``--lookup``), as the engine would.
 The foresight rows are measurements of what information is worth, not controllers anyone could deploy.
@@ -111,9 +112,9 @@ class CalibratedAnalytic(AnalyticController):
 
 # --------------------------------------------------------------------------------- foresight wrappers
 class Foresight(Controller):
-    """``base`` plus a look at the trace it is replayed on: ``mode`` "first" (is the draft's first token
-    accepted?) or "length" (how many drafted tokens are accepted?). The position is read off the context
-    length (context = prompt + t + 1)."""
+    """A look at the trace it is replayed on: ``mode`` "first" (is the draft's first token accepted? ``base``
+    decides the rest) or "length" (how many drafted tokens are accepted? it drafts and verifies exactly
+    those, ``base`` only observes). The position is read off the context length (context = prompt + t + 1)."""
 
     def __init__(self, base: Controller, rt: ReplayTrace, mode: str):
         self.base, self.rt, self.mode = base, rt, mode
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             lambda rt: CalibratedAnalytic(profile, calibration, policy.max_depth)
         ),
         "learned + first-token foresight": run(lambda rt: Foresight(policy, rt, "first")),
-        "learned + length foresight": run(lambda rt: Foresight(policy, rt, "length")),
+        "length foresight (draft L, verify L)": run(lambda rt: Foresight(policy, rt, "length")),
         "oracle": oracle_throughput(measured, profile, lookup=lookup),
     }
     oracle = rows["oracle"]

@@ -461,8 +461,9 @@ def save_config(config: Any, path: str | Path) -> Path:
     return atomic_write_json(path, dataclasses.asdict(config), indent=1, default=str)
 
 
-def load_config(cls: type, path: str | Path):
+def load_config(cls: type, path: str | Path, missing: dict[str, Any] | None = None):
     """Read a config saved by ``save_config``; unknown keys are an error (a config from other code).
+    ``missing``: values of fields a file written before they existed holds none of (what it ran with).
     Raises ``ConfigFileError`` for a file that is not such a config (``FileNotFoundError`` if missing)."""
     path = Path(path)
     try:
@@ -476,6 +477,6 @@ def load_config(cls: type, path: str | Path):
     if unknown:
         raise ConfigFileError(f"{path}: unknown {cls.__name__} fields {unknown}")
     try:
-        return cls(**data)
+        return cls(**{**(missing or {}), **data})
     except TypeError as err:
         raise ConfigFileError(f"{path} is not a valid {cls.__name__} config ({err})") from err

@@ -393,6 +393,8 @@ def measure_profile(
         "transformers": transformers.__version__,
         "num_threads": torch.get_num_threads(),
         "random_weights": bool(random_weights),
+        # integer formats of random weights follow the published files' block types (engine.random_pair)
+        "random_weights_layout": "published" if random_weights else None,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "loadavg_start": list(os.getloadavg()),
         "config": asdict(config),

@@ -397,7 +397,8 @@ def quantized_state(
         if fmt in ("int4", "int4-strict") and exact_int4 is not None and _int4_ok(n, k):
             codes, sz = exact_int4()
             kind = "int4"
-        elif (fmt == "int4-strict" or qtype in FLOAT_SOURCES) and _int4_ok(n, k):
+        elif (fmt == "int4-strict" or qtype in FLOAT_SOURCES or qtype == "Q4_K") and _int4_ok(n, k):
+            # (a Q4_K source without its blocks: random weights laid out as a published file)
             codes, sz = quantize_int4(reference)
             kind = "int4"
         else:

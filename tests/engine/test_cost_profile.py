@@ -366,6 +366,22 @@ def test_published_types_match_the_published_files():
     assert published_source_types("elsewhere", "target", 28) is None
 
 
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_published_types_match_the_cached_files_module_by_module(role):
+    """Against the GGUF files themselves where they are cached (a real-model run fetched them)."""
+    from engine.quant import gguf_linears
+    from engine.random_pair import published_source_types
+    from engine.weights import DEFAULT_PAIRS, cache_dir
+
+    spec = DEFAULT_PAIRS["qwen2.5-coder"][("target", "draft").index(role)]
+    path = cache_dir() / "gguf" / spec.gguf_file
+    if not path.is_file():
+        pytest.skip(f"{path} is not cached")
+    in_file = {lin.module: lin.qtype for lin in gguf_linears(path)}
+    layers = 28 if role == "target" else 24
+    assert published_source_types("qwen2.5-coder", role, layers) == in_file
+
+
 def test_random_integer_weights_take_the_published_layout():
     """kquant from random floats: k6 exactly where the published target has Q6_K blocks, k4 elsewhere;
     kquant-strict k4 everywhere; without published types every linear is k6 (a float source)."""
@@ -376,7 +392,7 @@ def test_random_integer_weights_take_the_published_layout():
     small.update(num_key_value_heads=1, vocab_size=512, pad_token_id=0, bos_token_id=0, eos_token_id=511)
     types = published_source_types("qwen2.5-coder", "target", 3)
     kinds = {}
-    for fmt, source in (("kquant", types), ("kquant-strict", types), ("kquant", None)):
+    for fmt, source in (("kquant", types), ("kquant-strict", types), ("kquant", None), ("int4", types)):
         pair = build_random_pair("qwen2.5-coder", dtype=torch.float32, overrides=small, seed=2)
         info = _convert(pair.target, fmt, source_types=source)
         kinds[fmt, source is None] = {module: entry["kind"] for module, entry in info.items()}
@@ -387,3 +403,6 @@ def test_random_integer_weights_take_the_published_layout():
     assert {m for m, k in mixed.items() if k == "k6"} == wide  # layer 2 is not one of the Q6_K layers
     assert set(kinds["kquant-strict", False].values()) == {"k4"}
     assert set(kinds["kquant", True].values()) == {"k6"}
+    # int4 as the published file converts: int4 where it has Q4_K blocks, int8 where Q6_K
+    assert {m for m, k in kinds["int4", False].items() if k == "int8"} == wide
+    assert {k for m, k in kinds["int4", False].items() if m not in wide} == {"int4"}

@@ -173,7 +173,7 @@ def test_cli_on_the_tiny_chain_policy(workdir, tiny_chain_policy, tmp_path):
     data = json.loads(out.read_text())
     rows = data["rows"]
     assert list(rows)[0] == "autoregressive" and list(rows)[-1] == "oracle"
-    assert {"learned", "calibrated analytic (in sample)", "learned + length foresight"} <= set(rows)
+    assert {"learned", "calibrated analytic (in sample)", "length foresight (draft L, verify L)"} <= set(rows)
     assert all(v > 0 for v in rows.values())
     assert all(rows["oracle"] >= v * (1 - 1e-9) for v in rows.values())
     assert data["lookup"] == "off"

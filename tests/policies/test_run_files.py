@@ -377,6 +377,20 @@ def test_a_second_run_with_the_same_name_fails_at_once(base):
     assert rc == 0, stderr
 
 
+def test_resume_of_a_config_written_before_the_newer_settings_keeps_what_it_ran_with(base):
+    """A config.json without the fields added since (lookup, the profile perturbation) resumes with the
+    values it trained with (train.NEWER_FIELDS), not with today's defaults."""
+    run = copy_run(base, "older")
+    stored = json.loads((run / "config.json").read_text())
+    for name in ("lookup", "profile_perturbation"):
+        stored.pop(name)
+    (run / "config.json").write_text(json.dumps(stored))
+    config, resume, _ = train.config_from_argv(["--resume", str(run)])
+    assert resume == run and config.lookup == "off" and config.profile_perturbation == 0.0
+    with pytest.raises(train.RunDirectoryError, match="--profile-perturbation: 0.0 -> 1.0"):
+        train.config_from_argv(["--resume", str(run), "--profile-perturbation", "1"])
+
+
 def test_resume_refuses_flags_that_differ_from_the_run(base):
     run = copy_run(base, "flags")
     with pytest.raises(train.RunDirectoryError) as err:
