@@ -36,7 +36,7 @@ from engine import EngineConfig, SamplingConfig, SpeculativeEngine  # noqa: E402
 from engine.errors import InputError  # noqa: E402
 from engine.lookup import describe_lookup, resolve_lookup  # noqa: E402
 from envs import workspace  # noqa: E402
-from envs.prompts import interleave_languages, language_of, load_suite  # noqa: E402
+from envs.prompts import language_of, suite_split  # noqa: E402
 from evaluation.measurements import run_engine  # noqa: E402
 from evaluation.stats import paired_bootstrap_ratio  # noqa: E402
 from policies import PolicyFileError, StaticController, load_policy  # noqa: E402
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         controllers[name] = (StaticController(depth, verify, tree_width=width), engine)
     for path, width in policy_widths.items():  # reloaded with this device's profile as its device features
         controllers[f"learned {path} (W{width}){suffix}"] = (load_policy(path, profile=profile), engine)
-    prompts = interleave_languages(load_suite(split=args.split, limit_per_language=args.prompts_per_language))
+    prompts = suite_split(args.split, args.prompts_per_language)
     names = list(controllers)
     warm = pair.encode(prompts[0]["prompt"])
     for name in names:  # warm-up, not measured

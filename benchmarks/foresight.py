@@ -33,13 +33,15 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # replay_policies (a sibling script)
+
+from replay_policies import replay_inputs, trace_summary  # noqa: E402
 
 from engine.control import Controller, DraftState  # noqa: E402
 from engine.errors import InputError  # noqa: E402
 from engine.lookup import describe_lookup, resolve_lookup  # noqa: E402
 from envs import workspace  # noqa: E402
 from envs.oracle import oracle_throughput, static_grid  # noqa: E402
-from envs.prompts import interleave_languages, load_suite  # noqa: E402
 from envs.replay import ReplayTrace, replay_generate, throughput  # noqa: E402
 from policies import AnalyticController, StaticController, load_policy  # noqa: E402
 
@@ -166,24 +168,17 @@ def main(argv: list[str] | None = None) -> int:
         lookup = resolve_lookup(args.lookup, policy.trained_lookup)
     except InputError as err:
         ap.error(str(err))
-    config = policy.meta["train_config"]
-    pair = workspace.load_models(config["pair"], config["dtype"], config["device"], config["threads"])
-    profile = held_out or workspace.ensure_profile(pair, args.cache_dir, config.get("profile"))
-    temperature = config["temperature"] if args.temperature is None else args.temperature
-    kw = {
-        "temperature": temperature,
-        "tree_width": 1,
-        "max_depth": policy.max_depth,
-        "max_new_tokens": config["max_new_tokens"],
-        "seed": config["seed"],
-    }
-
-    def traces(split: str, per_language: int):
-        suite = interleave_languages(load_suite(split=split, limit_per_language=per_language))
-        return workspace.ensure_traces(pair, suite, args.cache_dir, tag=split, **kw)
-
-    measured = traces(args.split, args.prompts_per_language)
-    tune = traces("tune", args.tune_prompts_per_language)
+    temperature = policy.meta["train_config"]["temperature"] if args.temperature is None else args.temperature
+    profile, measured, tune = replay_inputs(
+        policy,
+        held_out,
+        args.cache_dir,
+        args.split,
+        args.prompts_per_language,
+        "tune",
+        args.tune_prompts_per_language,
+        temperature=temperature,
+    )
     grid = static_grid(tune, profile, lookup=lookup)
     best = max(grid, key=grid.get)
     calibration = Calibration(*acceptance_samples(measured))
@@ -205,9 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     oracle = rows["oracle"]
     print(
-        f"{len(measured)} {args.split} traces ({sum(rt.trace.num_positions for rt in measured)} positions), "
-        f"T {temperature}, depth {policy.max_depth}; profile {profile.meta.get('device_name')} "
-        f"{profile.meta.get('num_threads')} threads; lookup {describe_lookup(lookup)}"
+        f"{trace_summary(measured, args.split, profile, lookup)}; T {temperature}, depth {policy.max_depth}"
     )
     for name, tps in rows.items():
         print(

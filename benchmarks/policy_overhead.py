@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine import SamplingConfig, SpeculativeEngine  # noqa: E402
 from engine.control import Controller  # noqa: E402
 from engine.features import DEPTH_OBS_DIM, SIZE_OBS_DIM  # noqa: E402
-from envs.prompts import interleave_languages, load_suite  # noqa: E402
+from envs.prompts import suite_split  # noqa: E402
 from envs.workspace import load_models  # noqa: E402
 from policies import StaticController, load_policy  # noqa: E402
 
@@ -72,7 +72,7 @@ def main() -> int:
 
     pair = load_models(args.pair, threads=args.threads)
     engine = SpeculativeEngine(pair, SamplingConfig(temperature=0.0))
-    prompts = interleave_languages(load_suite(split=args.split, limit_per_language=args.prompts_per_language))
+    prompts = suite_split(args.split, args.prompts_per_language)
     static = StaticController(4, 8, tree_width=learned.tree_width)
     rows = {"learned": [], "static": []}
     for item in prompts:

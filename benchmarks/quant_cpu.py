@@ -37,7 +37,7 @@ from engine.engine import forward_logits  # noqa: E402
 from engine.kvcache import keep_entries, new_cache  # noqa: E402
 from engine.measure_costs import device_name  # noqa: E402
 from engine.quant import WEIGHT_FORMATS, weight_bytes  # noqa: E402
-from envs.prompts import interleave_languages, load_suite  # noqa: E402
+from envs.prompts import suite_split  # noqa: E402
 from policies import StaticController  # noqa: E402
 
 
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             f"({results['formats'][f]['target_weight_bytes'] / 1e9:.2f} GB), T(1)/floor {t1 / floor_ms:.2f}"
         )
 
-    prompts = interleave_languages(load_suite(split=args.split, limit_per_language=args.prompts_per_language))
+    prompts = suite_split(args.split, args.prompts_per_language)
     reference = next((f for f in formats if f.split("/")[0] == "float32"), None)
     engines = {f: SpeculativeEngine(p, SamplingConfig(temperature=0.0)) for f, p in pairs.items()}
     names = list(pairs)

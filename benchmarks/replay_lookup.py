@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.lookup import LookupConfig, describe_lookup  # noqa: E402
 from envs import workspace  # noqa: E402
 from envs.oracle import oracle_throughput, static_grid  # noqa: E402
-from envs.prompts import LONG_SUITE, interleave_languages, language_of, load_suite  # noqa: E402
+from envs.prompts import LONG_SUITE, language_of, suite_split  # noqa: E402
 from envs.replay import replay_generate, throughput  # noqa: E402
 from policies import StaticController, load_policy  # noqa: E402
 
@@ -55,7 +55,7 @@ def main() -> int:
     kw = {"temperature": 0.0, "tree_width": 1, "max_depth": 8, "max_new_tokens": 512 if args.long else 128}
     split = {}
     for name, count in (("tune", args.tune_prompts_per_language), ("test", args.prompts_per_language)):
-        prompts = interleave_languages(load_suite(suite, split=name, limit_per_language=count))
+        prompts = suite_split(name, count, suite)
         split[name] = (prompts, workspace.ensure_traces(pair, prompts, args.cache_dir, tag=name, **kw))
     languages = {p["id"]: language_of(p) for prompts, _ in split.values() for p in prompts}
 

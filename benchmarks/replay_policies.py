@@ -25,9 +25,49 @@ from engine.errors import InputError  # noqa: E402
 from engine.lookup import describe_lookup, resolve_lookup  # noqa: E402
 from envs import workspace  # noqa: E402
 from envs.oracle import oracle_throughput, static_grid  # noqa: E402
-from envs.prompts import interleave_languages, load_suite  # noqa: E402
+from envs.prompts import suite_split  # noqa: E402
 from envs.replay import replay_generate, throughput  # noqa: E402
 from policies import AnalyticController, StaticController, load_policy  # noqa: E402
+
+
+def replay_inputs(
+    policy,
+    profile,
+    cache_dir: str,
+    split: str,
+    per_language: int,
+    tune_split: str,
+    tune_per_language: int,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+):
+    """(cost profile, measured traces, tune traces) to replay ``policy``'s kind of controller on: the models
+    and trace settings it was trained with (``max_new_tokens`` / ``temperature`` override its own), traces
+    from the shared cache (recorded on first use), ``profile`` or else the policy's training profile."""
+    config = policy.meta["train_config"]
+    pair = workspace.load_models(config["pair"], config["dtype"], config["device"], config["threads"])
+    profile = profile or workspace.ensure_profile(pair, cache_dir, config.get("profile"))
+    kw = {
+        "temperature": config["temperature"] if temperature is None else temperature,
+        "tree_width": policy.tree_width,
+        "max_depth": policy.max_depth,
+        "max_new_tokens": max_new_tokens or config["max_new_tokens"],
+        "seed": config["seed"],
+    }
+
+    def traces(name: str, count: int):
+        return workspace.ensure_traces(pair, suite_split(name, count), cache_dir, tag=name, **kw)
+
+    return profile, traces(split, per_language), traces(tune_split, tune_per_language)
+
+
+def trace_summary(measured, split: str, profile, lookup) -> str:
+    """The header line of a replay table: traces, positions, the profile's device, the lookup."""
+    return (
+        f"{len(measured)} {split} traces ({sum(rt.trace.num_positions for rt in measured)} positions); "
+        f"profile {profile.meta.get('device_name')} {profile.meta.get('dtype')} "
+        f"{profile.meta.get('num_threads')} threads; lookup {describe_lookup(lookup)}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,35 +108,19 @@ def main(argv: list[str] | None = None) -> int:
     believed = workspace.load_profile_arg(args.features_profile) if args.features_profile else held_out
     policies = {p: load_policy(p, profile=believed) for p in args.policy}
     first = next(iter(policies.values()))
-    config = first.meta["train_config"]
     try:
         lookup = resolve_lookup(args.lookup, first.trained_lookup)
     except InputError as err:
         ap.error(str(err))
-    pair = workspace.load_models(config["pair"], config["dtype"], config["device"], config["threads"])
-    profile = held_out or workspace.ensure_profile(pair, args.cache_dir, config.get("profile"))
-    kw = {
-        "temperature": config["temperature"],
-        "tree_width": first.tree_width,
-        "max_depth": first.max_depth,
-        "max_new_tokens": args.max_new_tokens or config["max_new_tokens"],
-        "seed": config["seed"],
-    }
-    measured = workspace.ensure_traces(
-        pair,
-        interleave_languages(load_suite(split=args.split, limit_per_language=args.prompts_per_language)),
+    profile, measured, tune = replay_inputs(
+        first,
+        held_out,
         args.cache_dir,
-        tag=args.split,
-        **kw,
-    )
-    tune = workspace.ensure_traces(
-        pair,
-        interleave_languages(
-            load_suite(split=args.tune_split, limit_per_language=args.tune_prompts_per_language)
-        ),
-        args.cache_dir,
-        tag="tune",
-        **kw,
+        args.split,
+        args.prompts_per_language,
+        args.tune_split,
+        args.tune_prompts_per_language,
+        max_new_tokens=args.max_new_tokens,
     )
 
     grid = static_grid(tune, profile, lookup=lookup)
@@ -121,10 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     rows["oracle"] = oracle_throughput(measured, profile, lookup=lookup)
     static = rows[f"static {best} (tuned on {args.tune_split})"]
     print(
-        f"{len(measured)} {args.split} traces ({sum(rt.trace.num_positions for rt in measured)} positions), "
-        f"width {first.tree_width}, depth {first.max_depth}; profile {profile.meta.get('device_name')} "
-        f"{profile.meta.get('dtype')} {profile.meta.get('num_threads')} threads; lookup "
-        f"{describe_lookup(lookup)}"
+        f"{trace_summary(measured, args.split, profile, lookup)}; width {first.tree_width}, depth {first.max_depth}"
     )
     for name, tps in rows.items():
         print(

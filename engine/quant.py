@@ -275,7 +275,7 @@ def q4_k_to_int4(blocks: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor
 
 
 # -------------------------------------------------------------------------------------- GGUF reading
-_GGUF_LINEAR_NAMES = {
+GGUF_LINEAR_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -302,8 +302,8 @@ def gguf_linear_name(gguf_name: str) -> str | None:
     if gguf_name == "output.weight":
         return "lm_head"
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _GGUF_LINEAR_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LINEAR_NAMES[parts[2]]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in GGUF_LINEAR_NAMES:
+        return f"model.layers.{parts[1]}.{GGUF_LINEAR_NAMES[parts[2]]}"
     return None
 
 

@@ -26,6 +26,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from engine.models import ModelPair, _make_pair
+from engine.quant import GGUF_LINEAR_NAMES
 from engine.tiny import ByteTokenizer
 
 _QWEN2_COMMON: dict[str, Any] = dict(
@@ -67,7 +68,8 @@ def published_source_types(name: str, role: str, num_layers: int) -> dict[str, s
     if name not in PUBLISHED_TYPES:
         return None
     default, rules = PUBLISHED_TYPES[name][("target", "draft").index(role)]
-    names = [f"model.layers.{i}.{m}" for i in range(num_layers) for m in _LINEARS] + ["lm_head"]
+    modules = GGUF_LINEAR_NAMES.values()
+    names = [f"model.layers.{i}.{m}" for i in range(num_layers) for m in modules] + ["lm_head"]
     types = dict.fromkeys(names, default)
     for key, layers in rules.items():
         qtype, *modules = key.split()
@@ -78,10 +80,6 @@ def published_source_types(name: str, role: str, num_layers: int) -> dict[str, s
             if i < num_layers:
                 types.update({f"model.layers.{i}.{m}": qtype for m in modules})
     return types
-
-
-_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fmt: skip
 
 
 class StubTokenizer(ByteTokenizer):

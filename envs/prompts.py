@@ -7,8 +7,8 @@ splits are ``train`` (the learned policy, 20 per language), ``tune`` (static gri
 (reporting only, 12; never tune on it). ``prompts/long.jsonl`` (``LONG_SUITE``) has the same layout for
 long requests: long contexts, long answers.
 
-    from envs.prompts import interleave_languages, load_suite
-    quick = interleave_languages(load_suite(split="tune", limit_per_language=2))
+    from envs.prompts import suite_split
+    quick = suite_split("tune", 2)  # interleave_languages(load_suite(split="tune", limit_per_language=2))
 """
 
 from __future__ import annotations
@@ -100,3 +100,9 @@ def interleave_languages(items: list[dict]) -> list[dict]:
     for rank in range(max(map(len, queues.values()), default=0)):
         out.extend(queue[rank] for queue in queues.values() if rank < len(queue))
     return out
+
+
+def suite_split(split: str, limit: int | None = None, path: str | Path | None = None) -> list[dict]:
+    """A split of a suite (``DEFAULT_SUITE`` when ``path`` is None), ``limit`` items per language (None:
+    all), interleaved across languages (``interleave_languages``)."""
+    return interleave_languages(load_suite(path, split=split, limit_per_language=limit))

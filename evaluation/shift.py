@@ -41,7 +41,7 @@ from engine.measure_costs import device_name
 from engine.sampling import SamplingConfig
 from envs import workspace
 from envs.oracle import oracle_plan, static_grid
-from envs.prompts import LANGUAGES, LONG_SUITE, interleave_languages, load_suite
+from envs.prompts import LANGUAGES, LONG_SUITE, interleave_languages, suite_split
 from envs.replay import SIZE_LADDER, ReplayTrace, replay_generate
 from evaluation.config import find_policy
 from evaluation.measurements import run_engine
@@ -345,11 +345,6 @@ def live_slice(
             if bar is not None:
                 bar.update()
     return {"rows": rows, "tokens": tokens}
-
-
-def suite_split(split: str, limit: int | None, path=None) -> list[dict]:
-    """A split of a suite (the built-in one when ``path`` is None), interleaved across languages."""
-    return interleave_languages(load_suite(path, split=split, limit_per_language=limit))
 
 
 def pick_live_prompts(prompts: Sequence[dict], count: int) -> list[dict]:
