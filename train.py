@@ -319,7 +319,14 @@ QUICK = {
     "depth_steps": 1024,
     "eval_every": 512,
 }
-QUICK_PPO = {"n_envs": 2, "n_steps": 128, "batch_size": 64, "n_epochs": 2}
+QUICK_PPO = {
+    "n_envs": 2,
+    "n_steps": 128,
+    "batch_size": 64,
+    "n_epochs": 2,
+    "imitation_steps": 512,
+    "imitation_epochs": 3,
+}
 
 
 # ----------------------------------------------------------------------------------------- data
@@ -478,15 +485,67 @@ def baselines(train_traces, val_traces, profile, config: TrainConfig) -> dict:
 
 
 def starting_rho(base: dict, config: TrainConfig) -> float:
-    """The average reward's starting rho (and its floor): the static baseline's validation throughput, or
-    autoregressive decoding's when the policy may choose depth 0 and that is faster. rho should be the best
-    throughput known to be reachable: a lower one makes time look cheap and teaches drafting where it does
-    not pay. Measured on the default pair (2026-12-01), where the static chain runs below autoregressive
-    decoding: validation 23.01 -> 24.23 tokens/s, test replay 1.019x -> 1.023x autoregressive."""
-    rho = base["static_train_on_val"]
+    """The average reward's starting rho (and its floor): the best validation throughput of the static
+    baseline, the analytic controller and (when the policy may choose depth 0) autoregressive decoding. rho
+    should be the best throughput known to be reachable: a lower one makes time look cheap and teaches
+    drafting where it does not pay (docs/architecture.md, "Training")."""
+    rho = max(base["static_train_on_val"], base.get("analytic_on_val", 0.0))
     if config.depth_zero:
         rho = max(rho, base["autoregressive_on_val"])
     return rho
+
+
+BASELINES = (
+    ("autoregressive", "autoregressive_on_val"),
+    ("best static", "static_best_on_val"),
+    ("analytic", "analytic_on_val"),
+)
+"""The controllers the exported policy is compared with on validation (label, metrics key); the oracle, a
+bound no controller reaches, is reported beside them."""
+
+
+def verdict(metrics: dict) -> dict:
+    """Which controller won on validation and how the learned policy stands against each baseline:
+    ``{"winner", "learned_over": {label: ratio}, "verdict": one line}``."""
+    learned = metrics["learned_on_val"]
+    ratios = {label: learned / metrics[key] for label, key in BASELINES}
+    best_label, best_key = max(BASELINES, key=lambda b: metrics[b[1]])
+    if learned >= metrics[best_key]:
+        winner = "learned"
+        line = (
+            f"the learned policy is the fastest: {ratios['analytic']:.3f}x the analytic controller, "
+            f"{ratios['best static']:.3f}x the best static setting"
+        )
+    else:
+        winner = best_label
+        line = (
+            f"the {best_label} controller beats the learned policy ({ratios[best_label]:.3f}x): on this device "
+            "and data the exported policy is not worth deploying over it (train longer, on more prompts, or "
+            f"deploy the {best_label} controller)"
+        )
+    return {"winner": winner, "learned_over": ratios, "verdict": line}
+
+
+def summary_text(metrics: dict) -> str:
+    """The validation summary: every baseline with the learned policy's ratio over it, and the verdict."""
+    learned = metrics["learned_on_val"]
+    static = f" (D, V) = {tuple(metrics['best_static_val'])}"
+    rows = [("learned (exported)", learned, "")]
+    rows += [
+        (label + (static if label == "best static" else ""), metrics[key], f"{learned / metrics[key]:.3f}x")
+        for label, key in BASELINES
+    ]
+    rows.append(
+        ("oracle (hindsight bound)", metrics["oracle_on_val"], f"{metrics['learned_over_oracle']:.3f}x")
+    )
+    width = max(len(r[0]) for r in rows)
+    lines = [
+        f"validation throughput (replay, {len(metrics['val_prompts'])} held-out prompts, tokens/s; "
+        "learned / each):"
+    ]
+    lines += [f"  {label:<{width}}  {value:8.3f}  {ratio}".rstrip() for label, value, ratio in rows]
+    lines.append(f"verdict: {metrics['verdict']}")
+    return "\n".join(lines)
 
 
 def run_directory(config: TrainConfig) -> Path:
@@ -635,15 +694,25 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
     if checkpoint is not None:
         trainer.load(checkpoint)
         print(f"resumed {run} after {len(trainer.history)} phases", flush=True)
-    phases = [(name, r) for r in range(config.rounds) for name in ("size", "depth")]
+    phases = [("imitation", 0)] if config.ppo.imitation_steps else []
+    phases += [(name, r) for r in range(config.rounds) for name in ("size", "depth")]
     for name, r in phases[len(trainer.history) :]:
-        log = trainer.run_phase(name, config.size_steps if name == "size" else config.depth_steps, r)
-        last = log.validation[-1][1] if log.validation else float("nan")
-        print(
-            f"round {r + 1}/{config.rounds} {name}: {log.steps} steps in {log.seconds:.0f} s, "
-            f"validation {last:.3f} tokens/s (best so far {trainer.best[0]:.3f})",
-            flush=True,
-        )
+        if name == "imitation":
+            log = trainer.imitate(lambda p: AnalyticController(p, config.tree_width, config.max_depth))
+            fits = ", ".join(f"{n} {v['agreement']:.1%}" for n, v in trainer.imitation.items())
+            print(
+                f"imitation of the analytic controller: {log.steps} decisions in {log.seconds:.0f} s "
+                f"(agreement {fits}), validation {log.validation[-1][1]:.3f} tokens/s",
+                flush=True,
+            )
+        else:
+            log = trainer.run_phase(name, config.size_steps if name == "size" else config.depth_steps, r)
+            last = log.validation[-1][1] if log.validation else float("nan")
+            print(
+                f"round {r + 1}/{config.rounds} {name}: {log.steps} steps in {log.seconds:.0f} s, "
+                f"validation {last:.3f} tokens/s (best so far {trainer.best[0]:.3f})",
+                flush=True,
+            )
         trainer.save(run / "checkpoint")
     writer.close()
 
@@ -662,6 +731,8 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
         "learned_over_static": best_tps / base["static_best_on_val"],
         "learned_over_analytic": best_tps / base["analytic_on_val"],
         "learned_over_oracle": best_tps / base["oracle_on_val"],
+        "learned_over_autoregressive": best_tps / base["autoregressive_on_val"],
+        "imitation": trainer.imitation,
         "data_s": data_s,
         "train_s": sum(h.seconds for h in trainer.history),
         "total_s": time.perf_counter() - started,
@@ -669,6 +740,10 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
         "train_prompts": [p["id"] for p in train_prompts],
         "phases": [asdict(h) for h in trainer.history],
     }
+    judged = verdict(metrics)
+    metrics.update(winner=judged["winner"], verdict=judged["verdict"])
+    if judged["winner"] != "learned":
+        print(f"warning: {judged['verdict']}", flush=True)
     path = save_policy(
         run / "policy.pt",
         depth_actor,
@@ -758,19 +833,8 @@ def main(argv: list[str] | None = None) -> int:
         metrics = train(config, resume, retrain)
     except (*CLI_ERRORS, ValueError) as err:  # a config dataclass refuses a value with ValueError
         return report_error(err)
-    static = metrics["static_best_on_val"]
     print(f"\nexported policy: {metrics['policy']}")
-    print(f"validation throughput (replay, {len(metrics['val_prompts'])} held-out prompts, tokens/s):")
-    print(
-        f"  learned      {metrics['learned_on_val']:.3f}   ({metrics['learned_over_static']:.3f}x best static)"
-    )
-    print(
-        f"  best static  {static:.3f}   (D, V) = {tuple(metrics['best_static_val'])}, grid on these prompts"
-    )
-    print(f"  analytic     {metrics['analytic_on_val']:.3f}")
-    print(
-        f"  oracle       {metrics['oracle_on_val']:.3f}   (learned / oracle = {metrics['learned_over_oracle']:.3f})"
-    )
+    print(summary_text(metrics))
     print(
         f"time: data {metrics['data_s']:.0f} s, training {metrics['train_s']:.0f} s, total {metrics['total_s']:.0f} s"
     )

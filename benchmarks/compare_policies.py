@@ -39,7 +39,7 @@ from envs import workspace  # noqa: E402
 from envs.prompts import language_of, suite_split  # noqa: E402
 from evaluation.measurements import run_engine  # noqa: E402
 from evaluation.stats import paired_bootstrap_ratio  # noqa: E402
-from policies import PolicyFileError, StaticController, load_policy  # noqa: E402
+from policies import AnalyticController, PolicyFileError, StaticController, load_policy  # noqa: E402
 
 
 def parse_static(text: str) -> tuple[int, int, int]:
@@ -85,6 +85,12 @@ def main(argv: list[str] | None = None) -> int:
         help="context lookup on every static and learned row (off, on, MIN-MAX:K, MIN-MAX:K+L:J; auto: the "
         "first policy's trained setting)",
     )
+    ap.add_argument(
+        "--analytic",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run the analytic controller (chain, on the device's cost profile, with the same lookup)",
+    )
     ap.add_argument("--out", help="write every run (without tokens) and the summary as JSON here")
     args = ap.parse_args(argv)
 
@@ -98,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(str(err))
         policy_widths[path] = loaded.tree_width
         if path == args.policy[0]:
-            trained = loaded.trained_lookup
+            trained, max_depth = loaded.trained_lookup, loaded.max_depth
     try:
         lookup = resolve_lookup(args.lookup, trained)
         given_profile = workspace.load_profile_arg(args.profile) if args.profile else None
@@ -119,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     for depth, verify, width in args.static:
         name = f"static {'chain' if width == 1 else 'tree'} ({depth},{verify},W{width}){suffix}"
         controllers[name] = (StaticController(depth, verify, tree_width=width), engine)
+    if args.analytic:  # the cost-model controller on this device's profile: the baseline a policy must beat
+        controllers[f"analytic (W1){suffix}"] = (AnalyticController(profile, 1, max_depth), engine)
     for path, width in policy_widths.items():  # reloaded with this device's profile as its device features
         controllers[f"learned {path} (W{width}){suffix}"] = (load_policy(path, profile=profile), engine)
     prompts = suite_split(args.split, args.prompts_per_language)

@@ -166,7 +166,8 @@ class _DecisionEnv(gym.Env):
                 reward += self._cycle_reward(payload)
                 self.ep_tokens += payload.emitted
                 self.ep_seconds += payload.total_s - payload.controller_s
-                self.other.observe(payload)
+                if not payload.lookup:  # as in the engine: a lookup cycle is no controller's decision
+                    self.other.observe(payload)
                 info = {
                     "accepted": payload.accepted,
                     "emitted": payload.emitted,
@@ -183,6 +184,11 @@ class _DecisionEnv(gym.Env):
                 )
             else:
                 reply = self.other.num_to_verify(payload)
+
+    @property
+    def decision_state(self):
+        """The ``DraftState`` of the decision the agent is asked now (the observation is made from it)."""
+        return self._state
 
     def set_rho(self, rho: float) -> None:
         """The average reward's tokens/s (the trainer moves it toward the policy's throughput)."""

@@ -163,6 +163,8 @@ def ratios_md(summary: dict) -> list[str]:
 
 def targets_md(summary: dict) -> list[str]:
     out = ["## Targets", ""]
+    if summary.get("winner"):
+        out += [f"**Winner** (all tokens / all time on the test prompts): {summary['winner']['line']}.", ""]
     for t in summary["targets"]:
         verdict = {True: "**PASS**", False: "**FAIL**", None: "NOT MEASURED"}[t["pass"]]
         extra = ""
@@ -501,6 +503,8 @@ def summary_lines(results: dict) -> list[str]:
         )
     verdicts = {True: "PASS", False: "FAIL", None: "n/a "}
     lines += [f"{verdicts[t['pass']]}  {t['target']}" for t in summary["targets"]]
+    if summary.get("winner"):
+        lines.append(summary["winner"]["line"])
     return lines
 
 

@@ -147,11 +147,32 @@ def summarize(results: dict, resamples: int = 2000, seed: int = 0) -> dict:
         "headline": head,
         "replay_vs_live": fidelity,
         "targets": targets(head_ratios, fidelity, head),
+        "winner": winner(table, head),
         "per_prompt": {
             name: {pid: {k: v for k, v in row.items() if k != "cycles"} for pid, row in by_pid.items()}
             for name, by_pid in rows.items()
         },
     }
+
+
+def winner(table: dict, head: str | None) -> dict:
+    """The fastest row on the test prompts (all tokens / all time), and the headline learned row against it:
+    ``{"name", "tokens_per_s", "learned", "learned_over_winner", "line"}``."""
+    name = max(table, key=lambda n: table[n]["all"]["tokens_per_s"])
+    tps = table[name]["all"]["tokens_per_s"]
+    out = {"name": name, "tokens_per_s": tps, "learned": head, "learned_over_winner": None}
+    if head is None:
+        out["line"] = f"fastest: {name} ({tps:.2f} tokens/s); no learned policy was run"
+    elif name == head:
+        out["learned_over_winner"] = 1.0
+        out["line"] = f"fastest: the learned policy ({head}, {tps:.2f} tokens/s)"
+    else:
+        ratio = table[head]["all"]["tokens_per_s"] / tps
+        out["learned_over_winner"] = ratio
+        out["line"] = (
+            f"fastest: {name} ({tps:.2f} tokens/s), not the learned policy: {head} runs {ratio:.3f}x it"
+        )
+    return out
 
 
 def replay_vs_live(replay: dict | None, table: dict) -> dict:

@@ -30,14 +30,15 @@ def test_compare_policies_runs_every_controller(workdir, tiny_policy, capsys):
     data = json.loads(out.read_text())
     names = list(data["tokens_per_s"])
     assert names[:3] == ["autoregressive", "static chain (2,2,W1)", "static tree (1,2,W2)"]
-    assert len(names) == 4 and names[3].startswith("learned ")
+    # the analytic controller (on by default, --no-analytic drops it), then the policy
+    assert len(names) == 5 and names[3] == "analytic (W1)" and names[4].startswith("learned ")
     prompts = len(data["runs"]["autoregressive"])
     assert prompts >= 2
     for name in names:
         assert set(data["runs"][name]) == set(data["runs"]["autoregressive"])
         assert data["identical_to_ar"][name] == prompts  # greedy speculative decoding == autoregressive
         assert data["tokens_per_s"][name] > 0
-    assert set(data["ratios"]) == {f"{names[3]} / {names[1]}", f"{names[3]} / {names[2]}"}
+    assert set(data["ratios"]) == {f"{names[4]} / {names[k]}" for k in (1, 2, 3)}
     assert set(data["decode_ratios"]) == set(data["ratios"])
     for r in [*data["ratios"].values(), *data["decode_ratios"].values()]:
         assert r["low"] <= r["ratio"] <= r["high"] and r["prompts"] == prompts
