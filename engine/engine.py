@@ -187,17 +187,7 @@ class SpeculativeEngine:
         (there is no random default: a request is reproducible from its arguments). Bad arguments raise
         ``InputError`` (``ControllerError`` for the controller) before any model runs.
         """
-        prompt_ids = self._prompt_ids(prompt)
-        if not is_int(max_new_tokens) or max_new_tokens <= 0:
-            raise InputError(f"max_new_tokens must be a positive integer, got {short_repr(max_new_tokens)}")
-        max_new_tokens = int(max_new_tokens)
-        if len(prompt_ids) >= self.pair.max_context:
-            raise InputError(
-                f"prompt has {len(prompt_ids)} tokens; the context limit is {self.pair.max_context}"
-            )
-        self._check_controller(controller)
-        if not is_int(seed) or not 0 <= seed <= MAX_SEED:
-            raise InputError(f"seed must be an integer in [0, 2**64), got {short_repr(seed)}")
+        prompt_ids, max_new_tokens = self._check_request(prompt, max_new_tokens, controller, seed)
         tree_cap = 0 if controller is None else depth_limit(controller.tree_width, self.config.max_tree_nodes)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -215,16 +205,41 @@ class SpeculativeEngine:
             self._run(self._cycle(req, controller, index, len(prompt_ids), max_new_tokens, tree_cap))
             finish = self._finish_reason(req, len(prompt_ids), max_new_tokens)
 
-        generated = req.tokens[len(prompt_ids) :]
+        return self._result(req, len(prompt_ids), finish, prefill_s)
+
+    def _result(self, req: _Request, prompt_len: int, finish: str, prefill_s: float) -> GenerationResult:
+        generated = req.tokens[prompt_len:]
         return GenerationResult(
             tokens=generated,
             text=self.pair.tokenizer.decode(generated),
-            prompt_len=len(prompt_ids),
+            prompt_len=prompt_len,
             finish_reason=finish,
             prefill_s=prefill_s + req.draft_prefill_s,  # the target's and, if it ran, the draft's
             cycles=req.cycles,
             peak_memory_bytes=_peak_memory(self.device),
         )
+
+    def _check_request(
+        self,
+        prompt: str | Sequence[int] | torch.Tensor | np.ndarray,
+        max_new_tokens: object,
+        controller: Controller | None,
+        seed: object,
+        sampling: SamplingConfig | None = None,
+    ) -> tuple[list[int], int]:
+        """(prompt ids, max_new_tokens) of a request, or an ``InputError`` (``ControllerError``) naming the bad
+        argument; nothing runs."""
+        prompt_ids = self._prompt_ids(prompt)
+        if not is_int(max_new_tokens) or max_new_tokens <= 0:
+            raise InputError(f"max_new_tokens must be a positive integer, got {short_repr(max_new_tokens)}")
+        if len(prompt_ids) >= self.pair.max_context:
+            raise InputError(
+                f"prompt has {len(prompt_ids)} tokens; the context limit is {self.pair.max_context}"
+            )
+        self._check_controller(controller, sampling)
+        if not is_int(seed) or not 0 <= seed <= MAX_SEED:
+            raise InputError(f"seed must be an integer in [0, 2**64), got {short_repr(seed)}")
+        return prompt_ids, int(max_new_tokens)
 
     # ------------------------------------------------------------------------------------------ phases
     def _run(self, steps):
