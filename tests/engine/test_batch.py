@@ -157,3 +157,21 @@ def test_grant_rows_water_fills_in_order():
     assert grant_rows([8, 8, 1], 6) == [3, 2, 1]
     assert grant_rows([4, 4], 0) == [0, 0]
     assert sum(grant_rows([5, 9, 2, 7], 11)) == 11
+
+
+def test_the_comparison_catches_a_batch_that_mixes_up_positions(pair, monkeypatch):
+    # negative control: a broken batch whose target forwards shift every batched request's positions
+    import engine.batch as batch_module
+
+    real = batch_module.forward_rows
+
+    def shifted(model, items, device):
+        if model is pair.target and len(items) > 1:
+            items = [Rows(it.ids, [p + 5 for p in it.positions], it.cache, it.mask, it.keep) for it in items]
+        return real(model, items, device)
+
+    monkeypatch.setattr(batch_module, "forward_rows", shifted)
+    batch = BatchedEngine(pair, BatchConfig(max_requests=4))
+    rids = [batch.add(BatchRequest(p, 16, StaticController(2))) for p in PROMPTS]
+    got = _drain(batch, rids)
+    assert any(tokens != _alone(pair, p, StaticController(2), 16) for p, tokens in zip(PROMPTS, got))
