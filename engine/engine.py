@@ -5,6 +5,12 @@ target cache holds ``tokens[:-1]`` (the last token is the *pending* input of the
 the draft cache holds ``tokens[:draft_len]`` and ``tokens[draft_len:]`` are the draft's pending inputs. The
 draft's prefill is lazy: it runs at the first drafting cycle, so a request decoded without drafting never
 pays for it.
+
+A cycle is a generator (``_cycle`` and the phases it delegates to): it yields every model forward it needs
+(a ``Forward``) and the number of drafted rows it wants verified (a ``VerifyRows``), and receives the logits
+and the rows granted. ``generate`` drives one request's cycles at once (``_run``: each forward runs when asked,
+every row granted); ``engine.batch.BatchedEngine`` drives many requests' cycles in step and runs their
+forwards together. The cycle code is the same for both.
 """
 
 from __future__ import annotations
@@ -106,12 +112,41 @@ class Clock:
 
 
 @dataclass
+class Forward:
+    """A model forward a cycle asks for: the arguments of ``SpeculativeEngine._forward``; answered with the
+    logits [Q or keep, V]."""
+
+    model: torch.nn.Module
+    ids: Sequence[int]
+    start: int
+    cache: object
+    keep: int = 0
+    mask: torch.Tensor | None = None
+    positions: Sequence[int] | None = None
+
+    @property
+    def rows(self) -> int:
+        return len(self.ids)
+
+
+@dataclass(frozen=True)
+class VerifyRows:
+    """The drafted rows (beyond the root) a cycle wants to verify in its target forward; answered with the
+    rows granted (an integer in [0, want]: ``generate`` grants all, a batch may grant fewer under its row cap)."""
+
+    want: int
+
+
+@dataclass
 class _Request:
     tokens: list[int]
     target_cache: object
     draft_cache: object | None
     draft_len: int
     generator: torch.Generator
+    sampling: SamplingConfig
+    stop_ids: frozenset[int]
+    """Token ids that end the request (the pair's EOS ids and the request's stop tokens), committed included."""
     cycles: list[CycleRecord] = field(default_factory=list)
     draft_prompt: list[int] | None = None
     """The prompt, until the draft has run it (its prefill waits for the first drafting cycle)."""
@@ -121,6 +156,10 @@ class _Request:
 
 class SpeculativeEngine:
     """Exact speculative decoding over a ``ModelPair`` with a pluggable per-cycle ``Controller``."""
+
+    stepwise = False
+    """Whether the draft phase yields its forwards step by step (``engine.batch``); False: through ``_draft``,
+    each forward run at once (one request at a time)."""
 
     def __init__(
         self, pair: ModelPair, sampling: SamplingConfig | None = None, config: EngineConfig | None = None
@@ -148,17 +187,7 @@ class SpeculativeEngine:
         (there is no random default: a request is reproducible from its arguments). Bad arguments raise
         ``InputError`` (``ControllerError`` for the controller) before any model runs.
         """
-        prompt_ids = self._prompt_ids(prompt)
-        if not is_int(max_new_tokens) or max_new_tokens <= 0:
-            raise InputError(f"max_new_tokens must be a positive integer, got {short_repr(max_new_tokens)}")
-        max_new_tokens = int(max_new_tokens)
-        if len(prompt_ids) >= self.pair.max_context:
-            raise InputError(
-                f"prompt has {len(prompt_ids)} tokens; the context limit is {self.pair.max_context}"
-            )
-        self._check_controller(controller)
-        if not is_int(seed) or not 0 <= seed <= MAX_SEED:
-            raise InputError(f"seed must be an integer in [0, 2**64), got {short_repr(seed)}")
+        prompt_ids, max_new_tokens = self._check_request(prompt, max_new_tokens, controller, seed)
         tree_cap = 0 if controller is None else depth_limit(controller.tree_width, self.config.max_tree_nodes)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -173,93 +202,178 @@ class SpeculativeEngine:
         index = NgramIndex(lookup) if lookup is not None else None
         finish = self._finish_reason(req, len(prompt_ids), max_new_tokens)
         while finish is None:
-            remaining = max_new_tokens - (len(req.tokens) - len(prompt_ids))
-            room = self.pair.max_context - len(req.tokens)
-            budget = min(self.config.max_depth, remaining - 1, room - 1)  # drafted tokens this cycle may add
-            cap = min(budget, tree_cap)
-            proposal = []
-            if index is not None:
-                t0 = self.clock()
-                index.sync(req.tokens)
-                proposal = index.propose(min(budget, self.config.max_verify))
-                lookup_s = self.clock() - t0
-            if proposal:  # a lookup cycle: neither the draft nor the controller runs
-                record = self._lookup_cycle(req, proposal)
-                record.draft_s += lookup_s
-            elif controller is None or cap < 1:
-                record = self._autoregressive_step(req)
-            else:
-                go, ask_s = self._wants_draft(req, controller, cap)
-                # depth 0: the controller switched speculation off for this cycle
-                record = (
-                    self._speculative_cycle(req, controller, cap) if go else self._autoregressive_step(req)
-                )
-                record.controller_s += ask_s
-                controller.observe(record)
-            if index is not None and not proposal:
-                record.overhead_s += lookup_s  # a lookup that found nothing
-            req.cycles.append(record)
-            if self.config.validate_caches:
-                self._validate_caches(req)
+            self._run(self._cycle(req, controller, index, len(prompt_ids), max_new_tokens, tree_cap))
             finish = self._finish_reason(req, len(prompt_ids), max_new_tokens)
 
-        generated = req.tokens[len(prompt_ids) :]
+        return self._result(req, len(prompt_ids), finish, prefill_s)
+
+    def _result(self, req: _Request, prompt_len: int, finish: str, prefill_s: float) -> GenerationResult:
+        generated = req.tokens[prompt_len:]
         return GenerationResult(
             tokens=generated,
             text=self.pair.tokenizer.decode(generated),
-            prompt_len=len(prompt_ids),
+            prompt_len=prompt_len,
             finish_reason=finish,
             prefill_s=prefill_s + req.draft_prefill_s,  # the target's and, if it ran, the draft's
             cycles=req.cycles,
             peak_memory_bytes=_peak_memory(self.device),
         )
 
+    def _check_request(
+        self,
+        prompt: str | Sequence[int] | torch.Tensor | np.ndarray,
+        max_new_tokens: object,
+        controller: Controller | None,
+        seed: object,
+        sampling: SamplingConfig | None = None,
+    ) -> tuple[list[int], int]:
+        """(prompt ids, max_new_tokens) of a request, or an ``InputError`` (``ControllerError``) naming the bad
+        argument; nothing runs."""
+        prompt_ids = self._prompt_ids(prompt)
+        if not is_int(max_new_tokens) or max_new_tokens <= 0:
+            raise InputError(f"max_new_tokens must be a positive integer, got {short_repr(max_new_tokens)}")
+        if len(prompt_ids) >= self.pair.max_context:
+            raise InputError(
+                f"prompt has {len(prompt_ids)} tokens; the context limit is {self.pair.max_context}"
+            )
+        self._check_controller(controller, sampling)
+        if not is_int(seed) or not 0 <= seed <= MAX_SEED:
+            raise InputError(f"seed must be an integer in [0, 2**64), got {short_repr(seed)}")
+        return prompt_ids, int(max_new_tokens)
+
     # ------------------------------------------------------------------------------------------ phases
+    def _run(self, steps):
+        """Drive a cycle generator (or one of its phases) to its end, one request alone: every forward runs at
+        once through ``_forward``, every verification row asked for is granted. Returns what it returns."""
+        try:
+            call = next(steps)
+            while True:
+                if isinstance(call, VerifyRows):
+                    answer = call.want
+                else:
+                    answer = self._forward(
+                        call.model,
+                        call.ids,
+                        call.start,
+                        call.cache,
+                        keep=call.keep,
+                        mask=call.mask,
+                        positions=call.positions,
+                    )
+                call = steps.send(answer)
+        except StopIteration as stop:
+            return stop.value
+
+    def _cycle(
+        self,
+        req: _Request,
+        controller: Controller | None,
+        index: NgramIndex | None,
+        prompt_len: int,
+        max_new_tokens: int,
+        tree_cap: int,
+    ):
+        """One cycle of ``req`` (a generator: see the module docstring): lookup, an autoregressive step or a
+        speculative cycle, as the caps, the lookup and the controller decide; the record is appended to
+        ``req.cycles`` (and shown to the controller) and returned."""
+        remaining = max_new_tokens - (len(req.tokens) - prompt_len)
+        room = self.pair.max_context - len(req.tokens)
+        budget = min(self.config.max_depth, remaining - 1, room - 1)  # drafted tokens this cycle may add
+        cap = min(budget, tree_cap)
+        proposal = []
+        if index is not None:
+            t0 = self.clock()
+            index.sync(req.tokens)
+            proposal = index.propose(min(budget, self.config.max_verify))
+            lookup_s = self.clock() - t0
+        if proposal:  # a lookup cycle: neither the draft nor the controller runs
+            record = yield from self._lookup_cycle(req, proposal)
+            record.draft_s += lookup_s
+        elif controller is None or cap < 1:
+            record = yield from self._autoregressive_step(req)
+        else:
+            go, ask_s = self._wants_draft(req, controller, cap)
+            # depth 0: the controller switched speculation off for this cycle
+            if go:
+                record = yield from self._speculative_cycle(req, controller, cap)
+            else:
+                record = yield from self._autoregressive_step(req)
+            record.controller_s += ask_s
+            controller.observe(record)
+        if index is not None and not proposal:
+            record.overhead_s += lookup_s  # a lookup that found nothing
+        req.cycles.append(record)
+        if self.config.validate_caches:
+            self._validate_caches(req)
+        return record
+
     def _prefill(self, prompt_ids: list[int], generator: torch.Generator, with_draft: bool) -> _Request:
+        return self._prefill_request(
+            prompt_ids, generator, with_draft, self.sampling, self.pair.eos_token_ids
+        )
+
+    def _prefill_request(
+        self,
+        prompt_ids: list[int],
+        generator: torch.Generator,
+        with_draft: bool,
+        sampling: SamplingConfig,
+        stop_ids: frozenset[int],
+    ) -> _Request:
+        """The target's prefill (one forward of the prompt) and the first token, drawn with ``sampling``."""
         target_cache = new_cache(self.pair.target)
         logits = self._forward(self.pair.target, prompt_ids, 0, target_cache, keep=1)  # [1, V]
         if self.config.check_finite:
             check_finite(logits, "target")
-        first = make_target_drawer(logits, self.sampling, generator)(0)
+        first = make_target_drawer(logits, sampling, generator)(0)
         # the draft's prefill waits for the first drafting cycle (``_draft``): a request a controller
         # decodes autoregressively never pays for it
         draft_cache = new_cache(self.pair.draft) if with_draft else None
         return _Request(
-            prompt_ids + [first], target_cache, draft_cache, 0, generator, draft_prompt=list(prompt_ids)
+            prompt_ids + [first],
+            target_cache,
+            draft_cache,
+            0,
+            generator,
+            sampling,
+            frozenset(stop_ids),
+            draft_prompt=list(prompt_ids),
         )
 
-    def _prefill_draft(self, req: _Request) -> None:
+    def _prefill_draft(self, req: _Request):
         """The draft's lazy prefill, at the request's first drafting cycle: one forward of exactly the prompt
         (what an eager prefill would run, so the draft's cache, and every tree it drafts, is the same
         whenever it happens); the tokens committed since stay pending. Timed as prefill, not as drafting."""
         t0 = self.clock()
-        self._forward(self.pair.draft, req.draft_prompt, 0, req.draft_cache, keep=1)
+        yield Forward(self.pair.draft, req.draft_prompt, 0, req.draft_cache, keep=1)
         req.draft_len, req.draft_prompt = len(req.draft_prompt), None
         req.draft_prefill_s = self.clock() - t0
 
-    def _autoregressive_step(self, req: _Request) -> CycleRecord:
+    def _autoregressive_step(self, req: _Request):
         t0 = self.clock()
         ctx = len(req.tokens)
-        logits = self._forward(self.pair.target, req.tokens[-1:], ctx - 1, req.target_cache)  # [1, V]
+        logits = yield Forward(self.pair.target, req.tokens[-1:], ctx - 1, req.target_cache)  # [1, V]
         t_fwd = self.clock() - t0
         if self.config.check_finite:
             check_finite(logits, "target")
-        req.tokens.append(make_target_drawer(logits, self.sampling, req.generator)(0))
+        req.tokens.append(make_target_drawer(logits, req.sampling, req.generator)(0))
         return CycleRecord(ctx, 0, 0, 0, 0, 1, verify_s=self.clock() - t0, forward_s=t_fwd)
 
-    def _lookup_cycle(self, req: _Request, proposal: list[int]) -> CycleRecord:
+    def _lookup_cycle(self, req: _Request, proposal: list[int]):
         """Verify a context-lookup proposal as a chain (``engine.lookup``): one target forward over the root
         and the proposal, acceptance by ``verify_tree`` (the proposal is deterministic, in either draft mode).
         Recorded with depth 0 (no draft step ran) and ``lookup=True``; the draft falls behind by the
         committed tokens, as after an autoregressive step."""
         clock, ctx = self.clock, len(req.tokens)
-        t_start = clock()
+        t_asked = clock()
+        proposal = proposal[: (yield VerifyRows(len(proposal)))]
+        t_start = clock()  # waiting for the rows granted (in a batch) is overhead
         tree, parent = DraftTree(), -1
         for tok in proposal:
             parent = tree.add(tok, parent, 0.0)
         selected = list(range(len(tree)))
         t_built = clock()
-        path, next_token, fwd_s = self._verify(req, tree, selected, [], one_hot=True)
+        path, next_token, fwd_s = yield from self._verify(req, tree, selected, [], one_hot=True)
         t_verified = clock()
         new_tokens = [tree.tokens[i] for i in path] + [next_token]
         accepted, emitted = self._commit(req, tree, selected, path, new_tokens, draft_ran=False)
@@ -272,7 +386,7 @@ class SpeculativeEngine:
             emitted=emitted,
             draft_s=t_built - t_start,
             verify_s=t_verified - t_built,
-            overhead_s=clock() - t_verified,
+            overhead_s=clock() - t_verified + (t_start - t_asked),
             forward_s=fwd_s,
             lookup=True,
         )
@@ -283,26 +397,34 @@ class SpeculativeEngine:
         if not controller.decides_depth_zero:
             return True, 0.0
         t0 = self.clock()
-        state = DraftState.before_drafting(len(req.tokens), cap, req.cycles, self.sampling.temperature)
+        state = DraftState.before_drafting(len(req.tokens), cap, req.cycles, req.sampling.temperature)
         answer = controller.should_continue(state)
         go = decision(answer, controller)
         return go, self.clock() - t0
 
-    def _speculative_cycle(self, req: _Request, controller: Controller, cap: int) -> CycleRecord:
+    def _speculative_cycle(self, req: _Request, controller: Controller, cap: int):
         clock, ctx = self.clock, len(req.tokens)
         if req.draft_prompt is not None:  # the request's first drafting cycle: the draft's prefill first
-            self._prefill_draft(req)
+            yield from self._prefill_draft(req)
         t_start = clock()
-        tree, frontier, draft_probs, fwd_s, ctrl_s = self._draft(req, controller, cap)
+        if self.stepwise:
+            drafted = yield from self._draft_steps(req, controller, cap)
+        else:
+            drafted = self._draft(req, controller, cap)
+        tree, frontier, draft_probs, fwd_s, ctrl_s = drafted
         t_drafted = clock()
 
         num_verify = verify_size(
             controller.num_to_verify(self._state(tree, frontier, ctx, cap, req)), controller
         )
-        selected = tree.select(clamp_verify(num_verify, len(tree), self.config.max_verify))
+        num_verify = clamp_verify(num_verify, len(tree), self.config.max_verify)
+        t_asked = clock()
+        num_verify = yield VerifyRows(num_verify)
+        t_granted = clock()
+        selected = tree.select(num_verify)
         t_chosen = clock()
 
-        path, next_token, verify_fwd_s = self._verify(req, tree, selected, draft_probs)
+        path, next_token, verify_fwd_s = yield from self._verify(req, tree, selected, draft_probs)
         t_verified = clock()
 
         new_tokens = [tree.tokens[i] for i in path] + [next_token]
@@ -317,15 +439,20 @@ class SpeculativeEngine:
             emitted=emitted,
             draft_s=t_drafted - t_start - ctrl_s,
             verify_s=t_verified - t_chosen,
-            controller_s=ctrl_s + (t_chosen - t_drafted),
-            overhead_s=t_end - t_verified,
+            controller_s=ctrl_s + (t_asked - t_drafted) + (t_chosen - t_granted),
+            overhead_s=t_end - t_verified + (t_granted - t_asked),
             forward_s=fwd_s + verify_fwd_s,
         )
 
     def _draft(
         self, req: _Request, controller: Controller, cap: int
     ) -> tuple[DraftTree, list[int], list[torch.Tensor], float, float]:
-        """Draft level by level until the controller stops or ``cap`` is reached."""
+        """Draft level by level until the controller stops or ``cap`` is reached: (tree, frontier, draft
+        distributions of a sampled chain, forward seconds, controller seconds)."""
+        return self._run(self._draft_steps(req, controller, cap))
+
+    def _draft_steps(self, req: _Request, controller: Controller, cap: int):
+        """``_draft`` as a generator of its forwards (one a draft step)."""
         clock, ctx, width = self.clock, len(req.tokens), controller.tree_width
         sampled = self.config.draft_mode == "sampled"
         tree, draft_probs, fwd_s, ctrl_s = DraftTree(), [], 0.0, 0.0
@@ -333,10 +460,10 @@ class SpeculativeEngine:
         # step 1: run the draft's pending tokens; the last row predicts the root's children
         t0 = clock()
         pending = req.tokens[req.draft_len :]
-        logits = self._forward(self.pair.draft, pending, req.draft_len, req.draft_cache, keep=1)  # [1, V]
+        logits = yield Forward(self.pair.draft, pending, req.draft_len, req.draft_cache, keep=1)  # [1, V]
         fwd_s += clock() - t0
         req.draft_len = ctx
-        frontier = self._expand(tree, [-1], [0.0], logits, width, sampled, draft_probs, req.generator)
+        frontier = self._expand(tree, [-1], [0.0], logits, width, sampled, draft_probs, req)
 
         while max(tree.depths) < cap:
             t0 = clock()
@@ -356,7 +483,7 @@ class SpeculativeEngine:
                         allowed[j, tree.draft_slot[anc]] = True
                 mask = tree_attention_mask(ctx, allowed, self.pair.dtype, self.device)
             t0 = clock()
-            logits = self._forward(
+            logits = yield Forward(
                 self.pair.draft,
                 [tree.tokens[n] for n in frontier],
                 ctx - 1 + depth,
@@ -366,9 +493,7 @@ class SpeculativeEngine:
             )  # [W, V]
             fwd_s += clock() - t0
             scores = [tree.scores[n] for n in frontier]
-            frontier = self._expand(
-                tree, frontier, scores, logits, width, sampled, draft_probs, req.generator
-            )
+            frontier = self._expand(tree, frontier, scores, logits, width, sampled, draft_probs, req)
         return tree, frontier, draft_probs, fwd_s, ctrl_s
 
     def _expand(
@@ -380,15 +505,15 @@ class SpeculativeEngine:
         width: int,
         sampled: bool,
         draft_probs: list[torch.Tensor],
-        generator: torch.Generator | None,
+        req: _Request,
     ) -> list[int]:
         """Add the children of ``parents`` (one row of ``logits`` each); return the new frontier."""
         if self.config.check_finite:
             check_finite(logits, "draft")
-        logprobs = score_logprobs(logits, self.sampling)  # [P, V]
+        logprobs = score_logprobs(logits, req.sampling)  # [P, V]
         if sampled:  # chain of draws from the processed draft distribution (Leviathan)
-            probs = logits_to_probs(logits[-1], self.sampling)  # [V]
-            token = int(torch.multinomial(probs, 1, generator=generator))
+            probs = logits_to_probs(logits[-1], req.sampling)  # [V]
+            token = int(torch.multinomial(probs, 1, generator=req.generator))
             draft_probs.append(probs)
             return [tree.add(token, parents[-1], parent_scores[-1] + float(logprobs[-1, token]))]
         return expand_topk(tree, parents, parent_scores, logprobs, width)
@@ -400,7 +525,7 @@ class SpeculativeEngine:
         selected: list[int],
         draft_probs: list[torch.Tensor],
         one_hot: bool = False,
-    ) -> tuple[list[int], int, float]:
+    ):
         """One target forward over the root and the selected nodes, then exact acceptance (``one_hot``: the
         nodes are deterministic proposals whatever the draft mode, accepted by ``verify_tree``)."""
         ctx = len(req.tokens)
@@ -412,7 +537,7 @@ class SpeculativeEngine:
             allowed = ancestor_matrix([-1] + [p + 1 for p in parents])
             mask = tree_attention_mask(ctx - 1, allowed, self.pair.dtype, self.device)
         t0 = self.clock()
-        logits = self._forward(
+        logits = yield Forward(
             self.pair.target,
             [req.tokens[-1]] + [tree.tokens[n] for n in selected],
             ctx - 1,
@@ -424,12 +549,12 @@ class SpeculativeEngine:
         if self.config.check_finite:
             check_finite(logits, "target")
         if self.config.draft_mode == "sampled" and not one_hot:
-            target_probs = logits_to_probs(logits, self.sampling)  # [V + 1, vocab]
+            target_probs = logits_to_probs(logits, req.sampling)  # [V + 1, vocab]
             tokens = torch.as_tensor([tree.tokens[n] for n in selected], device=logits.device)
             q = torch.stack(draft_probs[: len(selected)]) if selected else target_probs[:0]
             num_accepted, next_token = verify_chain(target_probs, q, tokens, req.generator)
             return selected[:num_accepted], next_token, fwd_s
-        draw = make_target_drawer(logits, self.sampling, req.generator)
+        draw = make_target_drawer(logits, req.sampling, req.generator)
         path_local, next_token = verify_tree([tree.tokens[n] for n in selected], parents, draw)
         return [selected[j] for j in path_local], next_token, fwd_s
 
@@ -447,7 +572,7 @@ class SpeculativeEngine:
         its cache and length stay; the new tokens join its pending inputs). Returns (accepted drafted tokens
         committed, emitted)."""
         ctx = len(req.tokens)
-        eos = self.pair.eos_token_ids
+        eos = req.stop_ids
         for i, tok in enumerate(new_tokens):
             if tok in eos:
                 new_tokens = new_tokens[: i + 1]
@@ -520,12 +645,14 @@ class SpeculativeEngine:
             context_len=ctx,
             max_depth=cap,
             history=req.cycles,
-            temperature=self.sampling.temperature,
+            temperature=req.sampling.temperature,
         )
 
     def _finish_reason(self, req: _Request, prompt_len: int, max_new_tokens: int) -> str | None:
         if req.tokens[-1] in self.pair.eos_token_ids:
             return "eos"
+        if req.tokens[-1] in req.stop_ids:
+            return "stop"
         if len(req.tokens) - prompt_len >= max_new_tokens:
             return "length"
         if len(req.tokens) >= self.pair.max_context:
@@ -572,7 +699,10 @@ class SpeculativeEngine:
             raise InputError(f"prompt token ids must be in [0, {vocab})")
         return ids
 
-    def _check_controller(self, controller: Controller | None) -> None:
+    def _check_controller(
+        self, controller: Controller | None, sampling: SamplingConfig | None = None
+    ) -> None:
+        sampling = sampling or self.sampling
         if controller is None:
             return
         if not isinstance(controller, Controller):
@@ -597,7 +727,7 @@ class SpeculativeEngine:
         if self.config.draft_mode == "sampled":
             if width != 1:
                 raise InputError("draft_mode='sampled' drafts chains only: use tree_width=1")
-            if self.sampling.greedy:
+            if sampling.greedy:
                 raise InputError(
                     "draft_mode='sampled' needs temperature > 0 (greedy drafts are deterministic)"
                 )

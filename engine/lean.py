@@ -97,19 +97,7 @@ def _native_forward(model, decoder, ids, positions, cache, mask, keep: int) -> t
     like = x.new_empty((1, config.num_key_value_heads, 0, inner.layers[0].self_attn.head_dim))
     buffers = [layer.reserve(q_len, like) for layer in cache.layers]
     past = buffers[0][2]
-    if mask is None:  # causal: row j sees the cache and rows 0..j
-        counts, index = torch.arange(past + 1, past + q_len + 1), torch.empty(0, dtype=torch.long)
-    else:
-        if mask.shape[-1] != past + q_len:
-            raise ValueError(f"attention mask covers {mask.shape[-1]} keys, the cache holds {past + q_len}")
-        plan = row_keys(mask)
-        counts = torch.as_tensor([n if isinstance(n, int) else int(n.numel()) for n in plan])
-        if all(isinstance(n, int) for n in plan):
-            index = torch.empty(0, dtype=torch.long)
-        else:
-            index = torch.zeros((q_len, int(counts.max())), dtype=torch.long)
-            for j, n in enumerate(plan):
-                index[j, : counts[j]] = torch.arange(n) if isinstance(n, int) else n
+    counts, index = row_plan(mask, past, q_len)
     h = decoder.forward(
         x[0], cos[0], sin[0], [b[0] for b in buffers], [b[1] for b in buffers], past, counts, index
     )
@@ -119,6 +107,25 @@ def _native_forward(model, decoder, ids, positions, cache, mask, keep: int) -> t
     if keep:
         h = h[-keep:]
     return model.lm_head(h)
+
+
+def row_plan(mask: torch.Tensor | None, past: int, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys each of ``q_len`` new rows sees on top of ``past`` cached entries, as the native decoder takes
+    them: (counts [q_len], index), index empty when every row sees a prefix, else [q_len, L] with row j's key
+    positions in ``index[j, :counts[j]]``. ``mask``: None for causal (row j sees the cache and rows 0..j) or a
+    4D mask over cache + new rows."""
+    if mask is None:  # causal: row j sees the cache and rows 0..j
+        return torch.arange(past + 1, past + q_len + 1), torch.empty(0, dtype=torch.long)
+    if mask.shape[-1] != past + q_len:
+        raise ValueError(f"attention mask covers {mask.shape[-1]} keys, the cache holds {past + q_len}")
+    plan = row_keys(mask)
+    counts = torch.as_tensor([n if isinstance(n, int) else int(n.numel()) for n in plan])
+    if all(isinstance(n, int) for n in plan):
+        return counts, torch.empty(0, dtype=torch.long)
+    index = torch.zeros((q_len, int(counts.max())), dtype=torch.long)
+    for j, n in enumerate(plan):
+        index[j, : counts[j]] = torch.arange(n) if isinstance(n, int) else n
+    return counts, index
 
 
 def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,8 @@ class GenerationResult:
     text: str
     prompt_len: int
     finish_reason: str
-    """"eos", "length" (max_new_tokens) or "context" (context limit)."""
+    """"eos", "length" (max_new_tokens), "context" (context limit) or "stop" (a request's stop token,
+    ``engine.batch.BatchRequest.stop_token_ids``)."""
     prefill_s: float
     """Prefill of the target (with the first token: the time to first token) plus the draft's, which runs
     lazily at the first drafting cycle (0 for a request decoded without drafting); the cycles' times

@@ -12,6 +12,11 @@
 // rows and heads are grouped into tasks: `attention` below). Greedy
 // speculative decoding through this decoder is therefore token-identical to autoregressive decoding
 // through it. Its logits are close to, not bitwise, transformers' forward (other summation orders).
+//
+// Batches: `forward_batch` takes the rows of several sequences, each on its own KV cache buffers. The linear
+// layers run over all rows at once; attention of a row reads its own sequence's cache only. Every value of a
+// row is computed as above whatever other sequences share the forward, so a sequence's rows are bitwise
+// those of `forward` of that sequence alone (engine/batch_forward.py; tests/engine/test_batch_forward.py).
 
 #include "kquant.h"
 
@@ -256,24 +261,53 @@ class Decoder {
   // buffers of layer l holding `past` entries (the new rows are written at past..past+Q-1); counts [Q] int64:
   // how many keys row r sees; index: empty (row r sees keys 0..counts[r]-1) or [Q, L] int64 (row r sees
   // index[r, :counts[r]], ascending). Returns the hidden states [Q, H] after the last layer (before the
-  // final norm).
+  // final norm). One sequence: forward_batch with S = 1.
   torch::Tensor forward(const torch::Tensor& x_in, const torch::Tensor& cos_in, const torch::Tensor& sin_in,
                         const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
                         int64_t past, const torch::Tensor& counts_in, const torch::Tensor& index_in) {
-    const int64_t Q = x_in.size(0), nl = num_layers();
+    return forward_batch(x_in, cos_in, sin_in, {keys}, {values}, {past}, {x_in.size(0)}, counts_in, index_in);
+  }
+
+  // Rows of S sequences in one forward. x [Q, H], cos, sin [Q, D]: the rows of sequence 0, then of sequence 1,
+  // ... (rows[s] of them, sum = Q); keys[s][l], values[s][l]: the [1, NKV, capacity, D] buffers of sequence s,
+  // layer l, holding past[s] entries (its new rows are written at past[s]..past[s]+rows[s]-1); counts [Q] and
+  // index (empty or [Q, L]) as in `forward`, each row's positions in its own sequence's cache. The linear
+  // layers run over all Q rows at once (one pass over the weights); attention of a row reads its sequence's
+  // cache only. Every output row is computed exactly as `forward` of its sequence alone computes it.
+  torch::Tensor forward_batch(const torch::Tensor& x_in, const torch::Tensor& cos_in, const torch::Tensor& sin_in,
+                              const std::vector<std::vector<torch::Tensor>>& keys,
+                              const std::vector<std::vector<torch::Tensor>>& values, const std::vector<int64_t>& past,
+                              const std::vector<int64_t>& rows, const torch::Tensor& counts_in,
+                              const torch::Tensor& index_in) {
+    const int64_t Q = x_in.size(0), nl = num_layers(), S = (int64_t)rows.size();
     TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == H_ && x_in.scalar_type() == torch::kFloat32,
                 "decoder: x must be float32 [Q, ", H_, "]");
     TORCH_CHECK(Q >= 1, "decoder: at least one row");
     TORCH_CHECK(cos_in.sizes() == sin_in.sizes() && cos_in.dim() == 2 && cos_in.size(0) == Q &&
                     cos_in.size(1) == D_ && cos_in.scalar_type() == torch::kFloat32,
                 "decoder: cos/sin must be float32 [Q, ", D_, "]");
-    TORCH_CHECK((int64_t)keys.size() == nl && (int64_t)values.size() == nl, "decoder: one key and value buffer a layer");
-    TORCH_CHECK(past >= 0, "decoder: past must be >= 0");
-    for (int64_t l = 0; l < nl; ++l) {
-      for (const auto* t : {&keys[l], &values[l]}) {
-        TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->dim() == 4 && t->size(0) == 1 &&
-                        t->size(1) == NKV_ && t->size(3) == D_ && t->size(2) >= past + Q,
-                    "decoder: cache buffers must be contiguous float32 [1, ", NKV_, ", >= ", past + Q, ", ", D_, "]");
+    TORCH_CHECK(S >= 1 && (int64_t)keys.size() == S && (int64_t)values.size() == S && (int64_t)past.size() == S,
+                "decoder: one list of key and value buffers and one past count a sequence");
+    std::vector<int64_t> first((size_t)S + 1, 0);  // rows of sequence s: first[s]..first[s + 1] - 1
+    for (int64_t s = 0; s < S; ++s) {
+      TORCH_CHECK(rows[s] >= 1, "decoder: sequence ", s, " has no rows");
+      first[(size_t)s + 1] = first[(size_t)s] + rows[s];
+    }
+    TORCH_CHECK(first[(size_t)S] == Q, "decoder: the sequences' rows add up to ", first[(size_t)S], ", x has ", Q);
+    std::vector<int64_t> seq((size_t)Q);  // the sequence of each row
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t r = first[(size_t)s]; r < first[(size_t)s + 1]; ++r) seq[(size_t)r] = s;
+    for (int64_t s = 0; s < S; ++s) {
+      TORCH_CHECK((int64_t)keys[s].size() == nl && (int64_t)values[s].size() == nl,
+                  "decoder: one key and value buffer a layer");
+      TORCH_CHECK(past[s] >= 0, "decoder: past must be >= 0");
+      for (int64_t l = 0; l < nl; ++l) {
+        for (const auto* t : {&keys[s][l], &values[s][l]}) {
+          TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->dim() == 4 &&
+                          t->size(0) == 1 && t->size(1) == NKV_ && t->size(3) == D_ && t->size(2) >= past[s] + rows[s],
+                      "decoder: cache buffers must be contiguous float32 [1, ", NKV_, ", >= ", past[s] + rows[s], ", ",
+                      D_, "]");
+        }
       }
     }
     const torch::Tensor counts = counts_in.to(torch::kInt64).contiguous();
@@ -285,11 +319,12 @@ class Decoder {
     const int64_t idx_width = indexed ? index.size(1) : 0;
     if (indexed) TORCH_CHECK(index.dim() == 2 && index.size(0) == Q, "decoder: index must be [Q, L]");
     for (int64_t r = 0; r < Q; ++r) {
-      TORCH_CHECK(cnt[r] >= 1 && cnt[r] <= past + Q && (!indexed || cnt[r] <= idx_width),
-                  "decoder: row ", r, " sees ", cnt[r], " keys; the cache holds ", past + Q);
+      const int64_t s = seq[(size_t)r], held = past[s] + rows[s];
+      TORCH_CHECK(cnt[r] >= 1 && cnt[r] <= held && (!indexed || cnt[r] <= idx_width), "decoder: row ", r, " sees ",
+                  cnt[r], " keys; the cache holds ", held);
       if (indexed)
         for (int64_t t = 0; t < cnt[r]; ++t)
-          TORCH_CHECK(idx[r * idx_width + t] >= 0 && idx[r * idx_width + t] < past + Q &&
+          TORCH_CHECK(idx[r * idx_width + t] >= 0 && idx[r * idx_width + t] < held &&
                           (t == 0 || idx[r * idx_width + t] > idx[r * idx_width + t - 1]),
                       "decoder: index of row ", r, " must be ascending cache positions");
     }
@@ -304,27 +339,35 @@ class Decoder {
         v((size_t)(Q * KD)), att((size_t)(Q * QD)), gate((size_t)(Q * I_)), up((size_t)(Q * I_)), tmp((size_t)(Q * H_));
     QuantizedRows a;
     const float scale = 1.f / std::sqrt((float)D_);
+    std::vector<Sequence> seqs((size_t)S);
 
     for (int64_t l = 0; l < nl; ++l) {
       const Layer& L = layers_[l];
       for (int64_t r = 0; r < Q; ++r) rms_norm(x + r * H_, L.in_norm.data_ptr<float>(), eps_, H_, h.data() + r * H_);
       quantize_rows(h.data(), Q, H_, L.q.nb, a);
       run_linears({&L.q, &L.k, &L.v}, a, Q, {q.data(), k.data(), v.data()});
-      float* kb = keys[l].data_ptr<float>();
-      float* vb = values[l].data_ptr<float>();
-      const int64_t cap = keys[l].size(2);
+      for (int64_t s = 0; s < S; ++s) {
+        Sequence& sq = seqs[(size_t)s];
+        sq.kb = keys[s][l].data_ptr<float>();
+        sq.vb = values[s][l].data_ptr<float>();
+        sq.cap = keys[s][l].size(2);
+        sq.first = first[(size_t)s];
+        sq.rows = rows[s];
+      }
       for (int64_t r = 0; r < Q; ++r) {
+        const Sequence& sq = seqs[(size_t)seq[(size_t)r]];
+        const int64_t slot = past[seq[(size_t)r]] + r - sq.first;
         for (int64_t hh = 0; hh < NH_; ++hh) rope(q.data() + r * QD + hh * D_, cs + r * D_, sn + r * D_, D_);
         for (int64_t g = 0; g < NKV_; ++g) {
           float* kr = k.data() + r * KD + g * D_;
           rope(kr, cs + r * D_, sn + r * D_, D_);
-          std::copy(kr, kr + D_, kb + (g * cap + past + r) * D_);
+          std::copy(kr, kr + D_, sq.kb + (g * sq.cap + slot) * D_);
           const float* vr = v.data() + r * KD + g * D_;
-          std::copy(vr, vr + D_, vb + (g * cap + past + r) * D_);
+          std::copy(vr, vr + D_, sq.vb + (g * sq.cap + slot) * D_);
         }
       }
-      // attention: one task per (row, group of query heads sharing a key/value head, slice of that group)
-      attention(q.data(), kb, vb, cap, Q, cnt, idx, idx_width, scale, att.data());
+      // attention: one task per (sequence, key/value head, slice of the query heads sharing it)
+      attention(seqs, q.data(), cnt, idx, idx_width, scale, att.data());
       quantize_rows(att.data(), Q, QD, L.o.nb, a);
       run_linears({&L.o}, a, Q, {tmp.data()});
       for (int64_t i = 0; i < Q * H_; ++i) x[i] += tmp[(size_t)i];
@@ -346,45 +389,60 @@ class Decoder {
     return out;
   }
 
-  // Attention of Q rows: att[r, h] for every query head h. One task per (key/value head, slice of the query
-  // heads sharing it) covering every row: a key block read once serves every row and head of the task.
-  // Slices only so that every thread has a task. Each (row, head) is computed whole by one task
-  // (head_attention's operations), whatever the split.
-  void attention(const float* q, const float* kb, const float* vb, int64_t cap, int64_t Q, const int64_t* cnt,
-                 const int64_t* idx, int64_t idx_width, float scale, float* att) const {
-    const int64_t group = NH_ / NKV_, QD = NH_ * D_;
+  // One sequence's part of a layer's attention: its key/value buffers (capacity `cap` entries a head) and its
+  // rows first..first + rows - 1 of the forward.
+  struct Sequence {
+    float* kb = nullptr;
+    float* vb = nullptr;
+    int64_t cap = 0, first = 0, rows = 0;
+  };
+
+  // Attention of every row: att[r, h] for every query head h. One task per (sequence, key/value head, slice
+  // of the query heads sharing it) covering the sequence's rows: a key block read once serves every row and
+  // head of the task. Slices only so that every thread has a task. Each (row, head) is computed whole by one
+  // task (head_attention's operations) over its own sequence's keys, whatever the split and whatever other
+  // sequences share the forward.
+  void attention(const std::vector<Sequence>& seqs, const float* q, const int64_t* cnt, const int64_t* idx,
+                 int64_t idx_width, float scale, float* att) const {
+    const int64_t group = NH_ / NKV_, QD = NH_ * D_, S = (int64_t)seqs.size();
     const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
     const int64_t slices = std::min<int64_t>(group, (threads + NKV_ - 1) / NKV_);
     const int64_t per = (group + slices - 1) / slices;
     const int64_t per_group = (group + per - 1) / per;
-    at::parallel_for(0, NKV_ * per_group, 1, [&](int64_t t0, int64_t t1) {
+    int64_t most = 0;
+    for (const Sequence& sq : seqs) most = std::max(most, sq.rows);
+    at::parallel_for(0, S * NKV_ * per_group, 1, [&](int64_t t0, int64_t t1) {
       std::vector<float> p;
-      std::vector<const float*> qs((size_t)(Q * per));
-      std::vector<float*> os((size_t)(Q * per));
-      std::vector<const int64_t*> ir((size_t)Q);
-      for (int64_t r = 0; r < Q; ++r) ir[(size_t)r] = idx ? idx + r * idx_width : nullptr;
+      std::vector<const float*> qs((size_t)(most * per));
+      std::vector<float*> os((size_t)(most * per));
+      std::vector<const int64_t*> ir((size_t)most);
       for (int64_t t = t0; t < t1; ++t) {
-        const int64_t g = t / per_group, s = t % per_group;
+        const Sequence& sq = seqs[(size_t)(t / (NKV_ * per_group))];
+        const int64_t u = t % (NKV_ * per_group), g = u / per_group, s = u % per_group, Q = sq.rows;
         const int64_t h0 = g * group + s * per, h1 = std::min(g * group + group, h0 + per), nh = h1 - h0;
-        const float* kg = kb + g * cap * D_;
-        const float* vg = vb + g * cap * D_;
-        for (int64_t r = 0; r < Q; ++r)
+        const float* kg = sq.kb + g * sq.cap * D_;
+        const float* vg = sq.vb + g * sq.cap * D_;
+        const int64_t* n = cnt + sq.first;
+        for (int64_t r = 0; r < Q; ++r) {
+          const int64_t row = sq.first + r;
+          ir[(size_t)r] = idx ? idx + row * idx_width : nullptr;
           for (int64_t h = h0; h < h1; ++h) {
-            qs[(size_t)(r * nh + h - h0)] = q + r * QD + h * D_;
-            os[(size_t)(r * nh + h - h0)] = att + r * QD + h * D_;
+            qs[(size_t)(r * nh + h - h0)] = q + row * QD + h * D_;
+            os[(size_t)(r * nh + h - h0)] = att + row * QD + h * D_;
           }
+        }
 #if DEC_AVX512
         switch (D_) {
-          case 16: heads_attention_avx512<1>(qs.data(), Q, nh, kg, vg, cnt, ir.data(), scale, os.data(), p); continue;
-          case 32: heads_attention_avx512<2>(qs.data(), Q, nh, kg, vg, cnt, ir.data(), scale, os.data(), p); continue;
-          case 64: heads_attention_avx512<4>(qs.data(), Q, nh, kg, vg, cnt, ir.data(), scale, os.data(), p); continue;
-          case 128: heads_attention_avx512<8>(qs.data(), Q, nh, kg, vg, cnt, ir.data(), scale, os.data(), p); continue;
+          case 16: heads_attention_avx512<1>(qs.data(), Q, nh, kg, vg, n, ir.data(), scale, os.data(), p); continue;
+          case 32: heads_attention_avx512<2>(qs.data(), Q, nh, kg, vg, n, ir.data(), scale, os.data(), p); continue;
+          case 64: heads_attention_avx512<4>(qs.data(), Q, nh, kg, vg, n, ir.data(), scale, os.data(), p); continue;
+          case 128: heads_attention_avx512<8>(qs.data(), Q, nh, kg, vg, n, ir.data(), scale, os.data(), p); continue;
           default: break;
         }
 #endif
         for (int64_t r = 0; r < Q; ++r)
           for (int64_t h = 0; h < nh; ++h)
-            head_attention(qs[(size_t)(r * nh + h)], kg, vg, D_, cnt[r], ir[(size_t)r], scale, os[(size_t)(r * nh + h)], p);
+            head_attention(qs[(size_t)(r * nh + h)], kg, vg, D_, n[r], ir[(size_t)r], scale, os[(size_t)(r * nh + h)], p);
       }
     });
   }
@@ -402,7 +460,8 @@ void register_decoder(pybind11::module& m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>())
       .def("add_layer", &Decoder::add_layer)
       .def("num_layers", &Decoder::num_layers)
-      .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("forward_batch", &Decoder::forward_batch, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
 
 }  // namespace kq

@@ -1,0 +1,353 @@
+"""Continuous batching: many requests decoded together, each exactly as ``SpeculativeEngine.generate`` would
+decode it alone.
+
+``BatchedEngine`` keeps a slot per admitted request: its own KV caches (target and draft, growing buffers:
+``engine.kvcache``), its controller, its context-lookup index, its sampler (a ``torch.Generator`` seeded by the
+request, its own ``SamplingConfig``) and stop tokens. ``step()`` runs one cycle of every request in flight:
+
+1. requests added since the last step are prefilled, each alone (one target forward of its prompt: the same
+   forward ``generate`` runs), and get their first token;
+2. every request starts its cycle: the very cycle code ``generate`` runs (``SpeculativeEngine._cycle``, a
+   generator of the forwards it needs): lookup, depth-0 decision, draft steps, verification size;
+3. draft steps: while any request waits on a draft forward, one draft forward carries the rows of every
+   request waiting on one (its pending tokens, or its frontier at the next depth); requests stop drafting
+   when their controllers say so;
+4. verification rows: each drafting or lookup request asked for a number of nodes; the rows of the target
+   forward are capped (``BatchConfig.max_rows``, below), then ONE target forward carries every request's
+   root and granted nodes (an autoregressive step: its one row), each with its own tree mask and positions;
+5. exact acceptance and commit per request (``verify_tree`` / ``verify_chain``, cache compaction), then
+   finished requests leave (their caches are freed) and their results wait for ``result()``.
+
+Row cap. A request's root row always goes; the nodes share what is left, ``max_rows - requests``, by water
+filling: every request gets min(asked, L) for the largest L that fits, and what still remains goes one node
+each to the requests asking more than L, in admission order (deterministic: a function of what each asked).
+A request granted fewer nodes verifies the top ones by score (a connected sub-tree, as any smaller size):
+greedy output does not change, only speed; a sampled request keeps its law, though not the same draws as
+alone. Draft forwards are split into forwards of at most ``max_rows`` rows (batch invariance makes the split
+invisible in the results).
+
+Batch invariance: every forward through ``engine.batch_forward`` gives each request's rows the logits its
+forward alone would give them (bitwise on the integer formats; see there for float32), so a greedy request's
+tokens are those of ``generate`` of that request alone, whoever else is in the batch.
+
+One thread drives it (a server's loop): ``add``, ``cancel``, ``step`` and ``result`` between steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.batch_forward import Rows, forward_rows
+from engine.control import Controller
+from engine.engine import EngineConfig, Forward, SpeculativeEngine, VerifyRows, _Request
+from engine.errors import DraftpilotError, InputError, is_int, short_repr
+from engine.lookup import NgramIndex
+from engine.models import ModelPair
+from engine.results import CycleRecord, GenerationResult
+from engine.sampling import SamplingConfig
+from engine.tree import depth_limit
+
+
+class CapacityError(DraftpilotError):
+    """A request was refused because the batch holds ``BatchConfig.max_requests`` requests already."""
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    max_requests: int = 8
+    """Requests admitted at once (added and not finished); ``add`` past it raises ``CapacityError``."""
+    max_rows: int = 64
+    """Rows of one target forward (each request's root plus its granted nodes; the rule is in the module
+    docstring) and of one draft forward; at least ``max_requests``."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Caps, draft mode and lookup, as for ``SpeculativeEngine`` (every request shares them)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_requests", "max_rows"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise InputError(f"BatchConfig.{name} must be an integer >= 1, got {short_repr(value)}")
+        if self.max_rows < self.max_requests:
+            raise InputError(
+                f"BatchConfig.max_rows ({self.max_rows}) must be >= max_requests ({self.max_requests}): every "
+                "request needs a row in each target forward"
+            )
+        if not isinstance(self.engine, EngineConfig):
+            raise InputError(f"BatchConfig.engine must be an EngineConfig, got {short_repr(self.engine)}")
+
+
+@dataclass
+class BatchRequest:
+    """One request: the arguments of ``SpeculativeEngine.generate`` plus its own sampling and stop tokens."""
+
+    prompt: str | list[int]
+    max_new_tokens: int = 128
+    controller: Controller | None = None
+    """None: autoregressive. A controller instance serves one request at a time (it keeps per-request state)."""
+    seed: int = 0
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop_token_ids: Iterable[int] = frozenset()
+    """Token ids that end the request (committed, finish reason "stop"), besides the pair's EOS ids."""
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """What one ``step`` did for one request."""
+
+    rid: int
+    tokens: tuple[int, ...]
+    """Tokens committed by this step (the prefill's first token included)."""
+    finished: bool
+    finish_reason: str | None
+    """As ``GenerationResult.finish_reason``, or "error" (the request failed alone: ``result`` raises why)."""
+    record: CycleRecord | None
+    """The cycle this step ran for the request (None: it finished at its prefill)."""
+
+
+@dataclass
+class _Slot:
+    rid: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    controller: Controller | None
+    seed: int
+    sampling: SamplingConfig
+    stop_ids: frozenset[int]
+    tree_cap: int
+    req: _Request | None = None
+    index: NgramIndex | None = None
+    prefill_s: float = 0.0
+    steps: object = None
+    """The cycle in progress (a generator of ``Forward`` / ``VerifyRows``), None between cycles."""
+    waiting: Forward | VerifyRows | None = None
+    record: CycleRecord | None = None
+
+
+class BatchedEngine:
+    """Continuous batching over a ``ModelPair`` (see the module docstring)."""
+
+    def __init__(self, pair: ModelPair, config: BatchConfig | None = None):
+        self.pair = pair
+        self.config = config or BatchConfig()
+        if not isinstance(self.config, BatchConfig):
+            raise InputError(f"config must be a BatchConfig, got {short_repr(config)}")
+        self.engine = SpeculativeEngine(pair, config=self.config.engine)
+        self.engine.stepwise = True  # draft steps yield their forwards, to be batched
+        self.device = pair.device
+        self._slots: dict[int, _Slot] = {}  # admission order
+        self._done: dict[int, GenerationResult | BaseException] = {}
+        self._next_rid = 0
+
+    # ----------------------------------------------------------------------------------------------- API
+    def add(self, request: BatchRequest) -> int:
+        """Admit ``request``; returns its id. Bad input raises ``InputError`` (``ControllerError``), a full batch
+        ``CapacityError``; either way nothing runs and no other request is touched. It is prefilled at the
+        next ``step``."""
+        if not isinstance(request, BatchRequest):
+            raise InputError(f"request must be an engine.batch.BatchRequest, got {short_repr(request)}")
+        if not isinstance(request.sampling, SamplingConfig):
+            raise InputError(f"sampling must be an engine.SamplingConfig, got {short_repr(request.sampling)}")
+        prompt_ids, max_new = self.engine._check_request(
+            request.prompt, request.max_new_tokens, request.controller, request.seed, request.sampling
+        )
+        stop = request.stop_token_ids
+        if isinstance(stop, (str, bytes)) or not isinstance(stop, Iterable):
+            raise InputError(f"stop_token_ids must be a collection of token ids, got {short_repr(stop)}")
+        stop = list(stop)
+        if any(not is_int(t) or not 0 <= t < self.pair.vocab_size for t in stop):
+            raise InputError(
+                f"stop_token_ids must be integers in [0, {self.pair.vocab_size}), got {short_repr(stop)}"
+            )
+        controller = request.controller
+        if controller is not None and any(s.controller is controller for s in self._slots.values()):
+            raise InputError(
+                "this controller instance already serves a request in the batch: give each its own"
+            )
+        if len(self._slots) >= self.config.max_requests:
+            raise CapacityError(
+                f"the batch is full ({self.config.max_requests} requests, BatchConfig.max_requests): retry when "
+                "one finishes"
+            )
+        rid = self._next_rid
+        self._next_rid += 1
+        tree_cap = (
+            0 if controller is None else depth_limit(controller.tree_width, self.config.engine.max_tree_nodes)
+        )
+        self._slots[rid] = _Slot(
+            rid,
+            prompt_ids,
+            max_new,
+            controller,
+            int(request.seed),
+            request.sampling,
+            self.pair.eos_token_ids | frozenset(int(t) for t in stop),
+            tree_cap,
+        )
+        return rid
+
+    def cancel(self, rid: int) -> None:
+        """Drop request ``rid`` (running, waiting for its prefill, or finished and not yet collected): its
+        slot and caches are freed at once."""
+        if self._slots.pop(rid, None) is None and self._done.pop(rid, None) is None:
+            raise InputError(f"no request {short_repr(rid)} in the batch")
+
+    @property
+    def active(self) -> list[int]:
+        """Ids of the requests decoding (prefilled, not finished), in admission order."""
+        return [rid for rid, s in self._slots.items() if s.req is not None]
+
+    @property
+    def pending(self) -> list[int]:
+        """Ids of the requests added and not yet prefilled (at the next ``step``)."""
+        return [rid for rid, s in self._slots.items() if s.req is None]
+
+    def result(self, rid: int) -> GenerationResult:
+        """The result of a finished request (what ``generate`` returns), handed over once; a request that
+        failed raises its error here."""
+        if rid in self._slots:
+            raise InputError(f"request {rid} has not finished")
+        if rid not in self._done:
+            raise InputError(
+                f"no finished request {short_repr(rid)} (unknown, cancelled or already collected)"
+            )
+        out = self._done.pop(rid)
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    @torch.inference_mode()
+    def step(self) -> list[StepEvent]:
+        """Prefill the requests added since the last step, then run one cycle of every request in flight;
+        one event a request that took part."""
+        new_tokens: dict[int, int] = {}  # rid -> committed tokens before this step
+        for slot in list(self._slots.values()):
+            if slot.req is None:
+                new_tokens[slot.rid] = len(slot.prompt_ids)
+                self._guard(slot, self._prefill, slot)
+        running = [s for s in self._slots.values() if s.req is not None and self._finish(s) is None]
+        for slot in running:
+            new_tokens.setdefault(slot.rid, len(slot.req.tokens))
+            slot.record = None
+            slot.steps = self.engine._cycle(
+                slot.req,
+                slot.controller,
+                slot.index,
+                len(slot.prompt_ids),
+                slot.max_new_tokens,
+                slot.tree_cap,
+            )
+            self._advance(slot, None)
+        self._run_cycles()
+        return [self._event(rid, start) for rid, start in new_tokens.items()]
+
+    # ------------------------------------------------------------------------------------------ internals
+    def _prefill(self, slot: _Slot) -> None:
+        engine = self.engine
+        generator = torch.Generator(device=self.device).manual_seed(slot.seed)
+        t0 = engine.clock()
+        slot.req = engine._prefill_request(
+            slot.prompt_ids, generator, slot.controller is not None, slot.sampling, slot.stop_ids
+        )
+        slot.prefill_s = engine.clock() - t0
+        if slot.controller is not None:
+            slot.controller.reset()
+        lookup = self.config.engine.lookup
+        slot.index = NgramIndex(lookup) if lookup is not None else None
+
+    def _guard(self, slot: _Slot, fn, *args) -> None:
+        """Run one request's own work; an error there (a controller's bad answer, non-finite logits) ends that
+        request alone."""
+        try:
+            fn(*args)
+        except DraftpilotError as err:
+            self._slots.pop(slot.rid, None)
+            slot.steps = slot.waiting = None
+            self._done[slot.rid] = err
+
+    def _advance(self, slot: _Slot, answer) -> None:
+        def send():
+            try:
+                slot.waiting = next(slot.steps) if answer is None else slot.steps.send(answer)
+            except StopIteration as stop:
+                slot.record, slot.steps, slot.waiting = stop.value, None, None
+
+        self._guard(slot, send)
+
+    def _run_cycles(self) -> None:
+        """Phases 3-5 of the module docstring, until every cycle has ended."""
+        draft, target = self.pair.draft, self.pair.target
+        while True:
+            waiting = [s for s in self._slots.values() if s.waiting is not None]
+            if not waiting:
+                return
+            drafting = [s for s in waiting if isinstance(s.waiting, Forward) and s.waiting.model is draft]
+            if drafting:
+                self._forward(draft, drafting)
+                continue
+            asking = [s for s in waiting if isinstance(s.waiting, VerifyRows)]
+            if asking:
+                fixed = sum(s.waiting.rows for s in waiting if isinstance(s.waiting, Forward))
+                budget = self.config.max_rows - fixed - len(asking)
+                for slot, granted in zip(asking, grant_rows([s.waiting.want for s in asking], budget)):
+                    self._advance(slot, granted)
+                continue
+            self._forward(target, [s for s in waiting if s.waiting.model is target])
+
+    def _forward(self, model, slots: list[_Slot]) -> None:
+        """Run the forwards ``slots`` wait on, in forwards of at most ``max_rows`` rows, and hand each its
+        logits."""
+        chunk: list[_Slot] = []
+        rows = 0
+        for slot in slots + [None]:
+            if chunk and (slot is None or rows + slot.waiting.rows > self.config.max_rows):
+                items = []
+                for s in chunk:
+                    call = s.waiting
+                    positions = call.positions or range(call.start, call.start + len(call.ids))
+                    items.append(Rows(call.ids, positions, call.cache, call.mask, call.keep))
+                for s, logits in zip(chunk, forward_rows(model, items, self.device)):
+                    self._advance(s, logits)
+                chunk, rows = [], 0
+            if slot is not None:
+                chunk.append(slot)
+                rows += slot.waiting.rows
+
+    def _finish(self, slot: _Slot) -> str | None:
+        return self.engine._finish_reason(slot.req, len(slot.prompt_ids), slot.max_new_tokens)
+
+    def _event(self, rid: int, start: int) -> StepEvent:
+        slot = self._slots.get(rid)
+        if slot is None:  # failed this step
+            return StepEvent(rid, (), True, "error", None)
+        finish = self._finish(slot)
+        event = StepEvent(rid, tuple(slot.req.tokens[start:]), finish is not None, finish, slot.record)
+        if finish is not None:
+            del self._slots[rid]  # its caches go with it
+            self._done[rid] = self.engine._result(slot.req, len(slot.prompt_ids), finish, slot.prefill_s)
+        return event
+
+
+def grant_rows(wants: list[int], budget: int) -> list[int]:
+    """Nodes granted to requests asking ``wants`` when ``budget`` nodes fit (the row cap, module docstring):
+    all they ask if it fits, else min(asked, L) for the largest fitting L, and what remains one node each to
+    those asking more than L, in order."""
+    budget = max(budget, 0)
+    if sum(wants) <= budget:
+        return list(wants)
+    low, high = 0, max(wants)
+    while low < high:  # the largest level L with sum(min(w, L)) <= budget
+        mid = (low + high + 1) // 2
+        if sum(min(w, mid) for w in wants) <= budget:
+            low = mid
+        else:
+            high = mid - 1
+    granted = [min(w, low) for w in wants]
+    left = budget - sum(granted)
+    for i, w in enumerate(wants):
+        if left and w > low:
+            granted[i] += 1
+            left -= 1
+    return granted
