@@ -35,7 +35,7 @@ One thread drives it (a server's loop): ``add``, ``cancel``, ``step`` and ``resu
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -257,7 +257,7 @@ class BatchedEngine:
         lookup = self.config.engine.lookup
         slot.index = NgramIndex(lookup) if lookup is not None else None
 
-    def _guard(self, slot: _Slot, fn, *args) -> None:
+    def _guard(self, slot: _Slot, fn: Callable[..., object], *args: object) -> None:
         """Run one request's own work; an error there (a controller's bad answer, non-finite logits) ends that
         request alone."""
         try:
@@ -267,7 +267,7 @@ class BatchedEngine:
             slot.steps = slot.waiting = None
             self._done[slot.rid] = err
 
-    def _advance(self, slot: _Slot, answer) -> None:
+    def _advance(self, slot: _Slot, answer: object) -> None:
         def send():
             try:
                 slot.waiting = next(slot.steps) if answer is None else slot.steps.send(answer)
@@ -296,7 +296,7 @@ class BatchedEngine:
                 continue
             self._forward(target, [s for s in waiting if s.waiting.model is target])
 
-    def _forward(self, model, slots: list[_Slot]) -> None:
+    def _forward(self, model: torch.nn.Module, slots: list[_Slot]) -> None:
         """Run the forwards ``slots`` wait on, in forwards of at most ``max_rows`` rows, and hand each its
         logits."""
         chunk: list[_Slot] = []

@@ -16,9 +16,9 @@ forwards together. The cycle code is the same for both.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -54,6 +54,9 @@ if TYPE_CHECKING:
     from transformers import DynamicCache
 
 MAX_SEED = 2**64 - 1
+Steps = Generator["Forward | VerifyRows", Any, Any]
+"""A cycle (or one of its phases) as a generator: it yields the forwards and verification rows it needs
+and returns its result (``SpeculativeEngine._run`` drives one alone, ``engine.batch`` several at once)."""
 
 
 @dataclass(frozen=True)
@@ -242,7 +245,7 @@ class SpeculativeEngine:
         return prompt_ids, int(max_new_tokens)
 
     # ------------------------------------------------------------------------------------------ phases
-    def _run(self, steps):
+    def _run(self, steps: Steps) -> Any:
         """Drive a cycle generator (or one of its phases) to its end, one request alone: every forward runs at
         once through ``_forward``, every verification row asked for is granted. Returns what it returns."""
         try:
@@ -272,7 +275,7 @@ class SpeculativeEngine:
         prompt_len: int,
         max_new_tokens: int,
         tree_cap: int,
-    ):
+    ) -> Steps:
         """One cycle of ``req`` (a generator: see the module docstring): lookup, an autoregressive step or a
         speculative cycle, as the caps, the lookup and the controller decide; the record is appended to
         ``req.cycles`` (and shown to the controller) and returned."""
@@ -340,7 +343,7 @@ class SpeculativeEngine:
             draft_prompt=list(prompt_ids),
         )
 
-    def _prefill_draft(self, req: _Request):
+    def _prefill_draft(self, req: _Request) -> Steps:
         """The draft's lazy prefill, at the request's first drafting cycle: one forward of exactly the prompt
         (what an eager prefill would run, so the draft's cache, and every tree it drafts, is the same
         whenever it happens); the tokens committed since stay pending. Timed as prefill, not as drafting."""
@@ -349,7 +352,7 @@ class SpeculativeEngine:
         req.draft_len, req.draft_prompt = len(req.draft_prompt), None
         req.draft_prefill_s = self.clock() - t0
 
-    def _autoregressive_step(self, req: _Request):
+    def _autoregressive_step(self, req: _Request) -> Steps:
         t0 = self.clock()
         ctx = len(req.tokens)
         logits = yield Forward(self.pair.target, req.tokens[-1:], ctx - 1, req.target_cache)  # [1, V]
@@ -359,7 +362,7 @@ class SpeculativeEngine:
         req.tokens.append(make_target_drawer(logits, req.sampling, req.generator)(0))
         return CycleRecord(ctx, 0, 0, 0, 0, 1, verify_s=self.clock() - t0, forward_s=t_fwd)
 
-    def _lookup_cycle(self, req: _Request, proposal: list[int]):
+    def _lookup_cycle(self, req: _Request, proposal: list[int]) -> Steps:
         """Verify a context-lookup proposal as a chain (``engine.lookup``): one target forward over the root
         and the proposal, acceptance by ``verify_tree`` (the proposal is deterministic, in either draft mode).
         Recorded with depth 0 (no draft step ran) and ``lookup=True``; the draft falls behind by the
@@ -402,7 +405,7 @@ class SpeculativeEngine:
         go = decision(answer, controller)
         return go, self.clock() - t0
 
-    def _speculative_cycle(self, req: _Request, controller: Controller, cap: int):
+    def _speculative_cycle(self, req: _Request, controller: Controller, cap: int) -> Steps:
         clock, ctx = self.clock, len(req.tokens)
         if req.draft_prompt is not None:  # the request's first drafting cycle: the draft's prefill first
             yield from self._prefill_draft(req)
@@ -451,7 +454,7 @@ class SpeculativeEngine:
         distributions of a sampled chain, forward seconds, controller seconds)."""
         return self._run(self._draft_steps(req, controller, cap))
 
-    def _draft_steps(self, req: _Request, controller: Controller, cap: int):
+    def _draft_steps(self, req: _Request, controller: Controller, cap: int) -> Steps:
         """``_draft`` as a generator of its forwards (one a draft step)."""
         clock, ctx, width = self.clock, len(req.tokens), controller.tree_width
         sampled = self.config.draft_mode == "sampled"
@@ -525,7 +528,7 @@ class SpeculativeEngine:
         selected: list[int],
         draft_probs: list[torch.Tensor],
         one_hot: bool = False,
-    ):
+    ) -> Steps:
         """One target forward over the root and the selected nodes, then exact acceptance (``one_hot``: the
         nodes are deterministic proposals whatever the draft mode, accepted by ``verify_tree``)."""
         ctx = len(req.tokens)
