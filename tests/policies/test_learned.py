@@ -143,9 +143,21 @@ def test_export_load_round_trip_matches_sb3_actions(tiny_data):
         observations = np.asarray(observations, np.float32)
         normalised = np.clip((observations - rms.mean) / np.sqrt(rms.var + 1e-8), -10, 10).astype(np.float32)
         sb3_actions, _ = model.predict(normalised, deterministic=True)
+        with torch.no_grad():
+            dist = model.policy.get_distribution(torch.as_tensor(normalised))
+            sb3_logits = dist.distribution.logits.numpy()
         ours = np.asarray([actor.act(o) for o in observations])
-        assert np.array_equal(ours, sb3_actions), name
-        assert len(set(sb3_actions.tolist())) >= 1
+        our_logits = np.stack([actor.logits(o).numpy() for o in observations])
+        # the exported actor computes the same function (log-softmax shifts every logit alike) ...
+        shift = our_logits - sb3_logits
+        np.testing.assert_allclose(shift - shift[:, :1], 0.0, atol=1e-4, err_msg=name)
+        # ... and picks the same action wherever the decision is not a float32 near-tie: a batched SB3
+        # matmul and a row-wise numpy one may round a top-2 gap of ~1e-6 either way
+        top2 = np.sort(sb3_logits, axis=1)[:, -2:]
+        clear = (top2[:, 1] - top2[:, 0]) > 1e-4
+        assert clear.mean() > 0.9, name  # near-ties are rare, so the comparison is not vacuous
+        assert np.array_equal(ours[clear], sb3_actions[clear]), name
+        assert (ours != sb3_actions).sum() <= (~clear).sum(), name
 
 
 def test_policy_file_round_trip_is_exact(tiny_data, tmp_path):
