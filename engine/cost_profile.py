@@ -116,6 +116,13 @@ class CostProfile:
     draft_chunk_spread: list[list[float]] = field(default_factory=list)
     overhead_spread: float = 0.0
     """IQR/median of measured overhead over its fitted value."""
+    batched: dict[str, Any] = field(default_factory=dict)
+    """The batch axis (``engine.measure_costs --batch-axis``; empty otherwise, and in older profiles): forwards
+    through ``engine.batch_forward.forward_rows`` carrying several sequences, each on its own cache, as
+    ``engine.batch`` runs them. ``context``: committed tokens of every sequence; ``target`` / ``draft``: lists
+    of [sequences, rows in all, median seconds] (target: each sequence's root and a chain of nodes, causal;
+    draft: a frontier of nodes at one depth per sequence); ``target_spread`` / ``draft_spread``: the
+    IQR/median of each entry, in the same order. Query with ``batched_forward_s``."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Conditions: device, dtype, pair, versions, threads, random_weights, date, measurement config."""
     details: dict[str, Any] = field(default_factory=dict)
@@ -148,6 +155,8 @@ class CostProfile:
             if spread.shape != want:
                 raise ProfileError(f"{key}_spread must have shape {want}, got {spread.shape}")
             self._arrays[key + "_sigma"] = np.vectorize(spread_to_sigma, otypes=[float])(spread)
+        if self.batched:
+            self._check_batched()
         if len(self.prefill_target_s) != len(self.prefill_lengths) or (
             self.prefill_draft_s and len(self.prefill_draft_s) != len(self.prefill_lengths)
         ):
@@ -171,6 +180,48 @@ class CostProfile:
                 raise ProfileError(f"{name} must be a number of seconds, got {value!r}") from None
             if not np.all(np.isfinite(values)):
                 raise ProfileError(f"{name} must be finite, got {value!r}")
+
+    def _check_batched(self) -> None:
+        """``batched`` holds a context and, per model, a full grid of sequences x rows per sequence of finite
+        times >= 0 (and spreads, if any, one per entry); kept as arrays [rows per sequence, sequences]."""
+        table = self.batched
+        context = table.get("context") if isinstance(table, dict) else None
+        if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+            raise ProfileError(f"batched must hold a positive integer context, got {context!r}")
+        for key in ("target", "draft"):
+            entries = table.get(key)
+            try:
+                arr = np.asarray(entries, dtype=np.float64)
+            except (TypeError, ValueError):
+                arr = np.zeros((0, 0))
+            if arr.ndim != 2 or arr.shape[1:] != (3,) or not len(arr) or not np.all(np.isfinite(arr)):
+                raise ProfileError(
+                    f"batched[{key!r}] must be a list of [sequences, rows, seconds], got {entries!r}"
+                )
+            sequences, rows, seconds = arr.T
+            per = rows / np.maximum(sequences, 1)
+            s_grid, r_grid = np.unique(sequences), np.unique(per)
+            if (
+                np.any(sequences < 1)
+                or np.any(sequences != np.round(sequences))
+                or np.any(per != np.round(per))
+                or np.any(per < 1)
+                or np.any(seconds < 0)
+                or len(arr) != len(s_grid) * len(r_grid)
+                or len({(a, b) for a, b in zip(sequences, per)}) != len(arr)
+            ):
+                raise ProfileError(
+                    f"batched[{key!r}] must cover a grid of sequences x rows per sequence (integers >= 1, rows "
+                    f"a multiple of sequences) with times >= 0, got {entries!r}"
+                )
+            spread = table.get(key + "_spread") or []
+            if not isinstance(spread, list) or len(spread) not in (0, len(arr)):
+                raise ProfileError(f"batched[{key + '_spread'!r}] must have one entry per {key} entry")
+            grid = np.zeros((len(r_grid), len(s_grid)))
+            for s, r, t in zip(sequences, per, seconds):
+                grid[np.searchsorted(r_grid, r), np.searchsorted(s_grid, s)] = t
+            self._arrays["batched_" + key] = grid
+            self._arrays["batched_" + key + "_grid"] = (r_grid, s_grid)
 
     @staticmethod
     def _grid(name: str, values: list[int]) -> np.ndarray:
@@ -311,6 +362,21 @@ class CostProfile:
         )
         return math.exp(sigma * rng.standard_normal())
 
+    def batched_forward_s(self, model: str, sequences: int, rows: int) -> float:
+        """One batched forward of ``model`` ("target" or "draft") carrying ``sequences`` sequences and ``rows``
+        rows in all (``rows / sequences`` each) at the table's context (``batched["context"]``): piecewise
+        linear between the measured grid points, clamped below, extrapolated above (as every table here).
+        ``ProfileError`` if the profile has no batch axis."""
+        if model not in ("target", "draft"):
+            raise ValueError(f"model must be 'target' or 'draft', got {model!r}")
+        if not self.batched:
+            raise ProfileError(
+                "this profile has no batch axis: measure it with `python -m engine.measure_costs --batch-axis`"
+            )
+        r_grid, s_grid = self._arrays["batched_" + model + "_grid"]
+        table = self._arrays["batched_" + model]
+        return _lerp2(r_grid, s_grid, table, rows / max(sequences, 1), sequences)
+
     def c_ratio(self, context: int) -> float:
         """The article's c: one draft step (W = 1) over one target step (V = 0) at ``context``."""
         return self.draft_step_s(1, context) / self.verify_s(0, context)
@@ -422,12 +488,33 @@ class CostProfile:
                     )
                 )
             )
+        if self.batched:
+            lines += self._format_batched()
         lines.append(
             f"overhead (ms): {1e3 * self.overhead_base_s:.2f} + {1e3 * self.overhead_per_node_s:.3f}/verified node"
             f" + {1e3 * self.overhead_per_draft_row_s:.3f}/draft row (±{100 * self.overhead_spread:.0f}%);"
             f" autoregressive step {1e3 * self.ar_overhead_s:.2f}; controller call {1e3 * self.policy_call_s:.3f}"
         )
         return "\n".join(lines)
+
+    def _format_batched(self) -> list[str]:
+        """The batch axis: ms per forward by rows per sequence (r) and sequences (S), and in brackets the time
+        over S forwards of one sequence (below 1: batching pays)."""
+        lines = [
+            f"batched forwards at context {self.batched['context']} -- ms (/ S single-sequence forwards)"
+        ]
+        for model in ("target", "draft"):
+            r_grid, s_grid = self._arrays["batched_" + model + "_grid"]
+            table = self._arrays["batched_" + model]
+            lines.append(f"{model:>8} r" + "".join(f"{'S ' + str(int(x)):>18}" for x in s_grid))
+            for i, r in enumerate(r_grid):
+                cells = ""
+                for j, sequences in enumerate(s_grid):
+                    alone = sequences * table[i, 0] if s_grid[0] == 1 else 0.0
+                    ratio = f"({table[i, j] / alone:.2f})" if alone > 0 else ""
+                    cells += f"{1e3 * table[i, j]:>11.2f} {ratio:>6}"
+                lines.append(f"{int(r):>10}{cells}")
+        return lines
 
 
 def _plain(obj: Any) -> Any:

@@ -7,6 +7,11 @@ Every timed call is exactly the forward the engine issues in a cycle (same ``_fo
 and ``logits_to_keep``) on a KV cache holding the given context, cropped back (outside the clock) before
 each call. Token ids are random: time does not depend on them. Warm-up rounds are excluded; clocks
 synchronise the device; cells are timed round-robin in random order (see ``_Profiler``).
+
+With ``--batch-axis`` (``ProfileConfig.batch_axis``) the profile also gets the batch axis: batched forwards
+through ``engine.batch_forward.forward_rows`` (what ``engine.batch.BatchedEngine`` runs: one forward carrying
+several sequences, each on its own cache) by sequences and rows per sequence at one context, timed in the
+same rounds (``CostProfile.batched``). Off by default: the replay environments and training do not use it.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from engine.attention import MAX_VERIFY_NODES
+from engine.attention import MAX_ROWWISE_ROWS, MAX_VERIFY_NODES
+from engine.batch_forward import Rows, forward_rows
 from engine.cli import (
     CLI_ERRORS,
     ArgumentParser,
@@ -69,6 +75,18 @@ class ProfileConfig:
     """Prompt length of the overhead runs (short: overhead hardly depends on context, prefill is slow)."""
     seed: int = 0
     """Seeds the random token ids and the order in which the cells are timed."""
+    batch_axis: bool = False
+    """Also time batched forwards (``engine.batch_forward.forward_rows``: several sequences, each on its own
+    cache, in one forward) by sequences and rows per sequence at ``batch_context``: the profile's ``batched``
+    table. Off by default (the replay environments and training do not use it)."""
+    batch_sequences: tuple[int, ...] = (1, 2, 4, 8)
+    """Sequences of the batched forwards (with ``batch_axis``)."""
+    batch_rows: tuple[int, ...] = (1, 2, 4, 8)
+    """Rows per sequence of the batched forwards (with ``batch_axis``): the target verifies a root and a chain
+    of rows - 1 nodes; the draft runs a frontier of that many nodes at one depth (a draft step)."""
+    batch_context: int = 0
+    """Context (committed tokens of every sequence) of the batched forwards: one of ``contexts``; 0: the
+    median one, ``contexts[(len(contexts) - 1) // 2]``."""
 
     def __post_init__(self) -> None:
         """Ranges that hold for every pair (``check_fits`` adds the pair's context and vocabulary)."""
@@ -77,6 +95,8 @@ class ProfileConfig:
             ("widths", 1, MAX_TREE_NODES),
             ("chunks", 1, None),
             ("sizes", 0, MAX_VERIFY_NODES),
+            ("batch_sequences", 1, None),
+            ("batch_rows", 1, MAX_ROWWISE_ROWS),
         ):
             grid = getattr(self, name)
             if (
@@ -88,9 +108,8 @@ class ProfileConfig:
                 or (high is not None and grid[-1] > high)
             ):
                 bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-                raise InputError(
-                    f"{name} (--{name}) must be distinct ascending integers {bound}, got {grid!r}"
-                )
+                flag = "--" + name.replace("_", "-")
+                raise InputError(f"{name} ({flag}) must be distinct ascending integers {bound}, got {grid!r}")
         for name, low in (
             ("reps", 1),
             ("warmup", 0),
@@ -103,6 +122,13 @@ class ProfileConfig:
             if not is_int(value) or value < low:
                 flag = "--" + name.replace("_", "-")
                 raise InputError(f"{name} ({flag}) must be an integer >= {low}, got {value!r}")
+        if not isinstance(self.batch_axis, bool):
+            raise InputError(f"batch_axis (--batch-axis) must be True or False, got {self.batch_axis!r}")
+        if not is_int(self.batch_context) or (self.batch_context and self.batch_context not in self.contexts):
+            raise InputError(
+                f"batch_context (--batch-context) must be 0 or one of the contexts {self.contexts}, got "
+                f"{self.batch_context!r}"
+            )
         if self.contexts[0] <= self.chunks[-1]:
             raise InputError(
                 f"contexts (--contexts) must all exceed the largest chunk ({self.chunks[-1]}): the "
@@ -112,6 +138,8 @@ class ProfileConfig:
     def check_fits(self, max_context: int, vocab_size: int, where: str = "this pair") -> None:
         """The grids fit a pair with this context limit and vocabulary (``InputError`` otherwise)."""
         rows = max(self.sizes[-1] + 1, self.widths[-1], self.chunks[-1])
+        if self.batch_axis:
+            rows = max(rows, self.batch_rows[-1])
         if self.contexts[-1] + rows > max_context:
             raise InputError(
                 f"contexts (--contexts) must lie in ({self.chunks[-1]}, {max_context - rows}] for "
@@ -127,6 +155,11 @@ class ProfileConfig:
                 f"overhead_prompt_len (--overhead-prompt-len) must be below the context limit of "
                 f"{where} ({max_context}), got {self.overhead_prompt_len}"
             )
+
+    @property
+    def batch_ctx(self) -> int:
+        """The context of the batched forwards (``batch_context``, 0 resolved)."""
+        return self.batch_context or self.contexts[(len(self.contexts) - 1) // 2]
 
     @classmethod
     def quick(cls) -> ProfileConfig:
@@ -170,6 +203,33 @@ class _Cell:
     mask: torch.Tensor | None = None
     positions: list[int] | None = None
     samples: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _BatchCell:
+    """One timed batched forward: ``sequences`` sequences of ``rows`` rows each, each on its own cache (the
+    arguments ``engine.batch`` passes ``forward_rows``)."""
+
+    key: str
+    """"target" (a chain verification per sequence) or "draft" (a frontier step per sequence)."""
+    sequences: int
+    rows: int
+    """Rows per sequence."""
+    model: Any
+    caches: list[Any]
+    ids: list[list[int]]
+    start: int
+    positions: list[int]
+    mask: torch.Tensor | None = None
+    samples: list[float] = field(default_factory=list)
+
+
+def _copy_cache(model: torch.nn.Module, cache: Any) -> Any:
+    """A new cache of ``model`` holding the same entries as ``cache`` (its own buffers)."""
+    copy = new_cache(model)
+    for mine, theirs in zip(copy.layers, cache.layers):
+        mine.update(theirs.keys.clone(), theirs.values.clone())
+    return copy
 
 
 class _Profiler:
@@ -258,24 +318,81 @@ class _Profiler:
                 )
         return cells
 
-    def run(self, cells: list[_Cell]) -> None:
-        """Warm-up rounds (untimed), then ``reps`` timed rounds. Every call of a cell leaves its cache at
-        least as long as the cell's start, so cropping to ``start`` before a call restores its state."""
+    def batch_cells(self, caches: list[tuple]) -> list[_BatchCell]:
+        """Batched forwards at the batch context, each sequence on its own copy of that context's caches
+        (made before any cell runs: they hold exactly the context). Target: every sequence verifies its root
+        and a chain of rows - 1 nodes (causal, as the engine runs chains); draft: every sequence runs a
+        frontier of ``rows`` nodes at one depth (the "step" cells' mask for rows > 1)."""
+        config, pair = self.config, self.pair
+        ctx = config.batch_ctx
+        target_cache, draft_cache = caches[config.contexts.index(ctx)]
+        most = config.batch_sequences[-1]
+        targets = [_copy_cache(pair.target, target_cache) for _ in range(most)]
+        drafts = [_copy_cache(pair.draft, draft_cache) for _ in range(most)]
+        cells = []
+        for s in config.batch_sequences:
+            for r in config.batch_rows:
+                cells.append(
+                    _BatchCell(
+                        "target",
+                        s,
+                        r,
+                        pair.target,
+                        targets[:s],
+                        [self.ids(r) for _ in range(s)],
+                        ctx - 1,
+                        list(range(ctx - 1, ctx - 1 + r)),
+                    )
+                )
+                mask = (
+                    tree_attention_mask(ctx, np.eye(r, dtype=bool), pair.dtype, pair.device)
+                    if r > 1
+                    else None
+                )
+                cells.append(
+                    _BatchCell(
+                        "draft",
+                        s,
+                        r,
+                        pair.draft,
+                        drafts[:s],
+                        [self.ids(r) for _ in range(s)],
+                        ctx,
+                        [ctx] * r,
+                        mask,
+                    )
+                )
+        return cells
+
+    def _call(self, cell: _Cell | _BatchCell) -> float:
+        """Seconds of one call of ``cell`` (its caches cropped back to its start first, outside the clock)."""
+        if isinstance(cell, _BatchCell):
+            for cache in cell.caches:
+                keep_entries(cache, cell.start, [])
+            items = [Rows(ids, cell.positions, cache, cell.mask) for ids, cache in zip(cell.ids, cell.caches)]
+            t0 = self.clock()
+            forward_rows(cell.model, items, self.pair.device)
+            return self.clock() - t0
+        keep_entries(cell.cache, cell.start, [])
+        t0 = self.clock()
+        self.engine._forward(
+            cell.model,
+            cell.ids,
+            cell.start,
+            cell.cache,
+            keep=cell.keep,
+            mask=cell.mask,
+            positions=cell.positions,
+        )
+        return self.clock() - t0
+
+    def run(self, cells: list[_Cell | _BatchCell]) -> None:
+        """Warm-up rounds (untimed), then ``reps`` timed rounds. Every call of a cell leaves its caches at
+        least as long as the cell's start, so cropping to ``start`` before a call restores their state."""
         for rnd in range(self.config.warmup + self.config.reps):
             for i in self.rng.permutation(len(cells)):
                 cell = cells[i]
-                keep_entries(cell.cache, cell.start, [])
-                t0 = self.clock()
-                self.engine._forward(
-                    cell.model,
-                    cell.ids,
-                    cell.start,
-                    cell.cache,
-                    keep=cell.keep,
-                    mask=cell.mask,
-                    positions=cell.positions,
-                )
-                elapsed = self.clock() - t0
+                elapsed = self._call(cell)
                 if rnd >= self.config.warmup:
                     cell.samples.append(elapsed)
                 self.bar.update(1)
@@ -404,12 +521,15 @@ def measure_profile(
         {"step": config.widths, "chunk": config.chunks, "verify": config.sizes, "verify_chain": config.sizes},
     )
     num_cells = len(ctxs) * sum(len(g) for g in grids.values())
+    if config.batch_axis:
+        num_cells += 2 * len(config.batch_sequences) * len(config.batch_rows)
     total = 2 * len(ctxs) * config.prefill_reps + num_cells * (config.warmup + config.reps) + 7
     with torch.inference_mode(), tqdm(total=total, desc="profile", disable=not progress) as bar:
         prof = _Profiler(pair, config, bar)
         prefill_target, prefill_draft, caches = prof.prefills()
         cells = prof.cells(caches)
-        prof.run(cells)
+        batch_cells = prof.batch_cells(caches) if config.batch_axis else []
+        prof.run(cells + batch_cells)
         over = prof.overhead()
         bar.update(max(total - bar.n, 0))  # the overhead phase may need fewer or more requests than budgeted
 
@@ -418,6 +538,19 @@ def measure_profile(
     }  # [grid, ctx, (median, spread)]
     for cell in cells:
         tables[cell.key][cell.row, cell.col] = _stats(cell.samples)
+    batched: dict[str, Any] = {}
+    if batch_cells:
+        batched = {
+            "context": config.batch_ctx,
+            "target": [],
+            "draft": [],
+            "target_spread": [],
+            "draft_spread": [],
+        }
+        for cell in batch_cells:  # sequences-major, rows ascending
+            median, spread = _stats(cell.samples)
+            batched[cell.key].append([cell.sequences, cell.sequences * cell.rows, median])
+            batched[cell.key + "_spread"].append(spread)
     target_stats = [_stats(t) for t in prefill_target]
     draft_stats = [_stats(t) for t in prefill_draft]
     meta["loadavg_end"] = list(os.getloadavg())
@@ -443,6 +576,7 @@ def measure_profile(
         verify_spread=tables["verify"][..., 1].tolist(),
         draft_chunk_spread=tables["chunk"][..., 1].tolist(),
         overhead_spread=float(over["spread"]),
+        batched=batched,
         meta=meta,
         details={
             "prefill_target_spread": [s for _, s in target_stats],

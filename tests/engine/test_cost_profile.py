@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,7 +15,8 @@ import torch
 from engine import SpeculativeEngine, load_pair
 from engine.control import StaticController
 from engine.cost_profile import PROFILE_VERSION, CostProfile, ProfileError, spread_to_sigma
-from engine.measure_costs import ProfileConfig, main, measure_profile
+from engine.errors import InputError
+from engine.measure_costs import ProfileConfig, build_parser, main, measure_profile
 from engine.random_pair import build_random_pair, parameter_count, random_pair_configs
 from engine.speedup_model import cycle_time, empirical_c, empirical_g
 
@@ -133,6 +135,67 @@ def test_cli_quick_on_tiny_writes_a_loadable_profile(tmp_path, capsys):
     loaded = CostProfile.load(out)
     assert loaded.contexts == [16, 48] and loaded.sizes == [0, 3] and loaded.widths == [1, 2]
     assert "verify vs verified nodes" in capsys.readouterr().out
+
+
+def test_the_batch_axis_is_measured_on_request_and_round_trips(tiny_pair_f32, measured, tmp_path):
+    assert measured.batched == {}  # off by default (training's profiles)
+    with pytest.raises(ProfileError, match="--batch-axis"):
+        measured.batched_forward_s("target", 2, 2)
+    grid = replace(SMALL, batch_axis=True, batch_sequences=(1, 2, 4), batch_rows=(1, 3))
+    profile = measure_profile(tiny_pair_f32, grid, progress=False)
+    table = profile.batched
+    assert table["context"] == 32  # the median context of (32, 96)
+    for key in ("target", "draft"):
+        entries = table[key]
+        assert [(s, r) for s, r, _ in entries] == [(s, s * r) for s in (1, 2, 4) for r in (1, 3)]
+        times = np.array([t for *_, t in entries])
+        assert np.all(np.isfinite(times)) and np.all(times > 0)
+        assert len(table[key + "_spread"]) == len(entries) and min(table[key + "_spread"]) >= 0
+        for s, rows, t in entries:  # the grid points themselves
+            assert profile.batched_forward_s(key, s, rows) == pytest.approx(t, rel=1e-12)
+        # 12 rows over 4 caches against 1 row over 1: more work (no timing threshold, just an order)
+        assert profile.batched_forward_s(key, 4, 12) > profile.batched_forward_s(key, 1, 1)
+    assert "batched forwards at context 32" in profile.format_table()
+
+    path = profile.save(tmp_path / "batched.json")
+    loaded = CostProfile.load(path)
+    assert loaded.batched == json.loads(json.dumps(profile.batched))
+    assert loaded.batched_forward_s("draft", 2, 4) == profile.batched_forward_s("draft", 2, 4)
+    data = json.loads(path.read_text())
+    older = tmp_path / "older.json"  # a profile from before the batch axis loads as one without it
+    older.write_text(json.dumps({k: v for k, v in data.items() if k != "batched"}))
+    assert CostProfile.load(older).batched == {}
+    for bad in (
+        {"context": 0, "target": table["target"], "draft": table["draft"]},
+        {**table, "target": table["target"][:-1]},  # not a full grid
+        {**table, "draft": [[1, 1, -1.0]]},
+        {**table, "draft": [[2, 3, 1e-3]]},  # rows not a multiple of the sequences
+        {**table, "target_spread": [0.1]},
+    ):
+        older.write_text(json.dumps({**data, "batched": bad}))
+        with pytest.raises(ProfileError, match="batched"):
+            CostProfile.load(older)
+
+
+def test_the_batch_axis_flags():
+    args = build_parser().parse_args(
+        ["--out", "x", "--batch-axis", "--batch-rows", "1,16", "--batch-context", "512"]
+    )
+    assert (args.batch_axis, args.batch_rows, args.batch_context) == (True, (1, 16), 512)
+    assert ProfileConfig().batch_axis is False and ProfileConfig().batch_ctx == 512
+    assert ProfileConfig(contexts=(64, 256), batch_context=256).batch_ctx == 256
+    for bad, flag in (
+        (dict(batch_context=100), "--batch-context"),
+        (dict(batch_rows=(1, 66)), "--batch-rows"),
+        (dict(batch_sequences=(2, 1)), "--batch-sequences"),
+    ):
+        with pytest.raises(InputError, match=flag):
+            ProfileConfig(**bad)
+    ProfileConfig(contexts=(1000,), sizes=(0, 4), batch_rows=(1, 64)).check_fits(1024, 272)  # axis off: fits
+    with pytest.raises(InputError, match="contexts"):  # the rows must fit the pair's context
+        ProfileConfig(contexts=(1000,), sizes=(0, 4), batch_axis=True, batch_rows=(1, 64)).check_fits(
+            1024, 272
+        )
 
 
 # -------------------------------------------------------------------------------------- interpolation
