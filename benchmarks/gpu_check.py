@@ -1,8 +1,11 @@
-"""Every check that needs a GPU, in one run: CUDA correctness of the engine, device-synchronised timing and
-a cost profile of the default pair's architecture.
+"""Every check that needs a GPU, in one run: CUDA correctness of the engine (one request at a time, and many
+at once in the continuous-batching engine), device-synchronised timing and a cost profile of the default
+pair's architecture, batch axis included.
 
 Model weights cannot reach a borrowed accelerator, so correctness uses the tiny in-code pair (exact
-float32 greedy identity, a sampled two-sample test) and timing uses the default pair's architecture with
+float32 greedy identity, a sampled two-sample test; ``engine.batch.BatchedEngine`` with requests of every
+controller in flight together, greedy and sampled, under a row cap that cuts verifications: each greedy
+request's tokens equal ``SpeculativeEngine.generate`` of it alone) and timing uses the default pair's architecture with
 random weights (forward time depends on shapes, dtype and kernels, not on weight values; acceptance
 measured with random weights is meaningless, so no speedup is claimed here: replay the real traces with
 the saved profile for that, e.g. ``python benchmarks/replay_baselines.py --profile OUT/profile.json --traces
@@ -11,8 +14,9 @@ runs/cache/qwen2.5-coder/cpu-float32/traces/greedy-w1-d8-n128-s0``).
     python benchmarks/gpu_check.py --out "$OUT"                      # on the GPU machine (~2-4 min)
     python benchmarks/gpu_check.py --device cpu --small --out /tmp/g  # plumbing check on a CPU (~1 min)
 
-Writes ``OUT/gpu_check.json`` (every number), ``OUT/profile.json`` (the random-weight cost profile) and
-``OUT/gpu_check.txt`` (the printed summary); exits 1 if a correctness check fails.
+Writes ``OUT/gpu_check.json`` (every number), ``OUT/profile.json`` (the random-weight cost profile, with its
+batched table: ``engine.measure_costs`` with ``batch_axis``) and ``OUT/gpu_check.txt`` (the printed summary);
+exits 1 if a correctness check fails.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -30,10 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from engine import SamplingConfig, SpeculativeEngine  # noqa: E402
+from engine.batch import BatchConfig, BatchedEngine, BatchRequest  # noqa: E402
+from engine.errors import DraftpilotError  # noqa: E402
 from engine.measure_costs import ProfileConfig, device_name, measure_profile  # noqa: E402
 from engine.models import load_pair  # noqa: E402
 from engine.random_pair import build_random_pair  # noqa: E402
-from evaluation.exactness import greedy_audit, law_checks, sampled_test  # noqa: E402
+from engine.results import GenerationResult  # noqa: E402
+from evaluation.exactness import first_divergence, greedy_audit, law_checks, sampled_test  # noqa: E402
 from policies import HeuristicController, StaticController  # noqa: E402
 
 SMALL = dict(
@@ -55,6 +63,11 @@ GREEDY_CONTROLLERS = {
     "static tree (5, 24, W 8)": lambda: StaticController(5, 24, tree_width=8),
     "heuristic (+2/-1)": lambda: HeuristicController(),
 }
+BATCH_CONTROLLERS = {
+    "autoregressive": lambda: None,
+    **GREEDY_CONTROLLERS,
+}
+"""Controllers of the greedy requests decoded together in ``batched`` (cycled over the requests)."""
 TIMED = {
     "chain": [(d, d, 1) for d in (1, 2, 3, 4, 6, 8)],
     "tree": [(1, 2, 4), (2, 4, 4), (3, 8, 4), (4, 16, 4), (5, 32, 8), (6, 48, 8)],
@@ -102,6 +115,105 @@ def correctness(device: torch.device, args) -> dict:
         "law_checks": laws,
         "ok": bool(identical and not sampled["rejects"] and all(c["ok"] for c in laws)),
     }
+
+
+def batched(device: torch.device, args) -> dict:
+    """Tiny pair on the device in float32, ``engine.batch.BatchedEngine``: ``--batch-requests`` greedy requests
+    (every controller of the audit, and autoregressive) with half as many sampled speculative ones beside them,
+    half of them joining after two steps, under a row cap that grants most verifications fewer nodes than asked.
+    Every greedy request's tokens must equal ``SpeculativeEngine.generate`` of it alone; the sampled ones must
+    finish (their draws differ from alone under cuts, their law is the target's: tests/engine/test_batch_law.py)."""
+    pair = load_pair("tiny", dtype="float32", device=device, progress=False)
+    engine = SpeculativeEngine(pair, SamplingConfig(temperature=0.0))
+    count = args.batch_requests
+    ids = prompts(count + count // 2, 24, 256, args.seed + 2)
+    names = list(BATCH_CONTROLLERS)
+    requests = [BatchRequest(ids[i], 48, BATCH_CONTROLLERS[names[i % len(names)]]()) for i in range(count)]
+    requests += [
+        BatchRequest(
+            p, 48, StaticController(3, 6, tree_width=2), seed=args.seed + i, sampling=SamplingConfig(0.8)
+        )
+        for i, p in enumerate(ids[count:])
+    ]
+    config = BatchConfig(max_requests=len(requests), max_rows=2 * len(requests))
+    batch = BatchedEngine(pair, config)
+    order = list(range(0, len(requests), 2)) + list(range(1, len(requests), 2))  # both halves mix kinds
+    index = {batch.add(requests[i]): i for i in order[: len(order) // 2]}
+    results: dict[int, object] = {}  # request index -> GenerationResult, or the error it failed with
+    steps, cycles = 0, 0
+    t0 = time.perf_counter()
+    while batch.active or batch.pending or steps < 2:
+        if steps == 2:
+            index.update({batch.add(requests[i]): i for i in order[len(order) // 2 :]})
+        for event in batch.step():
+            cycles += event.record is not None and event.record.depth > 0
+            if event.finished:
+                try:
+                    results[index[event.rid]] = batch.result(event.rid)
+                except DraftpilotError as err:
+                    results[index[event.rid]] = err
+        steps += 1
+    batch_s = time.perf_counter() - t0
+    done = {i: r for i, r in results.items() if isinstance(r, GenerationResult)}
+    cut = sum(  # verifications granted fewer nodes than the controller asked (a static controller's verify)
+        c.depth > 0 and c.num_verified < min(requests[i].controller.verify, c.num_drafted)
+        for i, r in done.items()
+        if isinstance(requests[i].controller, StaticController)
+        for c in r.cycles
+    )
+    t0 = time.perf_counter()
+    alone = {
+        i: engine.generate(r.prompt, 48, BATCH_CONTROLLERS[names[i % len(names)]]()).tokens
+        for i, r in enumerate(requests[:count])
+    }
+    alone_s = time.perf_counter() - t0
+    rows = []
+    for i in range(count):
+        got = done[i].tokens if i in done else []
+        rows.append(
+            {
+                "controller": names[i % len(names)],
+                "identical": got == alone[i],
+                "first_divergence": first_divergence(got, alone[i]),
+                "error": None if i in done else repr(results.get(i)),
+            }
+        )
+    identical = sum(row["identical"] for row in rows)
+    return {
+        "device": str(device),
+        "greedy_requests": count,
+        "sampled_requests": len(requests) - count,
+        "max_rows": config.max_rows,
+        "steps": steps,
+        "speculative_cycles": cycles,
+        "cut_verifications": cut,
+        "identical": identical,
+        "requests": rows,
+        "sampled_finished": sum(i in done for i in range(count, len(requests))),
+        "batch_s": batch_s,
+        "greedy_alone_s": alone_s,
+        "ok": identical == count and len(done) == len(requests),
+    }
+
+
+def batched_cost_summary(profile) -> dict:
+    """The batch axis of the profile: per model, (sequences, rows in all) -> ms and the time over that many
+    single-sequence forwards of the same rows each (below 1: one batched forward beats them)."""
+    out = {"context": profile.batched["context"]}
+    for model in ("target", "draft"):
+        rows = []
+        for sequences, total, seconds in profile.batched[model]:
+            single = profile.batched_forward_s(model, 1, total // sequences)
+            rows.append(
+                {
+                    "sequences": sequences,
+                    "rows": total,
+                    "ms": 1e3 * seconds,
+                    "over_singles": seconds / (sequences * single),
+                }
+            )
+        out[model] = rows
+    return out
 
 
 def timing(pair, profile, args) -> dict:
@@ -174,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=6, help="tiny-pair prompts of the greedy audit")
     ap.add_argument("--samples", type=int, default=300, help="samples per arm of the sampled test")
     ap.add_argument("--law-trials", type=int, default=20_000)
+    ap.add_argument("--batch-requests", type=int, default=8, help="greedy requests of the batched check")
     ap.add_argument("--timing-prompts", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=64, help="tokens per timed request")
@@ -210,13 +323,27 @@ def main(argv: list[str] | None = None) -> int:
                 f"  DIVERGES: {name}: {row['identical']}/{row['prompts']} identical, {row['divergences'][:2]}"
             )
     say(f"  ({time.perf_counter() - started:.0f} s)")
+    report["batched"] = batch = batched(device, args)
+    say(
+        f"[batched engine, tiny pair float32 on {device}] {batch['identical']}/{batch['greedy_requests']} greedy "
+        f"requests identical to alone, {batch['sampled_finished']}/{batch['sampled_requests']} sampled finished; "
+        f"{batch['steps']} steps, {batch['cut_verifications']} verifications cut by the row cap "
+        f"({batch['max_rows']} rows); {batch['batch_s']:.1f} s batched, {batch['greedy_alone_s']:.1f} s greedy alone"
+    )
+    for row in batch["requests"]:
+        if not row["identical"]:
+            why = row["error"] or f"at token {row['first_divergence']}"
+            say(f"  DIVERGES in the batch: {row['controller']} {why}")
 
     dtype = getattr(torch, args.dtype)
     pair = build_random_pair(
         args.pair, dtype=dtype, device=device, seed=args.seed, overrides=SMALL if args.small else None
     )
     contexts = tuple(int(c) for c in args.contexts.split(","))
-    config = ProfileConfig(contexts=contexts, reps=args.reps) if not args.small else ProfileConfig.quick()
+    if args.small:
+        config = replace(ProfileConfig.quick(), batch_axis=True, batch_sequences=(1, 2, 4), batch_rows=(1, 4))
+    else:
+        config = ProfileConfig(contexts=contexts, reps=args.reps, batch_axis=True)
     profile = measure_profile(pair, config, random_weights=True, progress=False)
     profile.save(out_dir / "profile.json")
     report["cost"] = cost_summary(profile, profile.contexts)
@@ -228,6 +355,13 @@ def main(argv: list[str] | None = None) -> int:
         verify = ", ".join(f"{v}:{r:.2f}" for v, r in row["verify_over_1_node"].items())
         draft = ", ".join(f"W{w}:{r:.2f}" for w, r in row["draft_step_over_width_1"].items())
         say(f"  context {ctx}: c {row['c_ratio']:.3f}; verify nodes/1 node {verify}; draft step {draft}")
+    report["batched_cost"] = table = batched_cost_summary(profile)
+    for model in ("target", "draft"):
+        cells = ", ".join(
+            f"S{r['sequences']}x{r['rows'] // r['sequences']}: {r['ms']:.2f} ms ({r['over_singles']:.2f})"
+            for r in table[model]
+        )
+        say(f"  batched {model} forwards at context {table['context']} (/ S single forwards): {cells}")
 
     report["timing"] = timed = timing(pair, profile, args)
     ar = timed["autoregressive"]
@@ -242,10 +376,11 @@ def main(argv: list[str] | None = None) -> int:
             f"({row['live_cycle_s'] / row['predicted_cycle_s']:.2f}); {row['cycle_over_ar_step']:.2f} AR steps"
         )
     report["wall_s"] = time.perf_counter() - started
-    say(f"done in {report['wall_s']:.0f} s; correctness {'OK' if check['ok'] else 'FAILED'}")
+    ok = check["ok"] and batch["ok"]
+    say(f"done in {report['wall_s']:.0f} s; correctness {'OK' if ok else 'FAILED'}")
     (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (out_dir / "gpu_check.txt").write_text("\n".join(lines) + "\n")
-    return 0 if check["ok"] else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
