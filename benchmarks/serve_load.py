@@ -35,10 +35,7 @@ import importlib.util
 import json
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -52,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine.measure_costs import device_name  # noqa: E402
 from envs.prompts import interleave_languages, load_suite  # noqa: E402
+from serving.launch import ServerProcess, free_port, peak_rss_mb, prompt_ids  # noqa: E402
 
 DEFAULT_OURS = ("ar=--autoregressive", "static=--policy none --depth 1 --lookup on")
 
@@ -65,12 +63,6 @@ def _llama_cpp():
     return module
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -80,16 +72,6 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def peak_rss_mb(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
-
-
 # ------------------------------------------------------------------------------------------- servers
 @dataclass
 class Row:
@@ -97,41 +79,6 @@ class Row:
     command: list[str]
     extra_body: dict = field(default_factory=dict)
     """Fields every request adds (ours: continuous usage, token ids)."""
-
-
-class Server:
-    def __init__(self, row: Row, port: int, log: Path):
-        self.row, self.port, self.log = row, port, log
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> Server:
-        self._out = open(self.log, "w")
-        self.proc = subprocess.Popen(
-            self.row.command, cwd=ROOT, stdout=self._out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-        )
-        deadline = time.time() + 900
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.row.name}: the server exited ({self.proc.returncode}), see {self.log}"
-                )
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"{self.row.name}: not ready in 900 s, see {self.log}")
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._out.close()
 
 
 # ----------------------------------------------------------------------------------------------- load
@@ -281,29 +228,6 @@ def conditions(threads: int) -> dict:
     }
 
 
-def prompt_ids(pair: str, text: str) -> list[int]:
-    """The chat-templated token ids of one user message, as our server builds them (tiny pair: its byte
-    tokenizer, no template)."""
-    if pair == "tiny":
-        from engine.tiny import ByteTokenizer
-
-        return ByteTokenizer().encode(text)[:200]
-    global _TOKENIZER
-    if _TOKENIZER is None:
-        from transformers import AutoTokenizer
-
-        from engine.weights import DEFAULT_PAIRS, convert_to_hf
-
-        _TOKENIZER = AutoTokenizer.from_pretrained(convert_to_hf(DEFAULT_PAIRS[pair][0], progress=False))
-    ids = _TOKENIZER.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-    )
-    return [int(i) for i in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
-
-
-_TOKENIZER = None
-
-
 def build_rows(
     args, target_gguf: Path | None, draft_gguf: Path | None, llama_server: Path | None
 ) -> list[Row]:
@@ -401,9 +325,9 @@ def main(argv: list[str] | None = None) -> int:
         order = rows[repeat % len(rows) :] + rows[: repeat % len(rows)]
         for row in order:
             port = free_port()
-            live = Row(row.name, row.command + ["--port", str(port)], row.extra_body)
             url = f"http://127.0.0.1:{port}/v1/completions"
-            with Server(live, port, logs / f"{row.name.replace(' ', '_')}.log") as srv:
+            log = logs / f"{row.name.replace(' ', '_')}.log"
+            with ServerProcess(row.name, row.command + ["--port", str(port)], port, log, cwd=ROOT) as srv:
                 asyncio.run(closed_loop(url, row, prompts[:1], 1, 1, 8))  # warm-up
                 reference: dict[int, str] = {}
                 for level in sorted(args.concurrency):
