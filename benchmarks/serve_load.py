@@ -205,6 +205,11 @@ def summarize(outcomes: list[Outcome], wall: float, reference: dict[int, str]) -
         **{f"itl_p{q}": percentile(itl, q / 100) for q in (50, 90, 99)},
         **{f"latency_p{q}": percentile([o.latency for o in good], q / 100) for q in (50, 99)},
         "identical": (sum(same) / len(same)) if same else float("nan"),
+        # one request's decoding rate after its first token (the figure batch-one benchmarks report)
+        "decode_tok_s": statistics.median(
+            [(o.tokens - 1) / (o.latency - o.ttft) for o in good if o.tokens > 1 and o.latency > o.ttft]
+            or [float("nan")]
+        ),
     }
 
 
@@ -374,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
 def report(e: dict) -> None:
     unit = "clients" if e["mode"] == "closed" else "req/s"
     print(
-        f"{e['row']:18s} {e['mode']:7s} {e['level']:>5g} {unit:7s} tok/s {e['tok_s']:7.2f}  "
+        f"{e['row']:18s} {e['mode']:7s} {e['level']:>5g} {unit:7s} tok/s {e['tok_s']:7.2f} (1 req {e['decode_tok_s']:5.2f})  "
         f"ttft p50 {e['ttft_p50']:6.3f} p99 {e['ttft_p99']:6.3f}  itl p50 {e['itl_p50'] * 1e3:6.1f} "
         f"p99 {e['itl_p99'] * 1e3:6.1f} ms  lat p50 {e['latency_p50']:6.2f} p99 {e['latency_p99']:6.2f}  "
         f"same {e['identical']:.0%}  err {e['errors']}  rss {e['peak_rss_mb']:.0f} MB  load {e['loadavg']:.2f}",
