@@ -12,11 +12,14 @@ Each row runs the closed-loop levels (N clients, each sending its next request w
 ``--concurrency``; 2N requests, at least ``--min-requests``) and the Poisson levels (requests arriving at
 ``--rates`` per second, ``--poisson-requests`` of them). Requests are /v1/completions with the chat-templated
 prompt as token ids (both servers read token-id prompts, so both see the same tokens), greedy, streaming,
-``max_tokens`` with ``ignore_eos`` (both servers honour it: every request does the same work). Rows are
+``max_tokens`` with ``ignore_eos`` (both servers honour it: every request does the same work), and
+llama-server's prompt cache off (``cache_prompt: false``: our server has no prefix cache, and the
+benchmark repeats its prompts, which llama-server would otherwise not prefill again). Rows are
 interleaved and the whole set repeated ``--repeats`` times in rotated order, so drift hits all rows alike.
 
 Per row and level: aggregate tokens/s (completion tokens over the level's wall time), TTFT, inter-token
-latency (a chunk of k tokens after a gap T counts k samples of T / k) and request latency percentiles, the
+latency (an arrival of k tokens after a gap T counts k samples of T / k; chunks within ``BURST_S`` of each
+other are one arrival) and request latency percentiles, the
 server's peak resident memory (``VmHWM``), and greedy identity: the share of requests whose text equals the
 same prompt's text at concurrency 1 in the same row (a batch-invariant server gives 100%).
 
@@ -107,7 +110,7 @@ async def one_request(client: httpx.AsyncClient, url: str, row: Row, prompt_inde
     }
     start = time.perf_counter()
     out = Outcome(prompt_index, False)
-    last, parts, counted, usage_total = None, [], 0, None
+    arrivals, parts, counted, usage_total = [], [], 0, None
     try:
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
@@ -130,7 +133,7 @@ async def one_request(client: httpx.AsyncClient, url: str, row: Row, prompt_inde
                         usage_total = usage.get("completion_tokens")
                     continue
                 text = choices[0].get("text") or ""
-                if usage and "token_ids" in choices[0]:  # ours: tokens of this chunk
+                if "token_ids" in choices[0]:  # ours (return_token_ids): the tokens of this chunk
                     k = len(choices[0]["token_ids"])
                 elif usage and usage.get("completion_tokens") is not None:
                     k = usage["completion_tokens"] - counted
@@ -139,20 +142,38 @@ async def one_request(client: httpx.AsyncClient, url: str, row: Row, prompt_inde
                 if k <= 0:
                     parts.append(text)
                     continue
-                now = time.perf_counter()
-                if last is None:
-                    out.ttft = now - start
-                else:
-                    out.itl.extend([(now - last) / k] * k)
-                last = now
+                arrivals.append((time.perf_counter() - start, k))
                 counted += k
                 parts.append(text)
     except (httpx.HTTPError, json.JSONDecodeError) as err:
         out.error = f"{type(err).__name__}: {err}"
         return out
     out.latency = time.perf_counter() - start
+    out.ttft, out.itl = latencies(arrivals)
     out.text, out.tokens, out.ok = "".join(parts), usage_total if usage_total is not None else counted, True
     return out
+
+
+BURST_S = 0.003
+"""Chunks arriving within this of the previous one belong to the same step (llama-server sends a cycle's
+tokens as one chunk each, ours as one chunk): they are counted as one arrival of several tokens."""
+
+
+def latencies(arrivals: list[tuple[float, int]]) -> tuple[float, list[float]]:
+    """(time to first token, inter-token latencies) from (seconds since the request, tokens) per chunk: an
+    arrival of k tokens T after the previous one counts k samples of T / k."""
+    if not arrivals:
+        return float("nan"), []
+    groups: list[list[float]] = []
+    for t, k in arrivals:
+        if groups and t - groups[-1][0] < BURST_S:
+            groups[-1] = [t, groups[-1][1] + k]
+        else:
+            groups.append([t, k])
+    itl = []
+    for (t0, _), (t1, k) in zip(groups, groups[1:]):
+        itl.extend([(t1 - t0) / k] * int(k))
+    return arrivals[0][0], itl
 
 
 async def closed_loop(
@@ -262,13 +283,16 @@ def build_rows(
             "--no-webui",
         ]
         base += ["--temp", "0", "--top-k", "1", "--log-disable"]
-        rows.append(Row("llama ar", base))
+        rows.append(Row("llama ar", base, {"cache_prompt": False}))
         for n in args.llama_draft_max:
-            draft = ["-md", str(draft_gguf), "--draft-max", str(n), "--draft-min", "0"]
-            draft += ["--draft-p-min", str(args.llama_p_min), "-td", str(args.threads)]
-            rows.append(Row(f"llama spec n={n}", base + draft))
+            draft = ["-md", str(draft_gguf), "--spec-type", "draft-simple", "--spec-draft-n-max", str(n)]
+            draft += ["--spec-draft-n-min", "0", "--spec-draft-p-min", str(args.llama_p_min)]
+            draft += ["-td", str(args.threads), "-tbd", str(args.threads)]
+            rows.append(Row(f"llama spec n={n}", base + draft, {"cache_prompt": False}))
         if args.llama_ngram:
-            rows.append(Row("llama ngram", base + ["--spec-type", "ngram-simple", "--draft-max", "8"]))
+            ngram = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3"]
+            ngram += ["--spec-ngram-simple-size-m", "8"]
+            rows.append(Row("llama ngram", base + ngram, {"cache_prompt": False}))
     return rows
 
 
@@ -278,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ours", action="append", help=f"NAME=FLAGS of serve.py (default: {DEFAULT_OURS})")
     ap.add_argument("--no-llama", action="store_true", help="only our server")
     ap.add_argument("--llama-bin", default=None, help="directory of llama-server (default: the build cache)")
-    ap.add_argument("--llama-draft-max", default="8", help="llama spec rows: --draft-max values (comma list)")
+    ap.add_argument("--llama-draft-max", default="4", help="llama spec rows: --draft-max values (comma list)")
     ap.add_argument("--llama-p-min", type=float, default=0.75)
     ap.add_argument("--llama-ngram", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--concurrency", default="1,2,4,8,16")
