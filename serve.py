@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,7 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
             state.worker.drain()  # new requests get 503 at once; those in flight finish
-            super().handle_exit(sig, frame)
+            # uvicorn.Server.handle_exit, less its record of the signal: uvicorn re-raises a recorded signal once
+            # it has shut down, so a drained server would die of its SIGTERM (exit -15) or end on a
+            # KeyboardInterrupt traceback; the drain is the shutdown the signal asked for, so main returns 0
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True  # a second Ctrl-C: stop waiting for the requests in flight
+            else:
+                self.should_exit = True
 
     uv = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=120

@@ -358,16 +358,23 @@ class _Stream:
         self.ids: list[int] = []
         self.last: float | None = None
         self.done = False
+        self._check_at = time.monotonic() + DISCONNECT_POLL_S  # next check of the client (next_item)
 
     async def next_item(self) -> Tokens | Finished | Failed | None:
-        """The job's next item; None (and the job cancelled) when the client has disconnected."""
+        """The job's next item; None (and the job cancelled) when the client has disconnected. The client is
+        checked every ``DISCONNECT_POLL_S`` whether or not items keep coming (a request decoding steadily
+        never leaves the queue empty that long)."""
         while True:
-            try:
-                return await asyncio.wait_for(self.job.queue.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
+            now = time.monotonic()
+            if now >= self._check_at:
+                self._check_at = now + DISCONNECT_POLL_S
                 if await self.request.is_disconnected():
                     self.abandon()
                     return None
+            try:
+                return await asyncio.wait_for(self.job.queue.get(), self._check_at - now)
+            except asyncio.TimeoutError:
+                pass
 
     def abandon(self) -> None:
         if not self.done:

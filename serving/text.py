@@ -5,9 +5,9 @@ the decode of all of them: a token that ends inside a multi-byte character (the 
 U+FFFD) is held until the character completes. Decoding a window of the last few tokens, not the whole
 output, keeps a step's cost constant in the output length.
 
-``StopMatcher`` cuts the text at the first occurrence of any stop string (the stop string itself is not
-returned, as OpenAI's API does) and holds back a tail that could still become one, so a streamed delta never
-has to be taken back.
+``StopMatcher`` cuts the text before the first stop string to complete (the stop string itself is not
+returned, as OpenAI's API does; the cut is the same however the text is chunked) and holds back a tail that
+could still become one, so a streamed delta never has to be taken back.
 """
 
 from __future__ import annotations
@@ -60,10 +60,12 @@ class StopMatcher:
         if not self.stops:
             return text
         buffer = self._held + text
-        cut = min((i for i in (buffer.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        # the stop that completes first (of those completing at the same character, the longest): the cut a
+        # character-at-a-time stream would make, so it does not depend on how many tokens a step commits
+        first = min(((i + len(s), i) for s in self.stops if (i := buffer.find(s)) >= 0), default=None)
+        if first is not None:
             self.stopped, self._held = True, ""
-            return buffer[:cut]
+            return buffer[: first[1]]
         hold = 0  # the longest tail of buffer that begins some stop string
         for stop in self.stops:
             for k in range(min(len(stop) - 1, len(buffer)), hold, -1):
