@@ -380,24 +380,26 @@ def main(argv: list[str] | None = None) -> int:
                     entry["loadavg"] = os.getloadavg()[0]
                     results.append(entry)
                     report(entry)
+            if args.json:  # after every row: a long run stopped early keeps what it measured
+                save(args.json, info, args, rows, results)
     table = medians(results)
     print("\n# medians over repeats")
     for entry in table:
         report(entry)
     if args.json:
-        out = {
-            "conditions": info,
-            "args": {k: v for k, v in vars(args).items()},
-            "rows": [asdict(r) for r in rows],
-        }
-        out.update(results=results, medians=table)
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1, default=str) + "\n")
+        save(args.json, info, args, rows, results)
         print(f"wrote {args.json}")
     if args.plot:
         plot(table, args.plot, info)
         print(f"wrote {args.plot}")
     return 0
+
+
+def save(path: str, info: dict, args, rows: list[Row], results: list[dict]) -> None:
+    out = {"conditions": info, "args": dict(vars(args)), "rows": [asdict(r) for r in rows]}
+    out.update(results=results, medians=medians(results))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=1, default=str) + "\n")
 
 
 def report(e: dict) -> None:

@@ -276,7 +276,9 @@ def _max_tokens(state: ServerState, body: _Body, prompt_len: int) -> int:
             400,
             f"this model's maximum context length is {state.max_context} tokens; the request needs {wanted} "
             f"({prompt_len} in the prompt, {wanted - prompt_len} to generate)",
-            "max_tokens" if asked is not None and room >= 1 else "messages",
+            "max_tokens"
+            if asked is not None and room >= 1
+            else ("messages" if isinstance(body, ChatBody) else "prompt"),
             "context_length_exceeded",
         )
     return asked if asked is not None else room
