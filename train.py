@@ -83,8 +83,8 @@ class TrainConfig(ModelConfig):
     languages: str = "it,en,zh,es"
     """Comma-separated languages of the suite to use."""
     train_prompts: int = 10
-    """Train prompts per language (the suite's train split rotates tasks: 5 covers all five; 10 x 128 tokens
-    trained a policy 1.060x the tuned static live where 5 x 64 gave 1.040x, 2026-12-02)."""
+    """Train prompts per language (the suite's train split rotates tasks: 5 covers all five, the default 10
+    each twice). Why 10: docs/architecture.md, "Why the defaults are what they are"."""
     val_prompts: int = 4
     """Validation prompts per language."""
     max_new_tokens: int = 128
@@ -103,11 +103,10 @@ class TrainConfig(ModelConfig):
     lookup: str = "auto"
     """Train for an engine with context lookup drafting (engine.lookup): "off", "on" (3-4:2+8:4), MIN-MAX:K,
     MIN-MAX:K+L:J, or "auto": "on" with the replay backend, "off" with the live one (which has no lookup);
-    stored resolved (MIN-MAX:K+L:J). Lookup cycles happen
-    in the episodes as in the engine (the policy decides the other cycles); the static baselines and validation
-    use it too. Deploy the policy on an engine with the same setting (evaluate.py's learned+lookup row,
-    generate.py --lookup auto). The default since measured: on the CPU default formats the lookup-trained
-    policy ran 1.18x autoregressive live where the one trained without ran about 1.0x (README "Results")."""
+    stored resolved (MIN-MAX:K+L:J). Lookup cycles happen in the episodes, the static baselines and
+    validation as in the engine (the policy decides the other cycles); deploy the policy on an engine with
+    the same setting (evaluate.py's learned+lookup row, generate.py --lookup auto). The default: a policy
+    trained with lookup is the faster one on the lookup engine (docs/architecture.md, "Context lookup")."""
     temperature: float = 0.0
     """0: greedy traces; > 0: sampled trajectories (the policy is then trained for sampling)."""
     temperatures: str = ""
@@ -134,10 +133,9 @@ class TrainConfig(ModelConfig):
     profile_perturbation: float | None = None
     """Randomised device: each episode also scales the draft cost, the verification slope and the overhead by
     independent log-uniform factors in [1/(1+p), 1+p] (0: the profiles as measured); none: 1.0 with the replay
-    backend, 0 with the live one (stored resolved). The default since measured: a policy trained on one
-    profile as measured, fed its device's profile re-measured a session later, fell from 1.076x to 0.981x
-    the static setting in replay; trained with p = 1 it ran 1.078x on its own profile and 1.068x on the
-    re-measured one (docs/results/README.md, 2026-12-02)."""
+    backend, 0 with the live one (stored resolved). The default keeps a policy fit for its device when the
+    device's profile drifts between measurements, at no cost on the profile itself (docs/architecture.md,
+    "Training")."""
     backend: str = "replay"
     """replay (exact traces + cost profile) or live (the real engine, wall-clock reward)."""
     reward: str = "average"

@@ -67,9 +67,11 @@ SOURCE_VERSION = "0.3.36"
 COMPLETION_NAMES = ("llama-completion", "llama-cli")
 """Autoregressive binary, newest name first (``llama-cli`` turned into a chat UI in newer llama.cpp)."""
 SPECULATIVE_NAME = "llama-speculative-simple"
+SERVER_NAME = "llama-server"
+"""llama.cpp's HTTP server (continuous batching over ``-np`` slots), the peer of ``serve.py`` under load."""
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
-    "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF",
+    "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_APP=OFF",
 )  # fmt: skip
 """Static binaries (they are copied out of the build tree), no network code, optimised for this CPU."""
 NO_AMX = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
@@ -242,6 +244,12 @@ def default_bin_dir(cache: Path | str | None = None) -> Path:
     return Path(cache) / "llama.cpp" / SOURCE_VERSION / "bin"
 
 
+def find_server(bin_dir: Path | str) -> Path | None:
+    """``llama-server`` in ``bin_dir`` when it is there and runs (``--help`` answers), else None."""
+    server = Path(bin_dir).expanduser() / SERVER_NAME
+    return server if _executable(server) and _help_text(server) else None
+
+
 def _executable(path: Path) -> bool:
     return path.is_file() and os.access(path, os.X_OK)
 
@@ -377,8 +385,8 @@ def build_binaries(bin_dir: Path | str, jobs: int = 1, niceness: int = 19, echo=
             raise LlamaCppUnavailable("neither tools/completion nor tools/cli in this llama.cpp")
         build = tmp / "build"
         echo(
-            f"llama.cpp: building {completion} and {SPECULATIVE_NAME} with -j{jobs} (about 10 min at -j1 "
-            f"on 2 cores), log: {log_path}",
+            f"llama.cpp: building {completion}, {SPECULATIVE_NAME} and {SERVER_NAME} with -j{jobs} (about 15 "
+            f"min at -j1 on 2 cores), log: {log_path}",
             flush=True,
         )
         started = time.perf_counter()
@@ -398,11 +406,12 @@ def build_binaries(bin_dir: Path | str, jobs: int = 1, niceness: int = 19, echo=
                 "--target",
                 completion,
                 SPECULATIVE_NAME,
+                SERVER_NAME,
             ],
             log,
         )
         bin_dir.mkdir(parents=True, exist_ok=True)
-        for name in (completion, SPECULATIVE_NAME):
+        for name in (completion, SPECULATIVE_NAME, SERVER_NAME):
             built = build / "bin" / name
             if not _executable(built):
                 raise LlamaCppUnavailable(f"the build did not produce bin/{name}, see {log_path}")

@@ -91,6 +91,9 @@ class BatchRequest:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop_token_ids: Iterable[int] = frozenset()
     """Token ids that end the request (committed, finish reason "stop"), besides the pair's EOS ids."""
+    ignore_eos: bool = False
+    """Decode past the pair's EOS ids (to ``max_new_tokens``, the context or a stop token): fixed-length
+    outputs for benchmarks; the law of every token is still the target's."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,8 @@ class BatchedEngine:
         prompt_ids, max_new = self.engine._check_request(
             request.prompt, request.max_new_tokens, request.controller, request.seed, request.sampling
         )
+        if not isinstance(request.ignore_eos, bool):
+            raise InputError(f"ignore_eos must be True or False, got {short_repr(request.ignore_eos)}")
         stop = request.stop_token_ids
         if isinstance(stop, (str, bytes)) or not isinstance(stop, Iterable):
             raise InputError(f"stop_token_ids must be a collection of token ids, got {short_repr(stop)}")
@@ -183,7 +188,8 @@ class BatchedEngine:
             controller,
             int(request.seed),
             request.sampling,
-            self.pair.eos_token_ids | frozenset(int(t) for t in stop),
+            (frozenset() if request.ignore_eos else self.pair.eos_token_ids)
+            | frozenset(int(t) for t in stop),
             tree_cap,
         )
         return rid

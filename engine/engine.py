@@ -652,10 +652,9 @@ class SpeculativeEngine:
         )
 
     def _finish_reason(self, req: _Request, prompt_len: int, max_new_tokens: int) -> str | None:
-        if req.tokens[-1] in self.pair.eos_token_ids:
-            return "eos"
-        if req.tokens[-1] in req.stop_ids:
-            return "stop"
+        last = req.tokens[-1]
+        if last in req.stop_ids:  # the pair's EOS ids unless the request ignores them, and its stop tokens
+            return "eos" if last in self.pair.eos_token_ids else "stop"
         if len(req.tokens) - prompt_len >= max_new_tokens:
             return "length"
         if len(req.tokens) >= self.pair.max_context:

@@ -84,9 +84,21 @@ def build(
     from torch.utils.cpp_extension import load
 
     directory.mkdir(parents=True, exist_ok=True)
+    # compile copies kept in the build directory: torch writes the sources' absolute paths into build.ninja,
+    # so compiling another checkout's files (a worktree, an installed copy) would rebuild the cached
+    # extension every time the checkout changes; a copy is rewritten only when its content differs
+    staged = directory / "src"
+    staged.mkdir(exist_ok=True)
+    for path in SOURCES + HEADERS:
+        data = ((sources or CSRC) / path.name).read_bytes()
+        copy = staged / path.name
+        if not copy.is_file() or copy.read_bytes() != data:
+            partial = copy.with_name(f".{copy.name}.{os.getpid()}.partial")
+            partial.write_bytes(data)
+            os.replace(partial, copy)
     return load(
         name=name,
-        sources=[str((sources or CSRC) / path.name) for path in SOURCES],
+        sources=[str(staged / path.name) for path in SOURCES],
         extra_cflags=list(CFLAGS) + [f"-D{d}" for d in defines],
         extra_ldflags=list(LDFLAGS),
         build_directory=str(directory),

@@ -1,7 +1,8 @@
 """The packages depend one way (docs/architecture.md "Modules"): the engine imports none of the others, the
 environments do not import the controllers or the evaluation, the controllers do not import the
-evaluation, and of the controllers only the training modules (PPO, imitation) import the environments. Every import is
-checked, function-level ones included (they hide cycles)."""
+evaluation, of the controllers only the training modules (PPO, imitation) import the environments, and the server
+(serving/) imports only the engine and the controllers' inference code. Every import is checked, function-level ones
+included (they hide cycles)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("engine", "envs", "policies", "evaluation")
+PACKAGES = ("engine", "envs", "policies", "evaluation", "serving")
 FORBIDDEN = {
-    "engine": {"envs", "policies", "evaluation"},
-    "envs": {"policies", "evaluation"},
-    "policies": {"envs", "evaluation"},
-    "evaluation": set(),
+    "engine": {"envs", "policies", "evaluation", "serving"},
+    "envs": {"policies", "evaluation", "serving"},
+    "policies": {"envs", "evaluation", "serving"},
+    "evaluation": {"serving"},
+    # the server is on the inference path: no training code
+    "serving": {"envs", "evaluation", "stable_baselines3", "gymnasium"},
 }
 ALLOWED = {
     ("policies/ppo.py", "envs"),  # training code: PPO on the environments (never on the inference path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from dataclasses import dataclass, field
 
 import pytest
@@ -18,6 +19,7 @@ from engine.cli import ArgumentParser, ModelConfig, add_dataclass_args, from_arg
 from engine.errors import InputError
 from engine.models import load_pair, pair_name, split_pair
 from envs import record_traces
+from evaluation import shift
 from tests_helpers import one_error_line
 
 
@@ -81,6 +83,39 @@ def test_model_config_refuses_negative_threads():
 )
 def test_every_command_line_config_extends_model_config(config_class):
     assert issubclass(config_class, ModelConfig)
+
+
+HISTORY = re.compile(r"\b20\d\d-\d\d\b|\b\d+\.\d+ ?[x×]|\bXeon\b|\bEPYC\b|\bZen \d|\bsession\b|\bmeasured:")
+"""What a measurement quotes: a date, a ratio (1.06x), a CPU, a session."""
+
+
+def _shift_parser() -> argparse.ArgumentParser:
+    ap = ArgumentParser(prog="python evaluate.py shift")
+    add_dataclass_args(ap, shift.ShiftConfig)
+    return ap
+
+
+@pytest.mark.parametrize(
+    "build_parser",
+    [
+        train.build_parser,
+        evaluate.build_parser,
+        _shift_parser,
+        generate.build_parser,
+        record_traces.build_parser,
+        measure_costs.build_parser,
+    ],
+)
+def test_flag_help_says_what_a_flag_does_without_history(build_parser):
+    """A flag's help (its field's docstring) says what the flag does and why its default; the measurements
+    behind a default live in docs/ (docs/architecture.md, "Why the defaults are what they are")."""
+    quoted = {
+        action.option_strings[0]: action.help
+        for action in build_parser()._actions
+        if action.help and HISTORY.search(action.help)
+    }
+    assert quoted == {}
+    assert HISTORY.search("fell from 1.076x to 0.981x (2026-12-02)")  # negative control: it is caught
 
 
 def test_the_pair_syntax_has_one_parser():

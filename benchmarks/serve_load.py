@@ -1,0 +1,455 @@
+"""Load benchmark: our server (serve.py) and llama.cpp's llama-server under the same load, same GGUF files,
+same threads, same prompt tokens.
+
+Every row is a server started for the row and stopped after it:
+
+* ``ours <name>``: ``serve.py`` with the row's flags (``--ours NAME=FLAGS``, e.g.
+  ``--ours "ar=--autoregressive" --ours "static=--policy none --depth 1"``);
+* ``llama <name>``: ``llama-server`` (``-np`` slots, continuous batching) autoregressive, with the draft
+  model (``--draft-max``), and with its n-gram lookup (``--spec-type ngram-simple``), as separate rows.
+
+Each row runs the closed-loop levels (N clients, each sending its next request when the last one ended; N in
+``--concurrency``; 2N requests, at least ``--min-requests``) and the Poisson levels (requests arriving at
+``--rates`` per second, ``--poisson-requests`` of them). Requests are /v1/completions with the chat-templated
+prompt as token ids (both servers read token-id prompts, so both see the same tokens), greedy, streaming,
+``max_tokens`` with ``ignore_eos`` (both servers honour it: every request does the same work), and
+llama-server's prompt cache off (``cache_prompt: false``: our server has no prefix cache, and the
+benchmark repeats its prompts, which llama-server would otherwise not prefill again). Rows are
+interleaved and the whole set repeated ``--repeats`` times in rotated order, so drift hits all rows alike.
+
+Per row and level: aggregate tokens/s (completion tokens over the level's wall time), TTFT, inter-token
+latency (an arrival of k tokens after a gap T counts k samples of T / k; chunks within ``BURST_S`` of each
+other are one arrival) and request latency percentiles, the
+server's peak resident memory (``VmHWM``), and greedy identity: the share of requests whose text equals the
+same prompt's text at concurrency 1 in the same row (a batch-invariant server gives 100%).
+
+    python benchmarks/serve_load.py --pair tiny --ours "ar=--autoregressive" --no-llama --concurrency 1,4 --max-tokens 16
+    python benchmarks/serve_load.py --json runs/serve_load.json --plot runs/serve_load.png
+
+Prints one line per row and level and, with --json, writes every figure with the machine's conditions (CPU,
+threads, load averages). Never run it while another heavy job runs: the figures would measure contention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine.measure_costs import device_name  # noqa: E402
+from envs.prompts import interleave_languages, load_suite  # noqa: E402
+from serving.launch import ServerProcess, free_port, peak_rss_mb, prompt_ids  # noqa: E402
+
+DEFAULT_OURS = ("ar=--autoregressive", "static=--policy none --depth 1 --lookup on")
+
+
+def _llama_cpp():
+    spec = importlib.util.spec_from_file_location(
+        "draftpilot_llama_cpp", ROOT / "benchmarks" / "llama_cpp.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+# ------------------------------------------------------------------------------------------- servers
+@dataclass
+class Row:
+    name: str
+    command: list[str]
+    extra_body: dict = field(default_factory=dict)
+    """Fields every request adds (ours: continuous usage, token ids)."""
+
+
+# ----------------------------------------------------------------------------------------------- load
+@dataclass
+class Outcome:
+    prompt: int
+    ok: bool
+    text: str = ""
+    tokens: int = 0
+    ttft: float = float("nan")
+    latency: float = float("nan")
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+async def one_request(client: httpx.AsyncClient, url: str, row: Row, prompt_index: int, ids: list[int], max_tokens: int) -> Outcome:  # fmt: skip
+    body = {
+        "model": "draftpilot",
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+        **row.extra_body,
+    }
+    start = time.perf_counter()
+    out = Outcome(prompt_index, False)
+    arrivals, parts, counted, usage_total = [], [], 0, None
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                out.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return out
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    out.error = str(chunk["error"])[:200]
+                    return out
+                usage = chunk.get("usage")
+                choices = chunk.get("choices") or []
+                if not choices:
+                    if usage:
+                        usage_total = usage.get("completion_tokens")
+                    continue
+                text = choices[0].get("text") or ""
+                if "token_ids" in choices[0]:  # ours (return_token_ids): the tokens of this chunk
+                    k = len(choices[0]["token_ids"])
+                elif usage and usage.get("completion_tokens") is not None:
+                    k = usage["completion_tokens"] - counted
+                else:
+                    k = 1 if (text or choices[0].get("finish_reason") is None) else 0
+                if k <= 0:
+                    parts.append(text)
+                    continue
+                arrivals.append((time.perf_counter() - start, k))
+                counted += k
+                parts.append(text)
+    except (httpx.HTTPError, json.JSONDecodeError) as err:
+        out.error = f"{type(err).__name__}: {err}"
+        return out
+    out.latency = time.perf_counter() - start
+    out.ttft, out.itl = latencies(arrivals)
+    out.text, out.tokens, out.ok = "".join(parts), usage_total if usage_total is not None else counted, True
+    return out
+
+
+BURST_S = 0.003
+"""Chunks arriving within this of the previous one belong to the same step (llama-server sends a cycle's
+tokens as one chunk each, ours as one chunk): they are counted as one arrival of several tokens."""
+
+
+def latencies(arrivals: list[tuple[float, int]]) -> tuple[float, list[float]]:
+    """(time to first token, inter-token latencies) from (seconds since the request, tokens) per chunk: an
+    arrival of k tokens T after the previous one counts k samples of T / k."""
+    if not arrivals:
+        return float("nan"), []
+    groups: list[list[float]] = []
+    for t, k in arrivals:
+        if groups and t - groups[-1][0] < BURST_S:
+            groups[-1] = [t, groups[-1][1] + k]
+        else:
+            groups.append([t, k])
+    itl = []
+    for (t0, _), (t1, k) in zip(groups, groups[1:]):
+        itl.extend([(t1 - t0) / k] * int(k))
+    return arrivals[0][0], itl
+
+
+async def closed_loop(
+    url: str, row: Row, prompts: list[list[int]], clients: int, requests: int, max_tokens: int
+):
+    order = [i % len(prompts) for i in range(requests)]
+    queue = list(enumerate(order))
+    outcomes: list[Outcome] = []
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+
+        async def worker():
+            while queue:
+                _, p = queue.pop(0)
+                outcomes.append(await one_request(client, url, row, p, prompts[p], max_tokens))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        wall = time.perf_counter() - start
+    return outcomes, wall
+
+
+async def poisson(url: str, row: Row, prompts: list[list[int]], rate: float, requests: int, max_tokens: int, seed: int):  # fmt: skip
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=requests + 4, max_keepalive_connections=requests + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        tasks = []
+        start = time.perf_counter()
+        for i in range(requests):
+            p = i % len(prompts)
+            tasks.append(asyncio.create_task(one_request(client, url, row, p, prompts[p], max_tokens)))
+            await asyncio.sleep(rng.expovariate(rate))
+        outcomes = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - start
+    return list(outcomes), wall
+
+
+def summarize(outcomes: list[Outcome], wall: float, reference: dict[int, str]) -> dict:
+    good = [o for o in outcomes if o.ok]
+    itl = [x for o in good for x in o.itl]
+    same = [o.text == reference[o.prompt] for o in good if o.prompt in reference]
+    return {
+        "requests": len(outcomes),
+        "errors": len(outcomes) - len(good),
+        "first_error": next((o.error for o in outcomes if not o.ok), ""),
+        "tokens": sum(o.tokens for o in good),
+        "wall_s": wall,
+        "tok_s": sum(o.tokens for o in good) / wall if wall > 0 else float("nan"),
+        **{f"ttft_p{q}": percentile([o.ttft for o in good], q / 100) for q in (50, 90, 99)},
+        **{f"itl_p{q}": percentile(itl, q / 100) for q in (50, 90, 99)},
+        **{f"latency_p{q}": percentile([o.latency for o in good], q / 100) for q in (50, 99)},
+        "identical": (sum(same) / len(same)) if same else float("nan"),
+        # one request's decoding rate after its first token (the figure batch-one benchmarks report)
+        "decode_tok_s": statistics.median(
+            [(o.tokens - 1) / (o.latency - o.ttft) for o in good if o.tokens > 1 and o.latency > o.ttft]
+            or [float("nan")]
+        ),
+    }
+
+
+# ----------------------------------------------------------------------------------------------- main
+def conditions(threads: int) -> dict:
+    cpu = "unknown"
+    try:
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "device": device_name(torch.device("cpu")),
+        "threads": threads,
+        "loadavg": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def build_rows(
+    args, target_gguf: Path | None, draft_gguf: Path | None, llama_server: Path | None
+) -> list[Row]:
+    rows = []
+    slots = max(args.concurrency)
+    for spec in args.ours:
+        name, _, flags = spec.partition("=")
+        command = [
+            sys.executable,
+            str(ROOT / "serve.py"),
+            "--pair",
+            args.pair,
+            "--threads",
+            str(args.threads),
+        ]
+        command += ["--max-requests", str(slots), "--max-waiting", "1024", "--log-level", "warning"]
+        rows.append(Row(f"ours {name}", command + flags.split(), {"return_token_ids": True}))
+    if llama_server is not None:
+        base = [str(llama_server), "-m", str(target_gguf), "--host", "127.0.0.1", "-t", str(args.threads)]
+        base += [
+            "-tb",
+            str(args.threads),
+            "-np",
+            str(slots),
+            "-c",
+            str(slots * args.slot_context),
+            "--no-webui",
+        ]
+        base += ["--temp", "0", "--top-k", "1", "--log-disable"]
+        rows.append(Row("llama ar", base, {"cache_prompt": False}))
+        for n in args.llama_draft_max:
+            draft = ["-md", str(draft_gguf), "--spec-type", "draft-simple", "--spec-draft-n-max", str(n)]
+            draft += ["--spec-draft-n-min", "0", "--spec-draft-p-min", str(args.llama_p_min)]
+            draft += ["-td", str(args.threads), "-tbd", str(args.threads)]
+            rows.append(Row(f"llama spec n={n}", base + draft, {"cache_prompt": False}))
+        if args.llama_ngram:
+            ngram = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3"]
+            ngram += ["--spec-ngram-simple-size-m", "8"]
+            rows.append(Row("llama ngram", base + ngram, {"cache_prompt": False}))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python benchmarks/serve_load.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pair", default="qwen2.5-coder")
+    ap.add_argument("--ours", action="append", help=f"NAME=FLAGS of serve.py (default: {DEFAULT_OURS})")
+    ap.add_argument("--no-llama", action="store_true", help="only our server")
+    ap.add_argument("--llama-bin", default=None, help="directory of llama-server (default: the build cache)")
+    ap.add_argument("--llama-draft-max", default="4", help="llama spec rows: --draft-max values (comma list)")
+    ap.add_argument("--llama-p-min", type=float, default=0.75)
+    ap.add_argument("--llama-ngram", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--concurrency", default="1,2,4,8,16")
+    ap.add_argument(
+        "--rates", default="", help="Poisson arrival rates, requests/s (comma list; none by default)"
+    )
+    ap.add_argument("--poisson-requests", type=int, default=12)
+    ap.add_argument("--min-requests", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompts-per-language", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--slot-context", type=int, default=2048, help="llama-server context per slot")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None)
+    args = ap.parse_args(argv)
+    args.ours = args.ours or list(DEFAULT_OURS)
+    args.concurrency = [int(x) for x in args.concurrency.split(",") if x]
+    args.rates = [float(x) for x in args.rates.split(",") if x]
+    args.llama_draft_max = [int(x) for x in args.llama_draft_max.split(",") if x]
+    if not args.concurrency or min(args.concurrency) < 1 or 1 not in args.concurrency:
+        ap.error("--concurrency must list positive levels, 1 among them (the identity reference)")
+
+    suite = interleave_languages(load_suite(split="test", limit_per_language=args.prompts_per_language))
+    prompts = [prompt_ids(args.pair, item["prompt"]) for item in suite]
+
+    target = draft = server = None
+    if not args.no_llama:
+        if args.pair != "qwen2.5-coder":
+            print("skipped llama-server rows: only the default pair has GGUF files", flush=True)
+        else:
+            lc = _llama_cpp()
+            from engine.weights import DEFAULT_PAIRS, fetch_gguf
+
+            t_spec, d_spec = DEFAULT_PAIRS[args.pair]
+            target, draft = fetch_gguf(t_spec, progress=False), fetch_gguf(d_spec, progress=False)
+            server = lc.find_server(Path(args.llama_bin) if args.llama_bin else lc.default_bin_dir())
+            if server is None:
+                print("skipped llama-server rows: no llama-server binary (benchmarks/llama_cpp.py builds it)")
+    rows = build_rows(args, target, draft, server)
+    info = conditions(args.threads)
+    print(
+        f"# {info['cpu']} threads={args.threads} loadavg={info['loadavg']} prompts={len(prompts)}", flush=True
+    )
+    logs = ROOT / "runs" / "serve_load_logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    results = []
+    for repeat in range(args.repeats):
+        order = rows[repeat % len(rows) :] + rows[: repeat % len(rows)]
+        for row in order:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            log = logs / f"{row.name.replace(' ', '_')}.log"
+            with ServerProcess(row.name, row.command + ["--port", str(port)], port, log, cwd=ROOT) as srv:
+                asyncio.run(closed_loop(url, row, prompts[:1], 1, 1, 8))  # warm-up
+                reference: dict[int, str] = {}
+                for level in sorted(args.concurrency):
+                    requests = max(args.min_requests, 2 * level, len(prompts) if level == 1 else 0)
+                    outcomes, wall = asyncio.run(
+                        closed_loop(url, row, prompts, level, requests, args.max_tokens)
+                    )
+                    if level == 1:
+                        reference = {o.prompt: o.text for o in outcomes if o.ok}
+                    entry = {"row": row.name, "repeat": repeat, "mode": "closed", "level": level}
+                    entry.update(summarize(outcomes, wall, reference), peak_rss_mb=peak_rss_mb(srv.proc.pid))
+                    entry["loadavg"] = os.getloadavg()[0]
+                    results.append(entry)
+                    report(entry)
+                for rate in args.rates:
+                    outcomes, wall = asyncio.run(
+                        poisson(url, row, prompts, rate, args.poisson_requests, args.max_tokens, seed=repeat)
+                    )
+                    entry = {"row": row.name, "repeat": repeat, "mode": "poisson", "level": rate}
+                    entry.update(summarize(outcomes, wall, reference), peak_rss_mb=peak_rss_mb(srv.proc.pid))
+                    entry["loadavg"] = os.getloadavg()[0]
+                    results.append(entry)
+                    report(entry)
+            if args.json:  # after every row: a long run stopped early keeps what it measured
+                save(args.json, info, args, rows, results)
+    table = medians(results)
+    print("\n# medians over repeats")
+    for entry in table:
+        report(entry)
+    if args.json:
+        save(args.json, info, args, rows, results)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(table, args.plot, info)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def save(path: str, info: dict, args, rows: list[Row], results: list[dict]) -> None:
+    out = {"conditions": info, "args": dict(vars(args)), "rows": [asdict(r) for r in rows]}
+    out.update(results=results, medians=medians(results))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=1, default=str) + "\n")
+
+
+def report(e: dict) -> None:
+    unit = "clients" if e["mode"] == "closed" else "req/s"
+    print(
+        f"{e['row']:18s} {e['mode']:7s} {e['level']:>5g} {unit:7s} tok/s {e['tok_s']:7.2f} (1 req {e['decode_tok_s']:5.2f})  "
+        f"ttft p50 {e['ttft_p50']:6.3f} p99 {e['ttft_p99']:6.3f}  itl p50 {e['itl_p50'] * 1e3:6.1f} "
+        f"p99 {e['itl_p99'] * 1e3:6.1f} ms  lat p50 {e['latency_p50']:6.2f} p99 {e['latency_p99']:6.2f}  "
+        f"same {e['identical']:.0%}  err {e['errors']}  rss {e['peak_rss_mb']:.0f} MB  load {e['loadavg']:.2f}",
+        flush=True,
+    )
+
+
+def medians(results: list[dict]) -> list[dict]:
+    keys = sorted({(r["row"], r["mode"], r["level"]) for r in results}, key=lambda k: (k[1], k[0], k[2]))
+    out = []
+    for row, mode, level in keys:
+        group = [r for r in results if (r["row"], r["mode"], r["level"]) == (row, mode, level)]
+        entry = {"row": row, "mode": mode, "level": level, "repeats": len(group)}
+        for key, value in group[0].items():
+            if isinstance(value, (int, float)) and key not in ("repeat", "level"):
+                entry[key] = statistics.median(g[key] for g in group)
+        entry["errors"] = sum(g["errors"] for g in group)
+        entry["identical"] = min(g["identical"] for g in group)
+        out.append(entry)
+    return out
+
+
+def plot(table: list[dict], path: str, info: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    closed = [e for e in table if e["mode"] == "closed"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for row in dict.fromkeys(e["row"] for e in closed):
+        pts = sorted((e["level"], e["tok_s"], e["itl_p99"] * 1e3) for e in closed if e["row"] == row)
+        a.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=row)
+        b.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=row)
+    for ax, label in ((a, "aggregate tokens/s"), (b, "p99 inter-token latency (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    a.legend(fontsize=8)
+    fig.suptitle(f"{info['cpu']}, {info['threads']} threads, {info['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""Soak test of the server: mixed clients for a fixed time, then a verdict.
+
+Starts ``serve.py`` (the row's flags after ``--``) and runs, for ``--minutes``, a bounded set of client
+loops at once, each stopping at the deadline:
+
+* greedy clients (streaming and not): every answer must equal that prompt's reference answer, taken alone
+  at the start (batch invariance: whoever else is in the batch);
+* sampled clients (temperature 0.8, top_p 0.95, a seed per prompt): every answer must equal the first
+  answer given to the same prompt and seed;
+* disconnecting clients: open a stream, read a few chunks, drop the connection;
+* bad clients: unknown model, negative max_tokens, malformed JSON, a prompt past the context: each must get
+  its 4xx;
+* bursts past the waiting line: each request must get 200 or 429, never an error or a hang.
+
+Every 10 s it samples the server's resident memory (``VmRSS``) and ``/health``. The verdict (exit status 1
+when it fails): no valid request failed, every bad request got its 4xx, no slot leaked (``running`` and
+``waiting`` back to 0 when the clients stop), memory flat (the median RSS of the last fifth of the run
+within ``--rss-slack`` of that of the second fifth, after warm-up).
+
+    python benchmarks/serve_soak.py --minutes 30 --json runs/soak.json -- --policy none --depth 1 --lookup on
+    python benchmarks/serve_soak.py --minutes 0.5 -- --pair tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from serving.launch import ServerProcess, free_port, prompt_ids, rss_mb  # noqa: E402
+
+
+async def request(client, base, body, stream):
+    """(status, text or error message)."""
+    if not stream:
+        r = await client.post(base + "/v1/completions", json=body)
+        if r.status_code != 200:
+            return r.status_code, r.text[:200]
+        return 200, r.json()["choices"][0]["text"]
+    parts = []
+    async with client.stream("POST", base + "/v1/completions", json={**body, "stream": True}) as r:
+        if r.status_code != 200:
+            return r.status_code, (await r.aread())[:200].decode(errors="replace")
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line[6:] != "[DONE]":
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return 500, str(chunk["error"])
+                parts.extend(c.get("text") or "" for c in chunk.get("choices", []))
+    return 200, "".join(parts)
+
+
+async def soak(
+    base: str, prompts: list[list[int]], minutes: float, args, stats: Counter, problems: list[str]
+):
+    deadline = time.time() + minutes * 60
+    greedy = {"model": "draftpilot", "temperature": 0, "max_tokens": args.max_tokens}
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
+        reference = {}
+        for i, ids in enumerate(prompts):  # alone, before the load starts
+            status, text = await request(client, base, {**greedy, "prompt": ids}, stream=False)
+            if status != 200:
+                problems.append(f"reference request {i} failed: {status} {text}")
+                return
+            reference[i] = text
+        sampled_seen: dict[tuple[int, int], str] = {}
+
+        async def greedy_client(k):
+            rng = random.Random(k)
+            while time.time() < deadline:
+                i = rng.randrange(len(prompts))
+                status, text = await request(
+                    client, base, {**greedy, "prompt": prompts[i]}, stream=rng.random() < 0.5
+                )
+                stats["greedy"] += 1
+                if status != 200:
+                    problems.append(f"greedy request failed: {status} {text}")
+                elif text != reference[i]:
+                    problems.append(f"greedy answer to prompt {i} differs from its answer alone")
+
+        async def sampled_client(k):
+            rng = random.Random(100 + k)
+            while time.time() < deadline:
+                i, seed = rng.randrange(len(prompts)), rng.randrange(3)
+                body = {**greedy, "prompt": prompts[i], "temperature": 0.8, "top_p": 0.95, "seed": seed}
+                status, text = await request(client, base, body, stream=rng.random() < 0.5)
+                stats["sampled"] += 1
+                if status != 200:
+                    problems.append(f"sampled request failed: {status} {text}")
+                elif sampled_seen.setdefault((i, seed), text) != text:
+                    problems.append(f"sampled answer to prompt {i} seed {seed} changed")
+
+        async def leaving_client(k):
+            rng = random.Random(200 + k)
+            while time.time() < deadline:
+                body = {**greedy, "prompt": prompts[rng.randrange(len(prompts))], "stream": True}
+                body.update(max_tokens=args.max_tokens * 4, ignore_eos=True)
+                try:
+                    async with client.stream("POST", base + "/v1/completions", json=body) as r:
+                        seen = 0
+                        async for line in r.aiter_lines():
+                            seen += line.startswith("data: ")
+                            if seen >= rng.randint(1, 4):
+                                break  # leaving the block closes the connection mid-stream
+                except httpx.HTTPError as err:
+                    problems.append(f"disconnecting client: {type(err).__name__}: {err}")
+                stats["disconnected"] += 1
+                await asyncio.sleep(rng.uniform(0.5, 3))
+
+        async def bad_client(k):
+            rng = random.Random(300 + k)
+            cases = [
+                ({**greedy, "model": "nope", "prompt": "x"}, 404),
+                ({**greedy, "prompt": "x", "max_tokens": -1}, 400),
+                (None, 400),
+                ({**greedy, "prompt": [1] * (args.max_context + 1)}, 400),
+                ({**greedy, "prompt": "x", "n": 3}, 400),
+            ]
+            while time.time() < deadline:
+                body, want = rng.choice(cases)
+                if body is None:
+                    r = await client.post(base + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})  # fmt: skip
+                else:
+                    r = await client.post(base + "/v1/completions", json=body)
+                stats["bad"] += 1
+                if r.status_code != want or "error" not in r.json():
+                    problems.append(f"bad request got {r.status_code}, wanted {want}: {r.text[:120]}")
+                await asyncio.sleep(rng.uniform(0.2, 2))
+
+        async def burst_client(k):
+            rng = random.Random(400 + k)
+            while time.time() < deadline:
+                await asyncio.sleep(rng.uniform(5, 40))
+                if time.time() >= deadline:
+                    break
+                body = {**greedy, "prompt": prompts[0], "max_tokens": 4}
+                results = await asyncio.gather(
+                    *(request(client, base, body, False) for _ in range(args.burst))
+                )
+                for status, text in results:
+                    stats[f"burst {status}"] += 1
+                    if status not in (200, 429):
+                        problems.append(f"burst request got {status}: {text}")
+
+        loops = [greedy_client(k) for k in range(args.greedy_clients)]
+        loops += [sampled_client(k) for k in range(args.sampled_clients)]
+        loops += [leaving_client(k) for k in range(args.leaving_clients)]
+        loops += [bad_client(k) for k in range(args.bad_clients)]
+        loops += [burst_client(0)] if args.burst else []
+        await asyncio.gather(*loops)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    server_flags = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(prog="python benchmarks/serve_soak.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=30.0)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-context", type=int, default=1024)
+    ap.add_argument("--max-requests", type=int, default=4)
+    ap.add_argument("--max-waiting", type=int, default=8)
+    ap.add_argument("--greedy-clients", type=int, default=3)
+    ap.add_argument("--sampled-clients", type=int, default=2)
+    ap.add_argument("--leaving-clients", type=int, default=1)
+    ap.add_argument("--bad-clients", type=int, default=1)
+    ap.add_argument(
+        "--burst", type=int, default=16, help="requests of a burst past the waiting line (0: none)"
+    )
+    ap.add_argument("--prompts-per-language", type=int, default=1)
+    ap.add_argument(
+        "--rss-slack", type=float, default=0.05, help="allowed relative growth of resident memory"
+    )
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    pair = server_flags[server_flags.index("--pair") + 1] if "--pair" in server_flags else "qwen2.5-coder"
+
+    from envs.prompts import interleave_languages, load_suite
+
+    suite = interleave_languages(load_suite(split="test", limit_per_language=args.prompts_per_language))
+    prompts = [prompt_ids(pair, item["prompt"]) for item in suite]
+    port = free_port()
+    command = [sys.executable, str(ROOT / "serve.py"), "--port", str(port), "--log-level", "warning"]
+    command += ["--max-requests", str(args.max_requests), "--max-waiting", str(args.max_waiting)]
+    command += ["--max-context", str(args.max_context), *server_flags]
+    base = f"http://127.0.0.1:{port}"
+    stats, problems, samples = Counter(), [], []
+    log = ROOT / "runs" / "serve_soak.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    with ServerProcess("ours soak", command, port, log, cwd=ROOT) as srv:
+
+        async def run():
+            async def sampler():
+                while True:
+                    try:
+                        health = httpx.get(base + "/health", timeout=10).json()
+                    except httpx.HTTPError:
+                        health = {}
+                    samples.append(
+                        (
+                            time.time() - started,
+                            rss_mb(srv.proc.pid),
+                            health.get("running"),
+                            health.get("waiting"),
+                        )
+                    )
+                    await asyncio.sleep(10)
+
+            task = asyncio.create_task(sampler())
+            try:
+                await soak(base, prompts, args.minutes, args, stats, problems)
+            finally:
+                task.cancel()
+
+        asyncio.run(run())
+        time.sleep(2)  # the last cancellations are applied between steps
+        health = httpx.get(base + "/health", timeout=10).json()
+        final_rss = rss_mb(srv.proc.pid)
+    leaked = health.get("running", 0) or health.get("waiting", 0)
+    if leaked:
+        problems.append(
+            f"slots leaked: running {health.get('running')}, waiting {health.get('waiting')} after the clients stopped"
+        )
+    rss = [s[1] for s in samples]
+    fifth = max(1, len(rss) // 5)
+    early, late = statistics.median(rss[fifth : 2 * fifth] or rss), statistics.median(rss[-fifth:])
+    growth = late / early - 1 if early else 0.0
+    if len(rss) >= 10 and growth > args.rss_slack:
+        problems.append(f"resident memory grew {growth:+.1%} (median {early:.0f} -> {late:.0f} MB)")
+    unique = sorted(set(problems))
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')} {args.minutes:g} min, server flags: {' '.join(server_flags)}")
+    print("requests: " + ", ".join(f"{k} {v}" for k, v in sorted(stats.items())))
+    print(
+        f"memory: {early:.0f} MB early, {late:.0f} MB late ({growth:+.1%}), {final_rss:.0f} MB at the end; samples {len(rss)}"
+    )
+    print(f"health at the end: running {health.get('running')}, waiting {health.get('waiting')}")
+    print(f"problems: {len(problems)}" + "".join(f"\n  {p}" for p in unique[:20]))
+    if args.json:
+        out = {"args": vars(args), "server_flags": server_flags, "stats": dict(stats), "problems": unique}
+        out.update(samples=samples, rss_growth=growth, final_health=health, loadavg=os.getloadavg())
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    print("PASS" if not problems else "FAIL")
+    return 0 if not problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""Command line: an OpenAI-compatible server over the continuous-batching exact engine.
+
+python serve.py                                            # default pair, runs/main/policy.pt if trained
+python serve.py --pair tiny --port 8001                    # the tiny test pair (no weights to fetch)
+python serve.py --autoregressive --max-requests 16         # no speculation, 16 requests batched
+python serve.py --policy runs/main/policy.pt --lookup on   # a trained policy, context lookup on
+
+Every request decodes in one shared batch (``engine.batch.BatchedEngine``); a greedy request's tokens are
+those of the same request decoded alone, whoever else is in the batch. Routes, parameters and errors:
+docs/serving.md. The server listens on loopback unless --host says otherwise; Ctrl-C (SIGINT/SIGTERM) stops
+accepting requests and finishes the ones in flight.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.batch import BatchConfig
+from engine.cli import (
+    CLI_ERRORS,
+    ArgumentParser,
+    ModelConfig,
+    add_dataclass_args,
+    check_positive,
+    from_args,
+    report_error,
+    warn,
+)
+from engine.control import StaticController
+from engine.engine import EngineConfig
+from engine.errors import InputError
+from engine.lookup import describe_lookup, resolve_lookup
+
+DEFAULT_POLICY = Path("runs/main/policy.pt")
+"""Where ``train.py`` exports the main job's policy; ``--policy auto`` uses it when it exists."""
+
+
+@dataclass
+class ServeConfig(ModelConfig):
+    """The server: the pair (``ModelConfig``), where it listens, how each request is controlled, the batch."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on (loopback by default)."""
+    port: int = 8000
+    """TCP port."""
+    served_model_name: str = "draftpilot"
+    """The model name clients send and /v1/models lists (the pair's name is accepted too)."""
+    policy: str = "auto"
+    """Exported policy file for every request's controller; "auto": runs/main/policy.pt when it exists, else
+    the static setting (--depth/--verify); "none": the static setting."""
+    autoregressive: bool = False
+    """No speculation: every request decodes autoregressively (lookup cycles only, with --lookup)."""
+    depth: int = 1
+    """Static draft depth (without a policy)."""
+    verify: int | None = None
+    """Static nodes to verify (none: the depth)."""
+    tree_width: int = 1
+    """Static drafting: 1 drafts a chain, k > 1 a tree of width k."""
+    lookup: str = "auto"
+    """Context lookup drafting: "auto" (the policy's trained setting, else off), "off", "on", or MIN-MAX:K[+L:J]
+    as in generate.py."""
+    draft_mode: str = "deterministic"
+    """deterministic (top-k trees, argmax chains) or sampled (chains drawn from the draft)."""
+    max_requests: int = 8
+    """Requests decoded together at most; more wait for a slot."""
+    max_rows: int = 64
+    """Rows of one forward at most (every request's row plus the drafted nodes they verify)."""
+    max_waiting: int = 64
+    """Requests waiting for a slot at most; past it a request gets HTTP 429."""
+    max_context: int = 4096
+    """Prompt plus generated tokens of one request at most (a longer request gets HTTP 400)."""
+    log_level: str = "info"
+    """uvicorn's log level (critical, error, warning, info, debug)."""
+
+
+def build_parser() -> ArgumentParser:
+    ap = ArgumentParser(prog="python serve.py", description=__doc__)
+    add_dataclass_args(ap, ServeConfig)
+    return ap
+
+
+def controller_factory(config: ServeConfig, pair):
+    """(a callable giving each request a fresh controller, its description, the policy's trained lookup)."""
+    if config.autoregressive:
+        return (lambda: None), "autoregressive", None
+    auto = config.policy == "auto"
+    path = None if config.policy == "none" else (str(DEFAULT_POLICY) if auto else config.policy)
+    if path is not None and (not auto or DEFAULT_POLICY.is_file()):
+        from policies import load_policy  # torch-only inference code (no SB3)
+
+        device = "cpu" if pair.device.type == "cpu" else pair.device
+        try:
+            template = load_policy(path, device=device, pair=None if auto else pair)
+        except CLI_ERRORS as err:
+            raise InputError(f"--policy: {err}") from None
+        message = template.pair_warning(pair)
+        if auto and message:  # the main job's policy is for another pair: the static setting instead
+            warn(f"--policy auto: not using {path}: {message}")
+        else:
+            return (lambda: copy.deepcopy(template)), f"policy {path}", template.trained_lookup
+    static = StaticController(depth=config.depth, verify=config.verify, tree_width=config.tree_width)
+    return (lambda: copy.deepcopy(static)), repr(static), None
+
+
+def build_state(config: ServeConfig, pair=None):
+    """The server's state for ``config`` (loads the pair unless given): worker not started yet."""
+    from serving.app import ServerState
+    from serving.metrics import ServerMetrics
+    from serving.worker import EngineWorker
+
+    pair = pair if pair is not None else config.load()
+    make, described, trained = controller_factory(config, pair)
+    lookup = resolve_lookup(config.lookup, trained)
+    batch = BatchConfig(
+        max_requests=config.max_requests,
+        max_rows=config.max_rows,
+        engine=EngineConfig(draft_mode=config.draft_mode, lookup=lookup),
+    )
+    metrics = ServerMetrics()
+    worker = EngineWorker(pair, batch, max_waiting=config.max_waiting, on_step=metrics.on_step)
+    names = tuple(dict.fromkeys([config.served_model_name, pair.name]))
+    description = {
+        "model": config.served_model_name,
+        "pair": pair.name,
+        "weights": pair.precision,
+        "device": str(pair.device),
+        "controller": described,
+        "lookup": describe_lookup(lookup),
+        "max_requests": config.max_requests,
+        "max_rows": config.max_rows,
+        "max_context": config.max_context,
+    }
+    return ServerState(
+        pair, worker, metrics, names, make, min(config.max_context, pair.max_context), description
+    )
+
+
+def check(config: ServeConfig) -> ServeConfig:
+    """Everything checkable before the pair loads."""
+    check_positive(
+        port=config.port,
+        max_requests=config.max_requests,
+        max_rows=config.max_rows,
+        max_waiting=config.max_waiting,
+        max_context=config.max_context,
+        depth=config.depth,
+        tree_width=config.tree_width,
+    )
+    if config.port > 65535:
+        raise InputError(f"--port must be in [1, 65535], got {config.port}")
+    if config.max_rows < config.max_requests:
+        raise InputError(f"--max-rows ({config.max_rows}) must be >= --max-requests ({config.max_requests})")
+    if config.log_level not in ("critical", "error", "warning", "info", "debug"):
+        raise InputError(
+            f"--log-level must be critical, error, warning, info or debug, got {config.log_level!r}"
+        )
+    if config.policy not in ("auto", "none") and not os.path.isfile(config.policy):
+        raise InputError(f"--policy: no file {config.policy}")
+    resolve_lookup(config.lookup)
+    config.check()
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        config = check(from_args(ServeConfig, args))
+        if config.host not in ("127.0.0.1", "localhost", "::1"):
+            warn(f"listening on {config.host}: the server has no authentication")
+        state = build_state(config)
+    except CLI_ERRORS as err:
+        return report_error(err)
+    import uvicorn
+    from sse_starlette.sse import AppStatus
+
+    from serving.app import create_app
+
+    # in-flight streams end by themselves once the worker drains (Server.handle_exit below), not at the signal
+    AppStatus.disable_automatic_graceful_drain()
+    app = create_app(state)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            state.worker.drain()  # new requests get 503 at once; those in flight finish
+            # uvicorn.Server.handle_exit, less its record of the signal: uvicorn re-raises a recorded signal once
+            # it has shut down, so a drained server would die of its SIGTERM (exit -15) or end on a
+            # KeyboardInterrupt traceback; the drain is the shutdown the signal asked for, so main returns 0
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True  # a second Ctrl-C: stop waiting for the requests in flight
+            else:
+                self.should_exit = True
+
+    uv = uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=120
+    )
+    d = state.description
+    print(
+        f"serving {d['model']} ({d['pair']}, {d['weights']}, {d['device']}) on http://{config.host}:{config.port}/v1 "
+        f"controller={d['controller']} lookup={d['lookup']} max_requests={config.max_requests}",
+        flush=True,
+    )
+    Server(uv).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
