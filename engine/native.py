@@ -16,6 +16,7 @@ import hashlib
 import os
 import platform
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -84,6 +85,7 @@ def build(
     from torch.utils.cpp_extension import load
 
     directory.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(directory)
     # compile copies kept in the build directory: torch writes the sources' absolute paths into build.ninja,
     # so compiling another checkout's files (a worktree, an installed copy) would rebuild the cached
     # extension every time the checkout changes; a copy is rewritten only when its content differs
@@ -104,6 +106,23 @@ def build(
         build_directory=str(directory),
         verbose=bool(os.environ.get("DRAFTPILOT_VERBOSE_BUILD")),
     )
+
+
+STALE_LOCK_S = 1800
+"""torch's build lock (``<build dir>/lock``) older than this is left by a process killed while loading the
+extension (a build takes minutes): torch would wait on it forever, so it is removed."""
+
+
+def clear_stale_lock(directory: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove ``directory``'s torch build lock when it is older than ``max_age_s``; True when it did."""
+    lock = directory / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > max_age_s:
+            lock.unlink()
+            return True
+    except OSError:
+        pass
+    return False
 
 
 def variant(*defines: str) -> ModuleType:

@@ -218,3 +218,19 @@ def test_avx2_decoder_computes_the_avx512_bits(avx2_kernels):
     """The AVX2 build (what a CPU without AVX-512 compiles) gives the decoder's fingerprint bit for bit, so traces
     and profiles recorded on one hold on the other. On an AVX-512 machine this compiles the AVX2 path apart."""
     assert _decoder_digest(avx2_kernels) == DECODER_FINGERPRINT
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
+    """A process killed while loading the kernels leaves torch's build lock; torch would wait on it forever."""
+    import os
+    import time
+
+    from engine.native import clear_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    assert not clear_stale_lock(tmp_path) and lock.exists()  # a build in progress keeps its lock
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    assert clear_stale_lock(tmp_path) and not lock.exists()
+    assert not clear_stale_lock(tmp_path)  # nothing to remove
