@@ -21,7 +21,12 @@ import pytest
 from engine import native
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("engine", "envs", "policies", "evaluation")  # pyproject's [tool.setuptools] packages
+# pyproject's [tool.setuptools] packages (read, not repeated: a package added there is copied too)
+PACKAGES = tuple(
+    re.findall(
+        r'"([^"]+)"', re.search(r"^packages = \[(.*)\]", (REPO / "pyproject.toml").read_text(), re.M)[1]
+    )
+)
 LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 CPP_ONLY = 'engine = ["csrc/*.cpp"]'
 SAFE_EXTRACT = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
