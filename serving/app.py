@@ -196,6 +196,11 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 # ----------------------------------------------------------------------------------------- requests
+def _stops(body: _Body) -> list[str]:
+    """The request's stop strings as a list (``stop`` is a string, a list or absent)."""
+    return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+
+
 def _check_common(state: ServerState, body: _Body) -> None:
     if body.model not in state.model_names:
         raise ApiError(
@@ -212,7 +217,7 @@ def _check_common(state: ServerState, body: _Body) -> None:
         raise ApiError(400, f"temperature must be in [0, 2], got {body.temperature}", "temperature")
     if body.seed is not None and not 0 <= body.seed <= MAX_SEED:
         raise ApiError(400, f"seed must be in [0, 2**64), got {body.seed}", "seed")
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    stops = _stops(body)
     if len(stops) > 4 or any(not s for s in stops):
         raise ApiError(
             400, "stop must be a non-empty string or a list of at most 4 non-empty strings", "stop"
@@ -290,7 +295,7 @@ async def _serve(state: ServerState, request: Request, body: _Body, prompt_ids: 
         sampling = SamplingConfig(body.temperature, body.top_k, body.top_p)
     except InputError as err:
         raise ApiError(400, str(err)) from None
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    stops = _stops(body)
     job = Job(
         prompt_ids,
         max_new,
