@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import SpeculativeEngine, StaticController, load_pair  # noqa: E402
+from engine import SpeculativeEngine, StaticController, load_pair, native  # noqa: E402
 from engine.batch import BatchConfig, BatchedEngine, BatchRequest  # noqa: E402
 
 PROMPTS = [
@@ -51,21 +50,33 @@ def main() -> None:
     ap.add_argument("--pair", default="qwen2.5-coder")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--kernel-defines",
+        default="",
+        help="run on the kernels compiled with these comma-separated -D flags (A/B of a kernel change, "
+        "e.g. KQ_NO_I16ACC,KQ_ROWS=2); default: the machine's build",
+    )
+    ap.add_argument("--counts", default="1,2,4,8", help="concurrent requests of the throughput part")
+    ap.add_argument("--skip-identity", action="store_true", help="only the throughput part")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.kernel_defines:
+        native._module = native.variant(*args.kernel_defines.split(","))
+        print(f"kernels: -D {args.kernel_defines} ({native.kernels().isa()})")
     pair = load_pair(args.pair)
     ids = [pair.encode(p) for p in PROMPTS]
-    controllers = [None, StaticController(3), None, StaticController(2)]
-    wait_quiet()
-    batch = BatchedEngine(pair, BatchConfig(max_requests=8))
-    rids = [batch.add(BatchRequest(i, args.tokens, c)) for i, c in zip(ids, controllers)]
-    got = drain(batch)
-    controllers = [None, StaticController(3), None, StaticController(2)]
-    alone = [SpeculativeEngine(pair).generate(i, args.tokens, c).tokens for i, c in zip(ids, controllers)]
-    same = [got[r] == a for r, a in zip(rids, alone)]
-    print(f"greedy identity (4 batched vs alone): {sum(same)}/4")
-    print(f"cpu: {platform.processor() or platform.machine()}, threads {args.threads}")
-    for n in (1, 2, 4, 8):
+    if not args.skip_identity:
+        controllers = [None, StaticController(3), None, StaticController(2)]
+        wait_quiet()
+        batch = BatchedEngine(pair, BatchConfig(max_requests=8))
+        rids = [batch.add(BatchRequest(i, args.tokens, c)) for i, c in zip(ids, controllers)]
+        got = drain(batch)
+        controllers = [None, StaticController(3), None, StaticController(2)]
+        alone = [SpeculativeEngine(pair).generate(i, args.tokens, c).tokens for i, c in zip(ids, controllers)]
+        same = [got[r] == a for r, a in zip(rids, alone)]
+        print(f"greedy identity (4 batched vs alone): {sum(same)}/4")
+    print(f"cpu: {native.cpu_signature()}, threads {args.threads}")
+    for n in (int(c) for c in args.counts.split(",")):
         wait_quiet()
         batch = BatchedEngine(pair, BatchConfig(max_requests=n))
         for j in range(n):

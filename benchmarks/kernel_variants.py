@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for m in [int(r) for r in args.rows.split(",")]:
             total = {v: 0.0 for v in modules}
-            for name, (k, _, _) in weights.items():
+            for name, (_, k, _, _) in weights.items():
                 x = torch.randn(m, k)
                 outs = {v: run(mod, x, name, 0) for v, mod in modules.items()}
                 first = next(iter(outs.values()))
@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                     if not torch.equal(y, first):
                         raise SystemExit(f"variant {v!r} changes the outputs of {name} at {m} rows")
                 times = {v: [] for v in modules}
-                for i in range(args.reps):
-                    for v, mod in modules.items():
+                for i in range(args.reps):  # the order alternates: the first variant of a round runs slower
+                    for v, mod in list(modules.items())[:: 1 if i % 2 == 0 else -1]:
                         t0 = time.perf_counter()
                         run(mod, x, name, i)
                         times[v].append(time.perf_counter() - t0)

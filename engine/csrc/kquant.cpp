@@ -84,13 +84,16 @@ namespace {
 // Activation rows sharing one pass over a weight tile (AVX-512: 5 registers a row). Few rows (decode, draft,
 // verification: the weights come from memory) take up to 8 a pass, trading register spills for weight
 // loads; a prefill 4 (compute-bound; measured on the default target's layers: docs/results/README.md).
+// AVX2 (16 registers): 4 either way; its accumulators spill, but a weight load and its nibble split serve
+// twice the rows of 2 a pass (measured on a Zen 3 EPYC: 4 rows 0.83x, 64 rows 0.82x the time of 2 a pass;
+// 8 a pass no faster than 4: docs/results/2026-12-03-avx2-rows-per-pass.md).
 #ifndef KQ_ROWS
 #if KQ_AVX512
 #define KQ_ROWS 8
 #define KQ_PREFILL_ROWS 4
 #else
-#define KQ_ROWS 2  // AVX2: 16 registers
-#define KQ_PREFILL_ROWS 2
+#define KQ_ROWS 4
+#define KQ_PREFILL_ROWS 4
 #endif
 #endif
 #ifndef KQ_PREFILL_ROWS
@@ -437,6 +440,21 @@ inline __m256i dot_u8s8(__m256i acc, __m256i w, __m256i q) {
 #endif
 }
 
+// Without AVX-VNNI (KQ_I16): vpmaddubsw's int16 pair sums are added up in int16 over several quad-rows and
+// widened once (vpmaddwd by ones), instead of widening every product: a Q4_K pair sum is at most
+// 2 * 15 * 127 = 3810, so 8 quad-rows stay <= 30480 (k4: one widening a half-group of 8); a Q6_K one
+// 16002, so 2 (k6: one widening a pair). The same exact integers, one instruction fewer a product and row.
+// KQ_NO_I16ACC (a -D flag) widens every product, as before.
+#if !KQ_AVXVNNI && !defined(KQ_NO_I16ACC)
+#define KQ_I16 1
+#else
+#define KQ_I16 0
+#endif
+inline __m256i widen16(__m256i acc16) { return _mm256_madd_epi16(acc16, _mm256_set1_epi16(1)); }
+inline __m256i add_u8s8_16(__m256i acc16, __m256i w, __m256i q) {
+  return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(w, q));
+}
+
 inline __m256i u8x8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
 inline __m256i i8x8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
 inline __m256 f16x8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
@@ -464,10 +482,21 @@ void k4_tile_avx2(const QuantizedRows& a, int64_t m0, int64_t nb, const uint8_t*
           const __m256i wl = _mm256_and_si256(w, mask4);
           const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask4);
           for (int r = 0; r < R; ++r) {
+#if KQ_I16
+            tl[r] = add_u8s8_16(tl[r], wl, _mm256_set1_epi32(load_i32(q[r] + 4 * u)));
+            th[r] = add_u8s8_16(th[r], wh, _mm256_set1_epi32(load_i32(q[r] + 64 + 4 * u)));
+#else
             tl[r] = dot_u8s8(tl[r], wl, _mm256_set1_epi32(load_i32(q[r] + 4 * u)));
             th[r] = dot_u8s8(th[r], wh, _mm256_set1_epi32(load_i32(q[r] + 64 + 4 * u)));
+#endif
           }
         }
+#if KQ_I16
+        for (int r = 0; r < R; ++r) {
+          tl[r] = widen16(tl[r]);
+          th[r] = widen16(th[r]);
+        }
+#endif
         const __m256i scl = u8x8(mt + 64 + 16 * half + 8 * hf);
         const __m256i sch = u8x8(mt + 64 + 16 * (2 + half) + 8 * hf);
         for (int r = 0; r < R; ++r)
@@ -511,6 +540,9 @@ void k6_tile_avx2(const QuantizedRows& a, int64_t m0, int64_t nb, const uint8_t*
       for (int r = 0; r < R; ++r) I[r] = _mm256_setzero_si256();
       for (int quarter = 0; quarter < 4; ++quarter) {
         __m256i tl[R], th[R];
+#if KQ_I16
+        __m256i pl16[R], ph16[R];
+#endif
         for (int r = 0; r < R; ++r) tl[r] = th[r] = _mm256_setzero_si256();
         for (int u = 4 * quarter; u < 4 * quarter + 4; ++u) {
           prefetch(l, u * 64 + KQ_PREFETCH);
@@ -522,10 +554,24 @@ void k6_tile_avx2(const QuantizedRows& a, int64_t m0, int64_t nb, const uint8_t*
           const __m256i cl = _mm256_or_si256(_mm256_and_si256(w, mask4), _mm256_and_si256(hl, mask30));
           const __m256i ch =
               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), mask4), _mm256_and_si256(hh, mask30));
+#if KQ_I16
+          for (int r = 0; r < R; ++r) {  // the pair (u - 1, u) in int16, widened at odd u
+            const __m256i pl = _mm256_maddubs_epi16(cl, _mm256_set1_epi32(load_i32(q[r] + 4 * u)));
+            const __m256i ph = _mm256_maddubs_epi16(ch, _mm256_set1_epi32(load_i32(q[r] + 64 + 4 * u)));
+            if (u % 2 == 0) {
+              pl16[r] = pl;
+              ph16[r] = ph;
+            } else {
+              tl[r] = _mm256_add_epi32(tl[r], widen16(_mm256_add_epi16(pl16[r], pl)));
+              th[r] = _mm256_add_epi32(th[r], widen16(_mm256_add_epi16(ph16[r], ph)));
+            }
+          }
+#else
           for (int r = 0; r < R; ++r) {
             tl[r] = dot_u8s8(tl[r], cl, _mm256_set1_epi32(load_i32(q[r] + 4 * u)));
             th[r] = dot_u8s8(th[r], ch, _mm256_set1_epi32(load_i32(q[r] + 64 + 4 * u)));
           }
+#endif
         }
         const __m256i scl = i8x8(mt + 32 + 16 * quarter + 8 * hf);
         const __m256i sch = i8x8(mt + 32 + 16 * (4 + quarter) + 8 * hf);
