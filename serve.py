@@ -70,6 +70,9 @@ class ServeConfig(ModelConfig):
     """Requests decoded together at most; more wait for a slot."""
     max_rows: int = 64
     """Rows of one forward at most (every request's row plus the drafted nodes they verify)."""
+    max_prefill_tokens: int = 512
+    """Prompt tokens prefilled between two decoding steps at most (at least one request a step): a burst of
+    arrivals does not stall the running requests for all their prefills at once."""
     max_waiting: int = 64
     """Requests waiting for a slot at most; past it a request gets HTTP 429."""
     max_context: int = 4096
@@ -119,6 +122,7 @@ def build_state(config: ServeConfig, pair=None):
     batch = BatchConfig(
         max_requests=config.max_requests,
         max_rows=config.max_rows,
+        max_prefill_tokens=config.max_prefill_tokens,
         engine=EngineConfig(draft_mode=config.draft_mode, lookup=lookup),
     )
     metrics = ServerMetrics()
@@ -133,6 +137,7 @@ def build_state(config: ServeConfig, pair=None):
         "lookup": describe_lookup(lookup),
         "max_requests": config.max_requests,
         "max_rows": config.max_rows,
+        "max_prefill_tokens": config.max_prefill_tokens,
         "max_context": config.max_context,
     }
     return ServerState(
@@ -146,6 +151,7 @@ def check(config: ServeConfig) -> ServeConfig:
         port=config.port,
         max_requests=config.max_requests,
         max_rows=config.max_rows,
+        max_prefill_tokens=config.max_prefill_tokens,
         max_waiting=config.max_waiting,
         max_context=config.max_context,
         depth=config.depth,

@@ -6,7 +6,8 @@ decode it alone.
 request, its own ``SamplingConfig``) and stop tokens. ``step()`` runs one cycle of every request in flight:
 
 1. requests added since the last step are prefilled, each alone (one target forward of its prompt: the same
-   forward ``generate`` runs), and get their first token;
+   forward ``generate`` runs), and get their first token; in admission order, up to
+   ``BatchConfig.max_prefill_tokens`` prompt tokens a step (at least one request), the rest at the next steps;
 2. every request starts its cycle: the very cycle code ``generate`` runs (``SpeculativeEngine._cycle``, a
    generator of the forwards it needs): lookup, depth-0 decision, draft steps, verification size;
 3. draft steps: while any request waits on a draft forward, one draft forward carries the rows of every
@@ -62,11 +63,16 @@ class BatchConfig:
     max_rows: int = 64
     """Rows of one target forward (each request's root plus its granted nodes; the rule is in the module
     docstring) and of one draft forward; at least ``max_requests``."""
+    max_prefill_tokens: int = 512
+    """Prompt tokens prefilled in one step: waiting requests are prefilled in admission order while their
+    prompts fit (at least one a step, whatever its length), the others at the next steps. A prefill runs
+    alone, so a burst of arrivals would otherwise hold every running request's next tokens for all their
+    prefills at once."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Caps, draft mode and lookup, as for ``SpeculativeEngine`` (every request shares them)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_requests", "max_rows"):
+        for name in ("max_requests", "max_rows", "max_prefill_tokens"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise InputError(f"BatchConfig.{name} must be an integer >= 1, got {short_repr(value)}")
@@ -207,7 +213,7 @@ class BatchedEngine:
 
     @property
     def pending(self) -> list[int]:
-        """Ids of the requests added and not yet prefilled (at the next ``step``)."""
+        """Ids of the requests added and not yet prefilled (at the next steps: ``max_prefill_tokens``)."""
         return [rid for rid, s in self._slots.items() if s.req is None]
 
     def result(self, rid: int) -> GenerationResult:
@@ -226,12 +232,16 @@ class BatchedEngine:
 
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
-        """Prefill the requests added since the last step, then run one cycle of every request in flight;
-        one event a request that took part."""
+        """Prefill waiting requests (up to ``max_prefill_tokens`` prompt tokens, at least one request), then
+        run one cycle of every request in flight; one event a request that took part."""
         new_tokens: dict[int, int] = {}  # rid -> committed tokens before this step
+        prefilled = 0
         for slot in list(self._slots.values()):
             if slot.req is None:
+                if new_tokens and prefilled + len(slot.prompt_ids) > self.config.max_prefill_tokens:
+                    break  # admission order: a later, shorter prompt does not overtake this one
                 new_tokens[slot.rid] = len(slot.prompt_ids)
+                prefilled += len(slot.prompt_ids)
                 self._guard(slot, self._prefill, slot)
         running = [s for s in self._slots.values() if s.req is not None and self._finish(s) is None]
         for slot in running:

@@ -152,6 +152,28 @@ def test_caps_cancel_and_bad_input(pair):
         batch.cancel(12345)
 
 
+def test_prefills_take_a_token_budget_a_step_in_admission_order(pair):
+    """At most ``max_prefill_tokens`` prompt tokens are prefilled in a step (at least one request, whatever its
+    length); a later, shorter prompt does not overtake a waiting one; the tokens are each request's alone."""
+    prompts = [pair.encode(text) for text in ("a" * 12, "e" * 40, "d", "b" * 5)]  # token ids
+    lengths = [len(p) for p in prompts]
+    budget = lengths[0] + lengths[2]  # the 3rd would fit next to the 1st, but the 2nd waits before it
+    assert lengths[1] > budget and lengths[2] + lengths[3] <= budget  # the 2nd goes alone, over budget
+    batch = BatchedEngine(pair, BatchConfig(max_requests=5, max_rows=16, max_prefill_tokens=budget))
+    rids = [batch.add(BatchRequest(p, 6)) for p in prompts]
+    prefilled = []
+    while batch.pending:
+        before = set(batch.pending)
+        batch.step()
+        prefilled.append([r for r in rids if r in before and r not in batch.pending])
+    assert prefilled == [[rids[0]], [rids[1]], [rids[2], rids[3]]]
+    got = _drain(batch, rids)
+    for p, tokens in zip(prompts, got):
+        assert tokens == _alone(pair, p, None, 6)
+    with pytest.raises(InputError):
+        BatchConfig(max_prefill_tokens=0)
+
+
 def test_grant_rows_water_fills_in_order():
     assert grant_rows([3, 1, 0], 10) == [3, 1, 0]
     assert grant_rows([8, 8, 1], 6) == [3, 2, 1]
