@@ -70,7 +70,7 @@ class ServeConfig(ModelConfig):
     """Requests decoded together at most; more wait for a slot."""
     max_rows: int = 64
     """Rows of one forward at most (every request's row plus the drafted nodes they verify)."""
-    max_prefill_tokens: int = 512
+    max_prefill_tokens: int = 128
     """Prompt tokens prefilled between two decoding steps at most (at least one request a step): a burst of
     arrivals does not stall the running requests for all their prefills at once."""
     max_waiting: int = 64

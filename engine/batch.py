@@ -63,7 +63,7 @@ class BatchConfig:
     max_rows: int = 64
     """Rows of one target forward (each request's root plus its granted nodes; the rule is in the module
     docstring) and of one draft forward; at least ``max_requests``."""
-    max_prefill_tokens: int = 512
+    max_prefill_tokens: int = 128
     """Prompt tokens prefilled in one step: waiting requests are prefilled in admission order while their
     prompts fit (at least one a step, whatever its length), the others at the next steps. A prefill runs
     alone, so a burst of arrivals would otherwise hold every running request's next tokens for all their
