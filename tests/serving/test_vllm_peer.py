@@ -111,3 +111,13 @@ def test_missing_environment_is_one_line(tmp_path, monkeypatch):
     assert python is None and "no vllm package" in why
     with pytest.raises(RuntimeError, match="no vLLM environment"):
         vllm_peer.VllmServer(8000, tmp_path / "log", venv=tmp_path / "none")
+
+
+def test_intel_openmp_of_the_environment_is_preloaded(tmp_path):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "lib").mkdir()
+    _, env = vllm_peer.vllm_command(tmp_path / "bin" / "python", "/t")
+    assert "LD_PRELOAD" not in env
+    (tmp_path / "lib" / "libiomp5.so").write_text("")
+    _, env = vllm_peer.vllm_command(tmp_path / "bin" / "python", "/t")
+    assert env["LD_PRELOAD"] == str(tmp_path / "lib" / "libiomp5.so")
