@@ -165,3 +165,50 @@ class VllmServer(ServerProcess):
             options.setdefault("draft", draft)
         argv, env = vllm_command(python, target, port=port, **options)
         super().__init__("vllm", argv, port, log, ready_s=ready_s, env=env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m serving.vllm_peer [--k K | --table FILE]``: vLLM's server on the default pair (``exec``:
+    Ctrl-C stops it), or with ``--print`` its command line; one line and exit 2 where vLLM is absent."""
+    import argparse
+    import shlex
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m serving.vllm_peer", description=main.__doc__.split(":")[0])
+    ap.add_argument("--pair", default="qwen2.5-coder")
+    group = ap.add_mutually_exclusive_group()
+    group.add_argument("--k", type=int, default=None, help="the draft model, fixed num_speculative_tokens")
+    group.add_argument("--table", default=None, help="the draft model, a per-batch-size table file")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--kv-cache-gib", type=int, default=2)
+    ap.add_argument("--venv", default=None, help="vLLM's environment (default: $DRAFTPILOT_VLLM_VENV)")
+    ap.add_argument("--print", action="store_true", help="print the command line instead of running it")
+    args = ap.parse_args(argv)
+    python, why = vllm_python(args.venv)
+    if python is None:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
+    target, draft = default_pair_dirs(args.pair)
+    speculate = args.k is not None or args.table is not None
+    command, env = vllm_command(
+        python,
+        target,
+        draft=draft if speculate else None,
+        k=args.k,
+        table=args.table,
+        threads=args.threads,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_gib=args.kv_cache_gib,
+        port=args.port,
+    )
+    if args.print:
+        print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(command))
+        return 0
+    os.execve(command[0], command, {**os.environ, **env})
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
