@@ -349,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python benchmarks/serve_load.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", default="qwen2.5-coder")
     ap.add_argument("--ours", action="append", help=f"NAME=FLAGS of serve.py (default: {DEFAULT_OURS})")
-    ap.add_argument("--no-llama", action="store_true", help="only our server")
+    ap.add_argument("--no-llama", action="store_true", help="no llama-server rows")
+    ap.add_argument("--no-ours", action="store_true", help="no rows of our server (e.g. only --vllm rows)")
     ap.add_argument("--llama-bin", default=None, help="directory of llama-server (default: the build cache)")
     ap.add_argument("--llama-draft-max", default="4", help="llama spec rows: --draft-max values (comma list)")
     ap.add_argument("--llama-p-min", type=float, default=0.75)
@@ -374,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
-    args.ours = args.ours or list(DEFAULT_OURS)
+    args.ours = [] if args.no_ours else (args.ours or list(DEFAULT_OURS))
     args.concurrency = [int(x) for x in args.concurrency.split(",") if x]
     args.rates = [float(x) for x in args.rates.split(",") if x]
     args.llama_draft_max = [int(x) for x in args.llama_draft_max.split(",") if x]
