@@ -403,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
             if server is None:
                 print("skipped llama-server rows: no llama-server binary (benchmarks/llama_cpp.py builds it)")
     rows = build_rows(args, target, draft, server)
+    if not rows:
+        print("no rows to run")
+        return 0
     info = conditions(args.threads)
     print(
         f"# {info['cpu']} threads={args.threads} loadavg={info['loadavg']} prompts={len(prompts)}", flush=True
