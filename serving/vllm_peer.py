@@ -79,7 +79,11 @@ def write_batch_size_table(table: Mapping[tuple[int, int], int], path: str | Pat
 
 
 def read_batch_size_table(path: str | Path) -> list[list[int]]:
-    rows = json.loads(Path(path).read_text())
+    """The table file ``write_batch_size_table`` wrote, checked again (ValueError naming the file)."""
+    try:
+        rows = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not a table file ({err})") from None
     if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) == 3 for r in rows):
         raise ValueError(f"{path}: not a list of [first, last, k] entries")
     return batch_size_table({(r[0], r[1]): r[2] for r in rows})
@@ -192,6 +196,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     target, draft = default_pair_dirs(args.pair)
     speculate = args.k is not None or args.table is not None
+    if args.table is not None:
+        try:
+            read_batch_size_table(args.table)
+        except ValueError as err:
+            print(f"error: --table: {err}", file=sys.stderr)
+            return 2
     command, env = vllm_command(
         python,
         target,

@@ -121,3 +121,9 @@ def test_intel_openmp_of_the_environment_is_preloaded(tmp_path):
     (tmp_path / "lib" / "libiomp5.so").write_text("")
     _, env = vllm_peer.vllm_command(tmp_path / "bin" / "python", "/t")
     assert env["LD_PRELOAD"] == str(tmp_path / "lib" / "libiomp5.so")
+
+
+def test_a_file_that_is_no_table_is_one_error(tmp_path):
+    (tmp_path / "bad.json").write_text("not json")
+    with pytest.raises(ValueError, match="not a table file"):
+        vllm_peer.read_batch_size_table(tmp_path / "bad.json")
