@@ -1,12 +1,17 @@
-"""Load benchmark: our server (serve.py) and llama.cpp's llama-server under the same load, same GGUF files,
-same threads, same prompt tokens.
+"""Load benchmark: our server (serve.py), llama.cpp's llama-server and vLLM's OpenAI server under the same
+load, same threads, same prompt tokens (ours and llama-server on the same GGUF files; vLLM on the float32
+checkpoints dequantised from them: the weight format of every row is recorded with it).
 
 Every row is a server started for the row and stopped after it:
 
 * ``ours <name>``: ``serve.py`` with the row's flags (``--ours NAME=FLAGS``, e.g.
   ``--ours "ar=--autoregressive" --ours "static=--policy none --depth 1"``);
 * ``llama <name>``: ``llama-server`` (``-np`` slots, continuous batching) autoregressive, with the draft
-  model (``--draft-max``), and with its n-gram lookup (``--spec-type ngram-simple``), as separate rows.
+  model (``--draft-max``), and with its n-gram lookup (``--spec-type ngram-simple``), as separate rows;
+* ``vllm <name>`` (``--vllm ar,draft-K,table``, none by default): vLLM's OpenAI server from its own
+  environment (serving/vllm_peer.py, docs/vllm.md) autoregressive, with the draft model at a fixed
+  ``num_speculative_tokens`` K, and with a per-batch-size table (``--vllm-table FILE``, written by
+  ``serving.vllm_peer.write_batch_size_table``); the rows are skipped with one line where vLLM is absent.
 
 Each row runs the closed-loop levels (N clients, each sending its next request when the last one ended; N in
 ``--concurrency``; 2N requests, at least ``--min-requests``) and the Poisson levels (requests arriving at
@@ -25,6 +30,7 @@ same prompt's text at concurrency 1 in the same row (a batch-invariant server gi
 
     python benchmarks/serve_load.py --pair tiny --ours "ar=--autoregressive" --no-llama --concurrency 1,4 --max-tokens 16
     python benchmarks/serve_load.py --json runs/serve_load.json --plot runs/serve_load.png
+    python benchmarks/serve_load.py --no-llama --ours "ar=--autoregressive" --vllm ar,draft-2,table --json runs/vllm.json
 
 Prints one line per row and level and, with --json, writes every figure with the machine's conditions (CPU,
 threads, load averages). Never run it while another heavy job runs: the figures would measure contention.
@@ -52,9 +58,14 @@ sys.path.insert(0, str(ROOT))
 
 from engine.measure_costs import device_name  # noqa: E402
 from envs.prompts import interleave_languages, load_suite  # noqa: E402
+from serving import vllm_peer  # noqa: E402
 from serving.launch import ServerProcess, free_port, peak_rss_mb, prompt_ids  # noqa: E402
 
 DEFAULT_OURS = ("ar=--autoregressive", "static=--policy none --depth 1 --lookup on")
+DEFAULT_VLLM_TABLE = {(1, 1): 3, (2, 4): 2, (5, 1024): 1}
+"""The table of the ``vllm table`` row without ``--vllm-table``: longer drafts when the batch is small."""
+OURS_WEIGHTS = "GGUF blocks as stored (kquant target, kquant-strict draft: engine/models.py)"
+LLAMA_WEIGHTS = "GGUF Q4_K/Q6_K blocks as stored (same files)"
 
 
 def _llama_cpp():
@@ -82,6 +93,10 @@ class Row:
     command: list[str]
     extra_body: dict = field(default_factory=dict)
     """Fields every request adds (ours: continuous usage, token ids)."""
+    weights: str = ""
+    """The weight format the row's server runs."""
+    env: dict = field(default_factory=dict)
+    """Environment variables the server gets (vLLM's threads and KV cache space)."""
 
 
 # ----------------------------------------------------------------------------------------------- load
@@ -133,7 +148,7 @@ async def one_request(client: httpx.AsyncClient, url: str, row: Row, prompt_inde
                         usage_total = usage.get("completion_tokens")
                     continue
                 text = choices[0].get("text") or ""
-                if "token_ids" in choices[0]:  # ours (return_token_ids): the tokens of this chunk
+                if choices[0].get("token_ids") is not None:  # return_token_ids: the chunk's tokens
                     k = len(choices[0]["token_ids"])
                 elif usage and usage.get("completion_tokens") is not None:
                     k = usage["completion_tokens"] - counted
@@ -270,7 +285,7 @@ def build_rows(
             str(args.threads),
         ]
         command += ["--max-requests", str(slots), "--max-waiting", "1024", "--log-level", "warning"]
-        rows.append(Row(f"ours {name}", command + flags.split(), {"return_token_ids": True}))
+        rows.append(Row(f"ours {name}", command + flags.split(), {"return_token_ids": True}, OURS_WEIGHTS))
     if llama_server is not None:
         base = [str(llama_server), "-m", str(target_gguf), "--host", "127.0.0.1", "-t", str(args.threads)]
         base += [
@@ -283,16 +298,50 @@ def build_rows(
             "--no-webui",
         ]
         base += ["--temp", "0", "--top-k", "1", "--log-disable"]
-        rows.append(Row("llama ar", base, {"cache_prompt": False}))
+        rows.append(Row("llama ar", base, {"cache_prompt": False}, LLAMA_WEIGHTS))
         for n in args.llama_draft_max:
             draft = ["-md", str(draft_gguf), "--spec-type", "draft-simple", "--spec-draft-n-max", str(n)]
             draft += ["--spec-draft-n-min", "0", "--spec-draft-p-min", str(args.llama_p_min)]
             draft += ["-td", str(args.threads), "-tbd", str(args.threads)]
-            rows.append(Row(f"llama spec n={n}", base + draft, {"cache_prompt": False}))
+            rows.append(Row(f"llama spec n={n}", base + draft, {"cache_prompt": False}, LLAMA_WEIGHTS))
         if args.llama_ngram:
             ngram = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3"]
             ngram += ["--spec-ngram-simple-size-m", "8"]
-            rows.append(Row("llama ngram", base + ngram, {"cache_prompt": False}))
+            rows.append(Row("llama ngram", base + ngram, {"cache_prompt": False}, LLAMA_WEIGHTS))
+    rows += vllm_rows(args, slots)
+    return rows
+
+
+def vllm_rows(args, slots: int) -> list[Row]:
+    """The ``--vllm`` rows (``ar``, ``draft-K``, ``table``), or none with one line saying why."""
+    if not args.vllm:
+        return []
+    if args.pair != "qwen2.5-coder":
+        print("skipped vllm rows: only the default pair has converted checkpoints", flush=True)
+        return []
+    python, why = vllm_peer.vllm_python(args.vllm_venv)
+    if python is None:
+        print(f"skipped vllm rows: {why}", flush=True)
+        return []
+    target, draft = vllm_peer.default_pair_dirs(args.pair)
+    rows = []
+    for name in args.vllm:
+        options: dict = {}
+        if name.startswith("draft-"):
+            options = {"draft": draft, "k": int(name.split("-", 1)[1])}
+        elif name == "table":
+            table = args.vllm_table
+            if table is None:
+                table = vllm_peer.write_batch_size_table(
+                    DEFAULT_VLLM_TABLE, ROOT / "runs" / "serve_load_logs" / "vllm_table.json"
+                )
+            options = {"draft": draft, "table": table}
+        elif name != "ar":
+            raise SystemExit(f"error: --vllm: unknown row {name!r} (ar, draft-K, table)")
+        argv, env = vllm_peer.vllm_command(
+            python, target, threads=args.threads, max_num_seqs=slots, kv_cache_gib=args.vllm_kv_gib, **options
+        )
+        rows.append(Row(f"vllm {name}", argv, {"return_token_ids": True}, vllm_peer.WEIGHTS, env))
     return rows
 
 
@@ -300,11 +349,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python benchmarks/serve_load.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", default="qwen2.5-coder")
     ap.add_argument("--ours", action="append", help=f"NAME=FLAGS of serve.py (default: {DEFAULT_OURS})")
-    ap.add_argument("--no-llama", action="store_true", help="only our server")
+    ap.add_argument("--no-llama", action="store_true", help="no llama-server rows")
+    ap.add_argument("--no-ours", action="store_true", help="no rows of our server (e.g. only --vllm rows)")
     ap.add_argument("--llama-bin", default=None, help="directory of llama-server (default: the build cache)")
     ap.add_argument("--llama-draft-max", default="4", help="llama spec rows: --draft-max values (comma list)")
     ap.add_argument("--llama-p-min", type=float, default=0.75)
     ap.add_argument("--llama-ngram", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument(
+        "--vllm", default="", help="vLLM rows: comma list of ar, draft-K (fixed K), table (none by default)"
+    )
+    ap.add_argument("--vllm-table", default=None, help="the vllm table row's file (write_batch_size_table)")
+    ap.add_argument("--vllm-venv", default=None, help="vLLM's environment (default: $DRAFTPILOT_VLLM_VENV)")
+    ap.add_argument("--vllm-kv-gib", type=int, default=2, help="vLLM's KV cache space (GiB)")
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument(
         "--rates", default="", help="Poisson arrival rates, requests/s (comma list; none by default)"
@@ -319,10 +375,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
-    args.ours = args.ours or list(DEFAULT_OURS)
+    args.ours = [] if args.no_ours else (args.ours or list(DEFAULT_OURS))
     args.concurrency = [int(x) for x in args.concurrency.split(",") if x]
     args.rates = [float(x) for x in args.rates.split(",") if x]
     args.llama_draft_max = [int(x) for x in args.llama_draft_max.split(",") if x]
+    args.vllm = [x for x in args.vllm.split(",") if x]
+    for name in args.vllm:
+        if name not in ("ar", "table") and not (name.startswith("draft-") and name[6:].isdigit()):
+            ap.error(f"--vllm: unknown row {name!r} (ar, draft-K, table)")
     if not args.concurrency or min(args.concurrency) < 1 or 1 not in args.concurrency:
         ap.error("--concurrency must list positive levels, 1 among them (the identity reference)")
 
@@ -343,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
             if server is None:
                 print("skipped llama-server rows: no llama-server binary (benchmarks/llama_cpp.py builds it)")
     rows = build_rows(args, target, draft, server)
+    if not rows:
+        print("no rows to run")
+        return 0
     info = conditions(args.threads)
     print(
         f"# {info['cpu']} threads={args.threads} loadavg={info['loadavg']} prompts={len(prompts)}", flush=True
@@ -356,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
             port = free_port()
             url = f"http://127.0.0.1:{port}/v1/completions"
             log = logs / f"{row.name.replace(' ', '_')}.log"
-            with ServerProcess(row.name, row.command + ["--port", str(port)], port, log, cwd=ROOT) as srv:
+            command = row.command + ["--port", str(port)]
+            with ServerProcess(row.name, command, port, log, ready_s=1800, cwd=ROOT, env=row.env) as srv:
                 asyncio.run(closed_loop(url, row, prompts[:1], 1, 1, 8))  # warm-up
                 reference: dict[int, str] = {}
                 for level in sorted(args.concurrency):
@@ -367,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
                     if level == 1:
                         reference = {o.prompt: o.text for o in outcomes if o.ok}
                     entry = {"row": row.name, "repeat": repeat, "mode": "closed", "level": level}
+                    entry["weights"] = row.weights
                     entry.update(summarize(outcomes, wall, reference), peak_rss_mb=peak_rss_mb(srv.proc.pid))
                     entry["loadavg"] = os.getloadavg()[0]
                     results.append(entry)
@@ -376,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
                         poisson(url, row, prompts, rate, args.poisson_requests, args.max_tokens, seed=repeat)
                     )
                     entry = {"row": row.name, "repeat": repeat, "mode": "poisson", "level": rate}
+                    entry["weights"] = row.weights
                     entry.update(summarize(outcomes, wall, reference), peak_rss_mb=peak_rss_mb(srv.proc.pid))
                     entry["loadavg"] = os.getloadavg()[0]
                     results.append(entry)
@@ -419,6 +485,7 @@ def medians(results: list[dict]) -> list[dict]:
     for row, mode, level in keys:
         group = [r for r in results if (r["row"], r["mode"], r["level"]) == (row, mode, level)]
         entry = {"row": row, "mode": mode, "level": level, "repeats": len(group)}
+        entry["weights"] = group[0].get("weights", "")
         for key, value in group[0].items():
             if isinstance(value, (int, float)) and key not in ("repeat", "level"):
                 entry[key] = statistics.median(g[key] for g in group)

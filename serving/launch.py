@@ -3,6 +3,7 @@ SIGTERM (it drains), read its memory; the prompt token ids our server builds for
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -41,20 +42,33 @@ def peak_rss_mb(pid: int) -> float:
 
 class ServerProcess:
     """``with ServerProcess(name, command, port, log) as server:`` runs ``command`` (which must listen on
-    127.0.0.1:``port`` and answer GET /health with 200 when ready), output to ``log``."""
+    127.0.0.1:``port`` and answer GET /health with 200 when ready), output to ``log``; ``env``: variables
+    added to this process's environment for it."""
 
     def __init__(
-        self, name: str, command: list[str], port: int, log: Path | str, ready_s: float = 900, cwd=None
+        self,
+        name: str,
+        command: list[str],
+        port: int,
+        log: Path | str,
+        ready_s: float = 900,
+        cwd=None,
+        env: dict[str, str] | None = None,
     ):
         self.name, self.command, self.port, self.log = name, list(command), port, Path(log)
-        self.ready_s, self.cwd = ready_s, cwd
+        self.ready_s, self.cwd, self.env = ready_s, cwd, dict(env or {})
         self.proc: subprocess.Popen | None = None
         self.base = f"http://127.0.0.1:{port}"
 
     def __enter__(self) -> ServerProcess:
         self._out = open(self.log, "w")
         self.proc = subprocess.Popen(
-            self.command, cwd=self.cwd, stdout=self._out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            self.command,
+            cwd=self.cwd,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **self.env} if self.env else None,
         )
         deadline = time.time() + self.ready_s
         while time.time() < deadline:
