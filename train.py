@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from engine import SamplingConfig, SpeculativeEngine
+from engine.backends.files import DirectoryLock, atomic_write_json
 from engine.cli import (
     CLI_ERRORS,
     ArgumentParser,
@@ -51,10 +52,9 @@ from engine.cli import (
     report_error,
     save_config,
 )
-from engine.cost_profile import CostProfile
+from engine.costs.cost_profile import CostProfile
+from engine.costs.features import device_features
 from engine.errors import DraftpilotError, InputError
-from engine.features import device_features
-from engine.files import DirectoryLock, atomic_write_json
 from engine.lookup import LookupConfig, describe_lookup, parse_lookup, resolve_lookup
 from envs import workspace
 from envs.backends import LiveBackend, ReplayBackend

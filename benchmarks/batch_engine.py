@@ -13,16 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine import SpeculativeEngine, StaticController, load_pair  # noqa: E402
-from engine.batch import BatchConfig, BatchedEngine, BatchRequest  # noqa: E402
+from engine import SpeculativeEngine, StaticController, load_pair
+from engine.batch import BatchConfig, BatchedEngine, BatchRequest
 
 PROMPTS = [
     "Write a Python function that returns the prime numbers below n.",

@@ -22,7 +22,7 @@ from typing import Literal, Protocol
 import numpy as np
 
 from engine.control import Controller, DraftState
-from engine.cost_profile import CostProfile
+from engine.costs.cost_profile import CostProfile
 from engine.engine import SpeculativeEngine
 from engine.lookup import LookupConfig
 from engine.results import CycleRecord

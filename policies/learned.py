@@ -2,7 +2,7 @@
 
 File format (``torch.save`` of plain types and tensors, read back with ``weights_only=True``)::
 
-    {"format": "draftpilot-policy", "format_version": 1, "feature_version": engine.features.FEATURE_VERSION,
+    {"format": "draftpilot-policy", "format_version": 1, "feature_version": engine.costs.features.FEATURE_VERSION,
      "depth": ACTOR, "size": ACTOR, "size_ladder": [1, 2, ...], "tree_width": W, "max_depth": D,
      "depth_zero": bool, "device_features": [6 floats], "pair": str, "profile": JSON str,
      "train_config": JSON str, "metrics": JSON str, "payload_sha256": hex str}
@@ -11,7 +11,7 @@ File format (``torch.save`` of plain types and tensors, read back with ``weights
 
 An actor is the MLP that maps the normalised observation to action logits (stable-baselines3's
 ``mlp_extractor.policy_net`` followed by ``action_net``); decisions are the argmax (deterministic).
-Observations come from ``engine.features``: the same functions the environments use in training.
+Observations come from ``engine.costs.features``: the same functions the environments use in training.
 
 Integrity: ``payload_sha256`` is a SHA-256 over every other entry (tensors by dtype, shape and bytes; the
 other values by type and value; ``payload_digest``), computed by ``save_policy``. ``load_policy`` recomputes
@@ -37,11 +37,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.attention import MAX_VERIFY_NODES
+from engine.backends.attention import MAX_VERIFY_NODES
+from engine.backends.files import atomic_save, load_plain
+from engine.backends.pair import ModelPair
 from engine.control import Controller, DraftState
-from engine.cost_profile import CostProfile
-from engine.errors import DraftpilotError, is_int
-from engine.features import (
+from engine.costs.cost_profile import CostProfile
+from engine.costs.features import (
     DEPTH_OBS_DIM,
     FEATURE_VERSION,
     NUM_DEVICE_FEATURES,
@@ -50,9 +51,8 @@ from engine.features import (
     device_features,
     size_observation,
 )
-from engine.files import atomic_save, load_plain
+from engine.errors import DraftpilotError, is_int
 from engine.lookup import LookupConfig, stored_lookup
-from engine.models import ModelPair
 from engine.results import CycleRecord
 
 FORMAT = "draftpilot-policy"

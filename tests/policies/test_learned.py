@@ -15,8 +15,8 @@ import torch
 import train
 from engine import SamplingConfig, SpeculativeEngine
 from engine.cli import load_config, save_config
+from engine.costs.features import FEATURE_VERSION, NUM_DEVICE_FEATURES
 from engine.errors import InputError
-from engine.features import FEATURE_VERSION, NUM_DEVICE_FEATURES
 from engine.results import CycleRecord
 from envs.backends import ReplayBackend
 from envs.environments import DepthEnv, EnvConfig, SizeEnv
@@ -384,7 +384,7 @@ def test_a_size_phase_with_no_size_decision_is_skipped(tiny_data):
 
 
 def test_the_draft_lag_counts_the_tokens_of_autoregressive_steps_since_the_last_draft():
-    from engine.features import MAX_LAG, history_features
+    from engine.costs.features import MAX_LAG, history_features
 
     def rec(depth, emitted):
         return CycleRecord(100, depth, depth, depth, max(depth - 1, 0), emitted)
@@ -454,7 +454,7 @@ def test_the_temperature_is_observed_by_both_decisions_and_reaches_them_from_eng
     """Feature version 3: the request's temperature is in the common part of both observations (saturating at
     MAX_TEMPERATURE); the engine shows a controller its sampling temperature, replay the trace's."""
     from engine.control import DraftState, StaticController
-    from engine.features import MAX_TEMPERATURE, depth_observation, size_observation
+    from engine.costs.features import MAX_TEMPERATURE, depth_observation, size_observation
 
     def state(temperature):
         scores = np.asarray([-0.1, -0.5], dtype=np.float32)
@@ -528,7 +528,7 @@ def test_training_across_temperatures_and_randomised_profiles(tmp_path):
     first = train.train(quick_config(tmp_path, run_name="plain", tree_width=1))
     profile = Path(tmp_path / "cache").rglob("profile.json").__next__()
     other = tmp_path / "steeper.json"
-    from engine.cost_profile import CostProfile
+    from engine.costs.cost_profile import CostProfile
 
     data = CostProfile.load(profile).to_dict()
     for key in ("verify_table", "verify_chain_table"):  # rows: sizes; a steeper verification curve

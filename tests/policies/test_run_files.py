@@ -20,10 +20,10 @@ import torch
 import generate
 import policies.ppo as ppo
 import train
+from engine.backends.files import DirectoryBusyError, sha256_file, user_hmac
 from engine.cli import save_config
+from engine.costs.features import NUM_DEVICE_FEATURES
 from engine.errors import InputError
-from engine.features import NUM_DEVICE_FEATURES
-from engine.files import DirectoryBusyError, sha256_file, user_hmac
 from engine.lookup import LookupConfig
 from envs.backends import ReplayBackend
 from envs.environments import EnvConfig
@@ -92,7 +92,7 @@ def one_error_line(stderr: str) -> str:
 def locked_by_another_process(directory: Path):
     """A second process that holds ``directory``'s lock until the block ends."""
     code = (
-        "import sys; from engine.files import DirectoryLock; DirectoryLock(sys.argv[1]).acquire(); "
+        "import sys; from engine.backends.files import DirectoryLock; DirectoryLock(sys.argv[1]).acquire(); "
         "print('locked', flush=True); sys.stdin.read()"
     )
     proc = subprocess.Popen(

@@ -72,7 +72,7 @@ def unpack_k4(codes: torch.Tensor, meta: torch.Tensor, k: int) -> np.ndarray:
 
 def q4_k_to_k4(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF Q4_K blocks of a [rows, cols] tensor -> k4 tensors, every field moved unchanged."""
-    from engine.quant import QK_K, q4_k_fields
+    from engine.backends.gguf import QK_K, q4_k_fields
 
     codes, d, dmin, sc, mn = q4_k_fields(raw, rows, cols)
     nb2 = cols // QK_K  # super-blocks per row
@@ -140,7 +140,7 @@ def unpack_k6(lo: torch.Tensor, hi: torch.Tensor, meta: torch.Tensor, k: int) ->
 
 def q6_k_to_k6(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GGUF Q6_K blocks of a [rows, cols] tensor -> k6 tensors, every field moved unchanged."""
-    from engine.quant import QK_K, q6_k_fields
+    from engine.backends.gguf import QK_K, q6_k_fields
 
     codes, d, sc = q6_k_fields(raw, rows, cols)
     nb2 = cols // QK_K
@@ -235,7 +235,7 @@ class KQuantLinear(nn.Module):
         self, kind: str, tensors: dict[str, torch.Tensor], in_features: int, bias: torch.Tensor | None
     ):
         super().__init__()
-        from engine.native import kernels
+        from engine.backends.native import kernels
 
         self._ops = kernels()  # fails here, at load, with the reason, if the kernels cannot be built
         if kind not in ("k4", "k6"):
@@ -285,7 +285,7 @@ class KQuantLinear(nn.Module):
 def reference_matmul(x: torch.Tensor, weight: np.ndarray) -> np.ndarray:
     """What the kernels compute, in float64 (for tests): activations quantised exactly as the kernels do
     (``quantize_activations``), times the applied weights."""
-    from engine.native import kernels
+    from engine.backends.native import kernels
 
     q, d = kernels().quantize_activations(x.reshape(-1, x.shape[-1]).float())
     k = weight.shape[1]

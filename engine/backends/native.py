@@ -62,7 +62,7 @@ def cpu_signature() -> str:
 def build_dir() -> Path:
     import torch
 
-    from engine.weights import cache_dir
+    from engine.backends.files import cache_dir
 
     key = hashlib.sha256()
     for part in (
