@@ -462,9 +462,8 @@ def save_config(config: Any, path: str | Path) -> Path:
     return atomic_write_json(path, dataclasses.asdict(config), indent=1, default=str)
 
 
-def load_config(cls: type, path: str | Path, missing: dict[str, Any] | None = None):
+def load_config(cls: type, path: str | Path):
     """Read a config saved by ``save_config``; unknown keys are an error (a config from other code).
-    ``missing``: values of fields a file written before they existed holds none of (what it ran with).
     Raises ``ConfigFileError`` for a file that is not such a config (``FileNotFoundError`` if missing)."""
     path = Path(path)
     try:
@@ -478,6 +477,6 @@ def load_config(cls: type, path: str | Path, missing: dict[str, Any] | None = No
     if unknown:
         raise ConfigFileError(f"{path}: unknown {cls.__name__} fields {unknown}")
     try:
-        return cls(**{**(missing or {}), **data})
+        return cls(**data)
     except TypeError as err:
         raise ConfigFileError(f"{path} is not a valid {cls.__name__} config ({err})") from err
