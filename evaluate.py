@@ -34,8 +34,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from engine.backends.files import DirectoryLock, atomic_write_json
 from engine.cli import CLI_ERRORS, ArgumentParser, add_dataclass_args, apply_preset, from_args, report_error
-from engine.files import DirectoryLock, atomic_write_json
 from evaluation import shift
 from evaluation.checkpoint import prepare_output, stored_config
 from evaluation.config import QUICK, EvalConfig

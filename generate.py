@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from engine.backends.models import PAIR_SEPARATOR
 from engine.cli import (
     CLI_ERRORS,
     ArgumentParser,
@@ -36,7 +37,6 @@ from engine.control import StaticController
 from engine.engine import MAX_SEED, EngineConfig, SpeculativeEngine
 from engine.errors import InputError
 from engine.lookup import describe_lookup, resolve_lookup
-from engine.models import PAIR_SEPARATOR
 from engine.sampling import SamplingConfig
 from policies import load_policy
 

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from engine import SamplingConfig, SpeculativeEngine
+from engine.backends.files import DirectoryLock, atomic_write_json
 from engine.cli import (
     CLI_ERRORS,
     ArgumentParser,
@@ -51,10 +52,9 @@ from engine.cli import (
     report_error,
     save_config,
 )
-from engine.cost_profile import CostProfile
+from engine.costs.cost_profile import CostProfile
+from engine.costs.features import device_features
 from engine.errors import DraftpilotError, InputError
-from engine.features import device_features
-from engine.files import DirectoryLock, atomic_write_json
 from engine.lookup import LookupConfig, describe_lookup, parse_lookup, resolve_lookup
 from envs import workspace
 from envs.backends import LiveBackend, ReplayBackend
@@ -148,8 +148,6 @@ class TrainConfig(ModelConfig):
     """Environment steps per depth phase (one per draft step)."""
     eval_every: int = 10_000
     """Validate the joint controller every this many environment steps (and at each phase end)."""
-    time_noise: bool = False
-    """Replay: sample each cycle's time from the profile's measured spread instead of its median."""
     seed: int = 0
     """Seeds PPO and the environments (and the sampled trajectories when temperature > 0)."""
     cache_dir: str = "runs/cache"
@@ -247,16 +245,6 @@ class RunDirectoryError(DraftpilotError, ValueError):
     started again without --resume or --retrain, resume flags that contradict the run's config."""
 
 
-NEWER_FIELDS = {
-    "long_prompts": None,
-    "long_train_prompts": 0,
-    "long_val_prompts": 0,
-    "long_max_new_tokens": 512,
-    "lookup": "off",
-    "profile_perturbation": 0.0,
-}
-"""Settings added after policies were first stored, with what a stored config without them trained with (the
-default of its day: lookup's is now "auto")."""
 IGNORED_FIELDS = ("progress", "run_dir", "run_name")
 """Settings that do not change what a run trains: they may differ between a run and a later command."""
 PATH_FIELDS = ("prompts", "long_prompts", "profile", "cache_dir", "run_dir")
@@ -293,8 +281,6 @@ def config_differences(stored: dict, current: dict, keys: set[str] | None = None
     """``--flag: stored -> current`` for every setting (``IGNORED_FIELDS`` aside; only ``keys`` when given,
     PPO fields as ``ppo.<name>``) on which two configs (``asdict`` form) disagree; paths compare resolved."""
     a, b = _flat(stored), _flat(current)
-    # a setting a stored config lacks (written before the setting existed) trained as its default did
-    a = {**NEWER_FIELDS, **a} if stored else a
     out = []
     for key in sorted(set(a) | set(b)):
         if key in IGNORED_FIELDS or (keys is not None and key not in keys):
@@ -665,7 +651,6 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
         backend = ReplayBackend(
             train_traces,
             profile,
-            time_noise=config.time_noise,
             profiles=mix,
             lookup=lookup,
         )
@@ -798,7 +783,7 @@ def config_from_argv(argv: list[str] | None) -> tuple[TrainConfig, Path | None, 
         run = Path(args.resume)
         if not (run / "config.json").is_file():
             raise RunDirectoryError(f"--resume {run}: not a train.py run directory (no config.json)")
-        stored = load_config(TrainConfig, run / "config.json", missing=NEWER_FIELDS)
+        stored = load_config(TrainConfig, run / "config.json")
         given = (given_flags(ap, argv) | set(preset)) - {"resume", "retrain", "quick", "progress"}
         if given:
             requested = from_args(TrainConfig, args, ppo=from_args(PPOConfig, args))

@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine import SpeculativeEngine, StaticController, load_pair, native  # noqa: E402
-from engine.batch import BatchConfig, BatchedEngine, BatchRequest  # noqa: E402
+from engine import SpeculativeEngine, StaticController, load_pair
+from engine.backends import native
+from engine.batch import BatchConfig, BatchedEngine, BatchRequest
 
 PROMPTS = [
     "Write a Python function that returns the prime numbers below n.",

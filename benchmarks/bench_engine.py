@@ -23,10 +23,8 @@ import torch
 import transformers
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine import SamplingConfig, SpeculativeEngine, load_pair  # noqa: E402
-from policies import StaticController  # noqa: E402
+from engine import SamplingConfig, SpeculativeEngine, load_pair
+from policies import StaticController
 
 MEASURE_PROMPTS = {
     "it": "Scrivi una funzione Python che restituisca i numeri primi minori di n, con una breve spiegazione.",

@@ -30,16 +30,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine import EngineConfig, SamplingConfig, SpeculativeEngine  # noqa: E402
-from engine.errors import InputError  # noqa: E402
-from engine.lookup import describe_lookup, resolve_lookup  # noqa: E402
-from envs import workspace  # noqa: E402
-from envs.prompts import language_of, suite_split  # noqa: E402
-from evaluation.measurements import run_engine  # noqa: E402
-from evaluation.stats import paired_bootstrap_ratio  # noqa: E402
-from policies import AnalyticController, PolicyFileError, StaticController, load_policy  # noqa: E402
+from engine import EngineConfig, SamplingConfig, SpeculativeEngine
+from engine.errors import InputError
+from engine.lookup import describe_lookup, resolve_lookup
+from envs import workspace
+from envs.prompts import language_of, suite_split
+from evaluation.measurements import run_engine
+from evaluation.stats import paired_bootstrap_ratio
+from policies import AnalyticController, PolicyFileError, StaticController, load_policy
 
 
 def parse_static(text: str) -> tuple[int, int, int]:
@@ -66,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pair", default="qwen2.5-coder")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument(
-        "--weights", default="auto", help="the target's weight format (engine.quant; auto: the default)"
+        "--weights",
+        default="auto",
+        help="the target's weight format (engine.backends.quant; auto: the default)",
     )
     ap.add_argument("--draft-weights", default="auto", help="the draft's weight format (auto: the default)")
     ap.add_argument(

@@ -1,5 +1,5 @@
 """The native decoder of this checkout against the one of another git revision, side by side: both are
-compiled (the revision's ``engine/csrc`` taken with ``git show``), built over the same layers of a model
+compiled (the revision's ``engine/backends/csrc`` taken with ``git show``), built over the same layers of a model
 pair, run on the same inputs with the same caches, and compared bit for bit (prompt rows, a chain, a tree;
 1 and 2 threads; several cache lengths), then timed interleaved (decode and verification forwards over a
 filled cache). A restructuring that must keep every bit (so recorded traces stay valid) is checked here
@@ -29,15 +29,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine import lean, load_pair, native  # noqa: E402
+from engine import load_pair
+from engine.backends import lean, native
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def revision_sources(rev: str, directory: Path) -> Path:
-    """The revision's engine/csrc written under ``directory``."""
+    """The revision's engine/backends/csrc written under ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
     for path in native.SOURCES + native.HEADERS:
         rel = path.relative_to(ROOT).as_posix()

@@ -25,10 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from envs.prompts import language_of, load_suite  # noqa: E402
-from envs.record_traces import load_traces  # noqa: E402
+from envs.prompts import language_of, load_suite
+from envs.record_traces import load_traces
 
 
 def kept_sets(counts: collections.Counter, sizes: list[int]) -> dict[str, dict[int, np.ndarray]]:
@@ -49,12 +47,12 @@ def kept_sets(counts: collections.Counter, sizes: list[int]) -> dict[str, dict[i
 def load_tokenizer(pair: str):
     """The tokenizer of a named pair, without loading its models."""
     if pair == "tiny":
-        from engine.tiny import build_tiny_pair
+        from engine.backends.tiny import build_tiny_pair
 
         return build_tiny_pair()[2]
     from transformers import AutoTokenizer
 
-    from engine.weights import ensure_default_pair
+    from engine.backends.weights import ensure_default_pair
 
     target_dir, _ = ensure_default_pair(pair, progress=False)
     return AutoTokenizer.from_pretrained(str(target_dir))

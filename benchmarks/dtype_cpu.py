@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from engine.weights import ensure_default_pair
+from engine.backends.weights import ensure_default_pair
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PROMPT = "Explain in two sentences why the sky is blue."

@@ -18,13 +18,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine import EngineConfig, SamplingConfig, SpeculativeEngine, load_pair  # noqa: E402
-from engine.cost_profile import CostProfile  # noqa: E402
-from envs.record_traces import record_trace  # noqa: E402
-from envs.replay import ReplayTrace, replay_generate  # noqa: E402
-from policies import AnalyticController, ConfidenceController, HeuristicController, StaticController  # noqa: E402
+from engine import EngineConfig, SamplingConfig, SpeculativeEngine, load_pair
+from engine.costs.cost_profile import CostProfile
+from envs.record_traces import record_trace
+from envs.replay import ReplayTrace, replay_generate
+from policies import AnalyticController, ConfidenceController, HeuristicController, StaticController
 
 PROMPTS = {
     "en": "Write a Python function that merges two sorted lists into one sorted list.",
@@ -48,7 +46,9 @@ def controllers(profile, width: int, max_depth: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", default="qwen2.5-coder")
-    ap.add_argument("--profile", required=True, help="cost profile JSON (python -m engine.measure_costs)")
+    ap.add_argument(
+        "--profile", required=True, help="cost profile JSON (python -m engine.costs.measure_costs)"
+    )
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--max-depth", type=int, default=8)
     ap.add_argument("--tree-width", type=int, default=1)

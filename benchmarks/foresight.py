@@ -32,18 +32,14 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # replay_policies (a sibling script)
-
-from replay_policies import replay_inputs, trace_summary  # noqa: E402
-
-from engine.control import Controller, DraftState  # noqa: E402
-from engine.errors import InputError  # noqa: E402
-from engine.lookup import describe_lookup, resolve_lookup  # noqa: E402
-from envs import workspace  # noqa: E402
-from envs.oracle import oracle_throughput, static_grid  # noqa: E402
-from envs.replay import ReplayTrace, replay_generate, throughput  # noqa: E402
-from policies import AnalyticController, StaticController, load_policy  # noqa: E402
+from engine.control import Controller, DraftState
+from engine.errors import InputError
+from engine.lookup import describe_lookup, resolve_lookup
+from envs import workspace
+from envs.oracle import oracle_throughput, static_grid
+from envs.replay import ReplayTrace, replay_generate, throughput
+from envs.workspace import replay_inputs, trace_summary
+from policies import AnalyticController, StaticController, load_policy
 
 
 # --------------------------------------------------------------------------------- in-sample calibration

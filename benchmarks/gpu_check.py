@@ -15,7 +15,7 @@ runs/cache/qwen2.5-coder/cpu-float32/traces/greedy-w1-d8-n128-s0``).
     python benchmarks/gpu_check.py --device cpu --small --out /tmp/g  # plumbing check on a CPU (~1 min)
 
 Writes ``OUT/gpu_check.json`` (every number), ``OUT/profile.json`` (the random-weight cost profile, with its
-batched table: ``engine.measure_costs`` with ``batch_axis``) and ``OUT/gpu_check.txt`` (the printed summary);
+batched table: ``engine.costs.measure_costs`` with ``batch_axis``) and ``OUT/gpu_check.txt`` (the printed summary);
 exits 1 if a correctness check fails.
 """
 
@@ -30,19 +30,17 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from engine import SamplingConfig, SpeculativeEngine  # noqa: E402
-from engine.batch import BatchConfig, BatchedEngine, BatchRequest  # noqa: E402
-from engine.errors import DraftpilotError  # noqa: E402
-from engine.measure_costs import ProfileConfig, device_name, measure_profile  # noqa: E402
-from engine.models import load_pair  # noqa: E402
-from engine.random_pair import build_random_pair  # noqa: E402
-from engine.results import GenerationResult  # noqa: E402
-from evaluation.exactness import first_divergence, greedy_audit, law_checks, sampled_test  # noqa: E402
-from policies import HeuristicController, StaticController  # noqa: E402
+from engine import SamplingConfig, SpeculativeEngine
+from engine.backends.models import load_pair
+from engine.backends.random_pair import build_random_pair
+from engine.batch import BatchConfig, BatchedEngine, BatchRequest
+from engine.costs.measure_costs import ProfileConfig, device_name, measure_profile
+from engine.errors import DraftpilotError
+from engine.results import GenerationResult
+from evaluation.exactness import first_divergence, greedy_audit, law_checks, sampled_test
+from policies import HeuristicController, StaticController
 
 SMALL = dict(
     hidden_size=64,

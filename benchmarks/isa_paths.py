@@ -40,14 +40,13 @@ def one(path: str, context: int, reps: int, threads: int) -> str:
     import torch
 
     torch.set_num_threads(threads)
-    sys.path.insert(0, str(ROOT))
-    from engine import native
+    from engine.backends import native
 
     if path in VARIANTS:
         native._module = native.variant(*VARIANTS[path])
+    from engine.backends.kvcache import keep_entries, new_cache
+    from engine.backends.models import load_pair
     from engine.engine import forward_logits
-    from engine.kvcache import keep_entries, new_cache
-    from engine.models import load_pair
 
     int4 = path.startswith("int4")
     pair = load_pair(

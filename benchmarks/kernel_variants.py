@@ -1,4 +1,4 @@
-"""Compile-time variants of the K-quant kernels (``engine/csrc``), timed side by side: each variant is built
+"""Compile-time variants of the K-quant kernels (``engine/backends/csrc``), timed side by side: each variant is built
 with extra ``-D`` flags under its own module name, then every product runs on every variant in turn (so
 drift hits all alike), on weights of the default target's shapes (random values: time does not depend
 on them), several copies each so that a product streams its weights from memory as a decode step does,
@@ -21,10 +21,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine import native  # noqa: E402
-from engine.kquant import quantize_k4, quantize_k6, tiled_parts  # noqa: E402
+from engine.backends import native
+from engine.backends.kquant import quantize_k4, quantize_k6, tiled_parts
 
 # one layer of the default target (hidden 1536, MLP 8960; q/k/v as one product, gate/up as one) and a
 # quarter of its LM head (151936 x 1536, k6)

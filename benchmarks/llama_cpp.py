@@ -28,569 +28,41 @@ and exits 0.
     python benchmarks/llama_cpp.py --draft-max 4,8 --draft-p-min 0.5 --max-new-tokens 64
     python benchmarks/llama_cpp.py --llama-bin ~/src/llama.cpp/build/bin --no-build
 
-Another script can interleave llama.cpp runs with its own: load this file by path (its module name would
-clash with the llama-cpp-python package; see ``load_benchmark`` in tests/evaluation), then
-
-    binaries = lc.find_binaries(lc.default_bin_dir())        # None when absent; lc.build_binaries builds
-    run = lc.run_llama_cpp(binaries, lc.LlamaSetting(n_max=8, p_min=0.75), chat_text, target_gguf, draft_gguf)
-    run["tok_s"], run["tokens"], run.get("accept")           # one subprocess, no other side effect
+The build, the runs and the parsers are library code (``evaluation.llama_cpp_build``,
+``evaluation.llama_cpp``), which the evaluation's llama.cpp rows and benchmarks/serve_load.py use too;
+this script is the command line over them.
 """
 
-# No `from __future__ import annotations`: with string annotations, @dataclass looks the module up in
-# sys.modules, where a script loaded by path (tests, other benchmarks) is not registered.
+from __future__ import annotations
+
 import argparse
 import datetime
 import json
 import os
-import re
-import shutil
 import statistics
-import subprocess
 import sys
 import tarfile
-import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from engine.measure_costs import device_name  # noqa: E402
-from engine.weights import DEFAULT_PAIRS, WeightsError, convert_to_hf, fetch_gguf  # noqa: E402
-from envs.prompts import LANGUAGES, interleave_languages, language_of, load_suite  # noqa: E402
-
-SOURCE_PACKAGE = "llama-cpp-python"
-SOURCE_VERSION = "0.3.36"
-"""The llama-cpp-python sdist whose vendored llama.cpp is built; also the cache key of the binaries."""
-COMPLETION_NAMES = ("llama-completion", "llama-cli")
-"""Autoregressive binary, newest name first (``llama-cli`` turned into a chat UI in newer llama.cpp)."""
-SPECULATIVE_NAME = "llama-speculative-simple"
-SERVER_NAME = "llama-server"
-"""llama.cpp's HTTP server (continuous batching over ``-np`` slots), the peer of ``serve.py`` under load."""
-CMAKE_FLAGS = (
-    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
-    "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_APP=OFF",
-)  # fmt: skip
-"""Static binaries (they are copied out of the build tree), no network code, optimised for this CPU."""
-NO_AMX = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
-"""On x86 the build leaves out ggml's AMX kernels, which ``-march=native`` enables on a CPU that lists AMX: in
-this llama.cpp they crash (SIGSEGV on the first request with the default pair's Q4_K_M target, measured on a
-Sapphire Rapids VM, 2026-12-02), and the AVX-512 kernels, which the build keeps, run the same files."""
-
-
-def cmake_flags(cxx: str | None = None) -> tuple[str, ...]:
-    """``CMAKE_FLAGS`` plus, on x86 with a compiler that knows them, the ``NO_AMX`` flags (an explicit
-    ``-mno-...`` wins over ``-march=native`` whatever the order)."""
-    import platform
-
-    cxx = cxx or next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
-    if cxx is None or platform.machine().lower() not in ("x86_64", "amd64"):
-        return CMAKE_FLAGS
-    try:
-        probe = subprocess.run(
-            [cxx, *NO_AMX, "-x", "c++", "-E", "-"], input="", capture_output=True, text=True, timeout=60
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return CMAKE_FLAGS
-    if probe.returncode != 0:
-        return CMAKE_FLAGS
-    extra = " ".join(NO_AMX)
-    return (*CMAKE_FLAGS, f"-DCMAKE_C_FLAGS={extra}", f"-DCMAKE_CXX_FLAGS={extra}")
-
-
-def stale_build(bin_dir: Path | str) -> str | None:
-    """Why the binaries this script built in ``bin_dir`` should be built again (their recorded cmake flags
-    are not this version's), or None (up to date, or not built by this script: ``--llama-bin`` builds are the
-    user's)."""
-    info = Path(bin_dir).expanduser() / "BUILD_INFO.json"
-    try:
-        flags = json.loads(info.read_text()).get("cmake_flags")
-    except (OSError, ValueError, AttributeError):
-        return None
-    want = list(cmake_flags())
-    if flags != want:
-        return f"built with other cmake flags ({' '.join(sorted(set(want) - set(flags or [])))} missing)"
-    return None
-
-
-class LlamaCppUnavailable(RuntimeError):
-    """llama.cpp binaries are absent and could not be built (tools, network or the build itself failed)."""
-
-
-class LlamaCppRunError(RuntimeError):
-    """A llama.cpp run failed or printed no timing line this script can read."""
-
-
-# ----------------------------------------------------------------------------------------------- parsing
-_NUM = r"(?:[0-9]+(?:\.[0-9]*)?|inf|nan|-nan)"
-EVAL_RE = re.compile(
-    rf"(?<!prompt )(?<!\w)eval time\s*=\s*(?P<ms>{_NUM})\s*ms\s*/\s*(?P<runs>\d+)\s*runs"
-    rf"\s*\(\s*(?P<ms_per>{_NUM})\s*ms per token,\s*(?P<tps>{_NUM})\s*tokens per second\)"
+from engine.backends.weights import DEFAULT_PAIRS, WeightsError, fetch_gguf, pair_tokenizer
+from engine.costs.measure_costs import device_name
+from envs.prompts import LANGUAGES, interleave_languages, language_of, load_suite
+from evaluation.llama_cpp import AUTOREGRESSIVE, LlamaCppRunError, LlamaSetting, parse_ngram, run_llama_cpp
+from evaluation.llama_cpp_build import (
+    COMPLETION_NAMES,
+    SOURCE_PACKAGE,
+    SOURCE_VERSION,
+    SPECULATIVE_NAME,
+    LlamaCppUnavailable,
+    build_binaries,
+    default_bin_dir,
+    find_binaries,
+    stale_build,
 )
-PROMPT_EVAL_RE = re.compile(
-    rf"prompt eval time\s*=\s*(?P<ms>{_NUM})\s*ms\s*/\s*(?P<tokens>\d+)\s*tokens"
-    rf"\s*\(\s*(?P<ms_per>{_NUM})\s*ms per token,\s*(?P<tps>{_NUM})\s*tokens per second\)"
-)
-TOTAL_RE = re.compile(rf"total time\s*=\s*(?P<ms>{_NUM})\s*ms\s*/\s*(?P<tokens>\d+)\s*tokens")
-ENCODED_RE = re.compile(
-    rf"encoded\s+(?P<tokens>\d+)\s+tokens in\s+(?P<s>{_NUM})\s+seconds,\s*speed:\s*(?P<tps>{_NUM})\s*t/s"
-)
-DECODED_RE = re.compile(
-    rf"decoded\s+(?P<tokens>\d+)\s+tokens in\s+(?P<s>{_NUM})\s+seconds,\s*speed:\s*(?P<tps>{_NUM})\s*t/s"
-)
-SPEC_STAT_RE = re.compile(
-    rf"(?<!\w)(?P<key>n_draft|n_predict|n_drafted|n_accept|accept)\s*=\s*(?P<value>{_NUM})\s*%?"
-)
-VERSION_RE = re.compile(
-    r"version:\s*(?P<version>\S+)\s*\(build\s*(?P<build>-?\d+),\s*commit\s*(?P<commit>[^)]*)\)"
-)
-
-
-def _num(text: str) -> float:
-    return float("nan") if text.lstrip("-") == "nan" else float(text)
-
-
-def _last(pattern: re.Pattern, text: str) -> re.Match | None:
-    matches = list(pattern.finditer(text))
-    return matches[-1] if matches else None
-
-
-def parse_completion_output(log: str) -> dict:
-    """Timings of a ``llama-completion`` / ``llama-cli`` run from its stderr (the last perf block wins).
-
-    Returns ``decode_s``, ``decode_runs`` (one target forward per token after the first), ``tokens``
-    (generated, EOS included: the first token comes from the prompt forward, so ``decode_runs + 1``),
-    ``tok_s`` (``decode_runs / decode_s``, llama.cpp's own "tokens per second"), ``prompt_tokens``,
-    ``prompt_s``, ``total_s``. Raises ``LlamaCppRunError`` without an ``eval time`` line.
-    """
-    m = _last(EVAL_RE, log)
-    if m is None:
-        raise LlamaCppRunError("no 'eval time = ... ms / N runs' line in llama.cpp's output")
-    runs, ms = int(m["runs"]), _num(m["ms"])
-    out = {
-        "decode_runs": runs,
-        "decode_s": ms / 1e3,
-        "tokens": runs + 1,
-        "tok_s": runs / (ms / 1e3) if ms > 0 else float("nan"),
-    }
-    if p := _last(PROMPT_EVAL_RE, log):
-        out.update(prompt_tokens=int(p["tokens"]), prompt_s=_num(p["ms"]) / 1e3)
-    if t := _last(TOTAL_RE, log):
-        out.update(total_s=_num(t["ms"]) / 1e3)
-    return out
-
-
-def parse_speculative_output(log: str) -> dict:
-    """Timings and acceptance of a ``llama-speculative-simple`` run from its stderr.
-
-    Returns ``tokens`` (generated, EOS included), ``decode_s``, ``tok_s`` (``tokens / decode_s``),
-    ``prompt_tokens``, ``prompt_s`` and, where printed, ``n_draft`` (the maximum draft length),
-    ``n_drafted``, ``n_accept``, ``accept`` (a fraction: n_accept / n_drafted). Raises
-    ``LlamaCppRunError`` without a ``decoded N tokens`` line.
-    """
-    m = _last(DECODED_RE, log)
-    if m is None:
-        raise LlamaCppRunError("no 'decoded N tokens in S seconds' line in llama.cpp's output")
-    tokens, seconds = int(m["tokens"]), _num(m["s"])
-    out: dict = {
-        "tokens": tokens,
-        "decode_s": seconds,
-        "tok_s": tokens / seconds if seconds > 0 else float("nan"),
-    }
-    if e := _last(ENCODED_RE, log):
-        out.update(prompt_tokens=int(e["tokens"]), prompt_s=_num(e["s"]))
-    for s in SPEC_STAT_RE.finditer(log[m.start() :]):  # the summary after the decoded line, not the draft's
-        key, value = s["key"], _num(s["value"])
-        if key == "accept":
-            out.setdefault("accept", value / 100.0)
-        elif key != "n_predict":
-            out.setdefault(key, int(value))
-    if out.get("n_drafted"):
-        out["accept"] = out["n_accept"] / out["n_drafted"]
-    return out
-
-
-def parse_version(text: str) -> dict:
-    """``{"version", "build", "commit"}`` from ``--version`` output (empty dict when not found)."""
-    m = VERSION_RE.search(text)
-    return {"version": m["version"], "build": int(m["build"]), "commit": m["commit"].strip()} if m else {}
-
-
-# ---------------------------------------------------------------------------------------------- binaries
-@dataclass(frozen=True)
-class LlamaBinaries:
-    """The two llama.cpp programs the benchmark runs, with the flag spellings their ``--help`` shows."""
-
-    completion: Path
-    speculative: Path
-    draft_max_flag: str = "--spec-draft-n-max"
-    p_min_flag: str = "--spec-draft-p-min"
-    draft_threads_flags: tuple[str, ...] = ("-td", "-tbd")
-    completion_extra: tuple[str, ...] = ("-no-cnv", "--no-display-prompt")
-    speculative_extra: tuple[str, ...] = ("--spec-type", "draft-simple")
-    """Newer llama.cpp drafts with nothing unless told to use the draft model (older: no such flag)."""
-    version: dict = field(default_factory=dict)
-    ngram_simple: bool = False
-    """``--spec-type ngram-simple`` (n-gram lookup drafting, no draft model) is available."""
-
-
-def default_bin_dir(cache: Path | str | None = None) -> Path:
-    """``<cache>/llama.cpp/<SOURCE_VERSION>/bin``; cache: ``$DRAFTPILOT_CACHE`` or ``~/.cache/draftpilot``."""
-    if cache is None:
-        env = os.environ.get("DRAFTPILOT_CACHE")
-        cache = Path(env).expanduser() if env else Path.home() / ".cache" / "draftpilot"
-    return Path(cache) / "llama.cpp" / SOURCE_VERSION / "bin"
-
-
-def find_server(bin_dir: Path | str) -> Path | None:
-    """``llama-server`` in ``bin_dir`` when it is there and runs (``--help`` answers), else None."""
-    server = Path(bin_dir).expanduser() / SERVER_NAME
-    return server if _executable(server) and _help_text(server) else None
-
-
-def _executable(path: Path) -> bool:
-    return path.is_file() and os.access(path, os.X_OK)
-
-
-def _help_text(binary: Path) -> str:
-    try:
-        done = subprocess.run(
-            [str(binary), "--help"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            stdin=subprocess.DEVNULL,
-            errors="replace",
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return done.stdout + done.stderr
-
-
-def _pick(help_text: str, *spellings: str) -> str | None:
-    """The first spelling that ``help_text`` lists as an option (None when none is listed)."""
-    for flag in spellings:
-        if re.search(rf"(?:^|[\s,]){re.escape(flag)}(?:[\s,=]|$)", help_text, re.M):
-            return flag
-    return None
-
-
-def find_binaries(bin_dir: Path | str) -> LlamaBinaries | None:
-    """The binaries in ``bin_dir`` (None when either is missing), flag names probed from ``--help``."""
-    bin_dir = Path(bin_dir).expanduser()
-    completion = next((bin_dir / n for n in COMPLETION_NAMES if _executable(bin_dir / n)), None)
-    speculative = bin_dir / SPECULATIVE_NAME
-    if completion is None or not _executable(speculative):
-        return None
-    spec_help, comp_help = _help_text(speculative), _help_text(completion)
-    if not spec_help or not comp_help:
-        return None  # present but not runnable here (wrong architecture, missing library, ...)
-    draft_max = _pick(spec_help, "--spec-draft-n-max", "--draft-max", "--draft") or "--draft-max"
-    p_min = _pick(spec_help, "--spec-draft-p-min", "--draft-p-min") or "--draft-p-min"
-    threads = (
-        _pick(spec_help, "-td", "--spec-draft-threads", "--threads-draft"),
-        _pick(spec_help, "-tbd", "--spec-draft-threads-batch", "--threads-batch-draft"),
-    )
-    threads = tuple(f for f in threads if f)
-    extra = tuple(
-        f
-        for f in (_pick(comp_help, "-no-cnv", "--no-conversation"), _pick(comp_help, "--no-display-prompt"))
-        if f
-    )
-    spec_type = (
-        ("--spec-type", "draft-simple")
-        if _pick(spec_help, "--spec-type") and re.search(r"(?<![\w-])draft-simple(?![\w-])", spec_help)
-        else ()
-    )
-    try:
-        done = subprocess.run(
-            [str(completion), "--version"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            stdin=subprocess.DEVNULL,
-            errors="replace",
-        )
-        version = parse_version(done.stdout + done.stderr)
-    except (OSError, subprocess.TimeoutExpired):
-        version = {}
-    ngram = bool(
-        _pick(spec_help, "--spec-ngram-simple-size-n")
-        and re.search(r"(?<![\w-])ngram-simple(?![\w-])", spec_help)
-    )
-    return LlamaBinaries(completion, speculative, draft_max, p_min, threads, extra, spec_type, version, ngram)
-
-
-def _run_logged(step: str, cmd: list[str], log) -> None:
-    log.write(f"\n$ {' '.join(cmd)}\n")
-    log.flush()
-    done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    if done.returncode != 0:
-        raise LlamaCppUnavailable(f"{step} failed (exit {done.returncode}), see {log.name}")
-
-
-def build_binaries(bin_dir: Path | str, jobs: int = 1, niceness: int = 19, echo=print) -> LlamaBinaries:
-    """Download the llama-cpp-python sdist, build the two programs, install them into ``bin_dir``.
-
-    The build tree is temporary (next to ``bin_dir``); its log is kept as ``<bin_dir>/../build.log``.
-    Raises ``LlamaCppUnavailable`` when a tool is missing or a step fails.
-    """
-    bin_dir = Path(bin_dir).expanduser()
-    cmake = shutil.which("cmake")
-    if cmake is None:
-        raise LlamaCppUnavailable("cmake not found (`pip install cmake` provides it; or pass --llama-bin)")
-    if not any(shutil.which(cxx) for cxx in ("c++", "g++", "clang++")):
-        raise LlamaCppUnavailable("no C++ compiler found (c++, g++ or clang++; or pass --llama-bin)")
-    root = bin_dir.parent
-    root.mkdir(parents=True, exist_ok=True)
-    log_path = root / "build.log"
-    prefix = ["nice", "-n", str(niceness)] if niceness and shutil.which("nice") else []
-    with tempfile.TemporaryDirectory(prefix=".build-", dir=root) as tmp, open(log_path, "w") as log:
-        tmp = Path(tmp)
-        echo(f"llama.cpp: downloading {SOURCE_PACKAGE}=={SOURCE_VERSION} (sdist) from PyPI ...", flush=True)
-        download = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--no-binary",
-            ":all:",
-            f"{SOURCE_PACKAGE}=={SOURCE_VERSION}",
-            "-d",
-            str(tmp / "sdist"),
-        ]
-        _run_logged("pip download", download, log)
-        sdists = list((tmp / "sdist").glob("*.tar.gz"))
-        if len(sdists) != 1:
-            raise LlamaCppUnavailable(f"pip download gave {len(sdists)} sdists, expected one")
-        with tarfile.open(sdists[0]) as tar:
-            members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name]
-            if not members:
-                raise LlamaCppUnavailable(f"{sdists[0].name} has no vendor/llama.cpp")
-            kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-            tar.extractall(tmp / "src", members=members, **kwargs)
-        source = next((tmp / "src").glob("*/vendor/llama.cpp"))
-        completion = next(
-            (
-                n
-                for n, d in (("llama-completion", "completion"), ("llama-cli", "cli"))
-                if (source / "tools" / d).is_dir() or (source / "examples" / d).is_dir()
-            ),
-            None,
-        )
-        if completion is None:
-            raise LlamaCppUnavailable("neither tools/completion nor tools/cli in this llama.cpp")
-        build = tmp / "build"
-        echo(
-            f"llama.cpp: building {completion}, {SPECULATIVE_NAME} and {SERVER_NAME} with -j{jobs} (about 15 "
-            f"min at -j1 on 2 cores), log: {log_path}",
-            flush=True,
-        )
-        started = time.perf_counter()
-        flags = cmake_flags()
-        configure = [cmake, "-S", str(source), "-B", str(build), *flags]
-        _run_logged("cmake configure", prefix + configure, log)
-        _run_logged(
-            "cmake build",
-            prefix
-            + [
-                cmake,
-                "--build",
-                str(build),
-                "--config",
-                "Release",
-                f"-j{jobs}",
-                "--target",
-                completion,
-                SPECULATIVE_NAME,
-                SERVER_NAME,
-            ],
-            log,
-        )
-        bin_dir.mkdir(parents=True, exist_ok=True)
-        for name in (completion, SPECULATIVE_NAME, SERVER_NAME):
-            built = build / "bin" / name
-            if not _executable(built):
-                raise LlamaCppUnavailable(f"the build did not produce bin/{name}, see {log_path}")
-            staged = bin_dir / f".{name}.partial"
-            shutil.copy2(built, staged)
-            os.replace(staged, bin_dir / name)
-        (bin_dir / "BUILD_INFO.json").write_text(
-            json.dumps(
-                {
-                    "source": f"{SOURCE_PACKAGE}=={SOURCE_VERSION} vendor/llama.cpp",
-                    "cmake_flags": list(flags),
-                    "built": datetime.datetime.now().isoformat(timespec="seconds"),
-                    "build_s": round(time.perf_counter() - started, 1),
-                },
-                indent=1,
-            )
-            + "\n"
-        )
-    echo(f"llama.cpp: built in {time.perf_counter() - started:.0f} s into {bin_dir}", flush=True)
-    found = find_binaries(bin_dir)
-    if found is None:
-        raise LlamaCppUnavailable(f"built binaries in {bin_dir} do not run")
-    return found
-
-
-# ------------------------------------------------------------------------------------------------- runs
-@dataclass(frozen=True)
-class LlamaSetting:
-    """One llama.cpp configuration: ``n_max`` None is autoregressive, else speculative with the draft;
-    ``ngram`` (N, M): n-gram lookup drafting instead (no draft model, ``n_max`` unused)."""
-
-    n_max: int | None = None
-    p_min: float = 0.0
-    ngram: tuple[int, int] | None = None
-
-    @property
-    def name(self) -> str:
-        if self.ngram is not None:
-            return f"lookup n={self.ngram[0]} m={self.ngram[1]}"
-        return "autoregressive" if self.n_max is None else f"spec n={self.n_max} p={self.p_min:g}"
-
-    @property
-    def speculative(self) -> bool:
-        return self.n_max is not None or self.ngram is not None
-
-
-AUTOREGRESSIVE = LlamaSetting()
-
-
-def llama_command(
-    binaries: LlamaBinaries,
-    setting: LlamaSetting,
-    prompt_text: str,
-    target: Path | str,
-    draft: Path | str | None,
-    max_new_tokens: int = 128,
-    threads: int = 2,
-    ctx_size: int = 2048,
-    seed: int = 0,
-) -> list[str]:
-    """The command line of one greedy run (no EOS suppression, llama.cpp's chat template off)."""
-    common = [
-        "-p",
-        prompt_text,
-        "-n",
-        str(max_new_tokens),
-        "--temp",
-        "0",
-        "--top-k",
-        "1",
-        "--seed",
-        str(seed),
-        "-t",
-        str(threads),
-        "-tb",
-        str(threads),
-        "-c",
-        str(ctx_size),
-    ]
-    if setting.ngram is not None:
-        if not binaries.ngram_simple:
-            raise LlamaCppRunError(f"{setting.name}: this llama.cpp has no --spec-type ngram-simple")
-        n, m = setting.ngram
-        return [
-            str(binaries.speculative),
-            "-m",
-            str(target),
-            *common,
-            "--spec-type",
-            "ngram-simple",
-            "--spec-ngram-simple-size-n",
-            str(n),
-            "--spec-ngram-simple-size-m",
-            str(m),
-        ]
-    if setting.n_max is None:
-        return [str(binaries.completion), "-m", str(target), *common, *binaries.completion_extra]
-    if draft is None:
-        raise ValueError(f"{setting.name} needs a draft model")
-    cmd = [
-        str(binaries.speculative),
-        "-m",
-        str(target),
-        "-md",
-        str(draft),
-        *common,
-        *binaries.speculative_extra,
-        binaries.draft_max_flag,
-        str(setting.n_max),
-        binaries.p_min_flag,
-        f"{setting.p_min:g}",
-    ]
-    for flag in binaries.draft_threads_flags:
-        cmd += [flag, str(threads)]
-    return cmd
-
-
-def run_llama_cpp(
-    binaries: LlamaBinaries,
-    setting: LlamaSetting,
-    prompt_text: str,
-    target: Path | str,
-    draft: Path | str | None = None,
-    *,
-    max_new_tokens: int = 128,
-    threads: int = 2,
-    ctx_size: int = 2048,
-    seed: int = 0,
-    timeout: float = 900.0,
-) -> dict:
-    """One greedy llama.cpp run of ``prompt_text`` (already chat-formatted) under ``setting``.
-
-    Returns the parsed timings (see ``parse_completion_output`` / ``parse_speculative_output``) plus
-    ``setting``, ``n_max``, ``p_min``, ``wall_s`` (process start to exit, model loading included) and
-    ``output`` (the generated text, prompt echo removed). Raises ``LlamaCppRunError`` when the process
-    fails, times out or prints no timing line. Starts one subprocess, nothing else.
-    """
-    cmd = llama_command(
-        binaries,
-        setting,
-        prompt_text,
-        target,
-        draft,
-        max_new_tokens=max_new_tokens,
-        threads=threads,
-        ctx_size=ctx_size,
-        seed=seed,
-    )
-    started = time.perf_counter()
-    try:
-        done = subprocess.run(
-            cmd, capture_output=True, text=True, errors="replace", timeout=timeout, stdin=subprocess.DEVNULL
-        )
-    except subprocess.TimeoutExpired as err:
-        raise LlamaCppRunError(f"{setting.name}: no exit within {timeout:g} s") from err
-    except OSError as err:
-        raise LlamaCppRunError(f"{setting.name}: cannot start {cmd[0]}: {err}") from err
-    wall = time.perf_counter() - started
-    if done.returncode != 0:
-        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
-        raise LlamaCppRunError(f"{setting.name}: {Path(cmd[0]).name} exited {done.returncode}: {tail}")
-    parse = parse_speculative_output if setting.speculative else parse_completion_output
-    try:
-        result = parse(done.stderr + "\n" + done.stdout)
-    except LlamaCppRunError as err:
-        raise LlamaCppRunError(f"{setting.name}: {err}") from None
-    output = done.stdout.strip("\n")
-    if output.startswith(prompt_text):  # speculative-simple echoes the prompt
-        output = output[len(prompt_text) :]
-    output = output.removesuffix(" [end of text]").rstrip("\n")
-    return {
-        "setting": setting.name,
-        "n_max": setting.n_max,
-        "p_min": None if setting.n_max is None else setting.p_min,
-        "ngram": None if setting.ngram is None else list(setting.ngram),
-        **result,
-        "wall_s": wall,
-        "output": output,
-    }
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -669,18 +141,6 @@ def _int_list(text: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
-def parse_ngram(text: str) -> tuple[int, int]:
-    """``"N:M"`` (or ``"N,M"``) -> (N, M) with 1 <= N <= M: llama.cpp's ngram-simple drafts nothing when fewer
-    than N tokens would follow a match, so M < N would never draft."""
-    try:
-        n, m = (int(x) for x in text.replace(",", ":").split(":"))
-    except ValueError:
-        raise ValueError(f"expected N:M (lookup N tokens, draft up to M), got {text!r}") from None
-    if not 1 <= n <= m:
-        raise ValueError(f"expected 1 <= N <= M (llama.cpp drafts nothing for M < N), got {text!r}")
-    return n, m
-
-
 def _ngram_list(text: str) -> list[tuple[int, int]]:
     try:
         return list(dict.fromkeys(parse_ngram(x) for x in text.split(",") if x.strip()))
@@ -705,7 +165,7 @@ def skip(reason: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pair", default="qwen2.5-coder", help="a pair of engine.weights.DEFAULT_PAIRS")
+    ap.add_argument("--pair", default="qwen2.5-coder", help="a pair of engine.backends.weights.DEFAULT_PAIRS")
     ap.add_argument(
         "--llama-bin",
         help="directory with llama-completion (or llama-cli) and "
@@ -779,9 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     target_spec, draft_spec = DEFAULT_PAIRS[args.pair]
     try:
         target, draft = fetch_gguf(target_spec, progress=False), fetch_gguf(draft_spec, progress=False)
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(convert_to_hf(target_spec, progress=False))
+        tokenizer = pair_tokenizer(args.pair)
     except (WeightsError, OSError) as err:
         return skip(f"cannot get the {args.pair} GGUF files or tokenizer: {err}")
 

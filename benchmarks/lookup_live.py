@@ -15,13 +15,11 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine import EngineConfig, SpeculativeEngine  # noqa: E402
-from engine.lookup import describe_lookup, parse_lookup  # noqa: E402
-from engine.measure_costs import device_name  # noqa: E402
-from envs import workspace  # noqa: E402
-from envs.prompts import LONG_SUITE, interleave_languages, load_suite  # noqa: E402
+from engine import EngineConfig, SpeculativeEngine
+from engine.costs.measure_costs import device_name
+from engine.lookup import describe_lookup, parse_lookup
+from envs import workspace
+from envs.prompts import LONG_SUITE, interleave_languages, load_suite
 
 
 def main() -> int:

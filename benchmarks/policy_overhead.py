@@ -11,19 +11,16 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine import SamplingConfig, SpeculativeEngine  # noqa: E402
-from engine.control import Controller  # noqa: E402
-from engine.features import DEPTH_OBS_DIM, SIZE_OBS_DIM  # noqa: E402
-from envs.prompts import suite_split  # noqa: E402
-from envs.workspace import load_models  # noqa: E402
-from policies import StaticController, load_policy  # noqa: E402
+from engine import SamplingConfig, SpeculativeEngine
+from engine.control import Controller
+from engine.costs.features import DEPTH_OBS_DIM, SIZE_OBS_DIM
+from envs.prompts import suite_split
+from envs.workspace import load_models
+from policies import StaticController, load_policy
 
 
 class Counting(Controller):

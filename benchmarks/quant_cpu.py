@@ -1,4 +1,4 @@
-"""Weight formats side by side on the CPU (engine.quant): conversion error, cost curve, speed, exactness.
+"""Weight formats side by side on the CPU (engine.backends.quant): conversion error, cost curve, speed, exactness.
 
 For each format, TARGET[/DRAFT][:N] (target format, draft format, draft LM head restricted to N tokens),
 this loads the default pair and prints:
@@ -28,17 +28,15 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from engine import SamplingConfig, SpeculativeEngine, load_pair  # noqa: E402
-from engine.engine import forward_logits  # noqa: E402
-from engine.kvcache import keep_entries, new_cache  # noqa: E402
-from engine.measure_costs import device_name  # noqa: E402
-from engine.quant import WEIGHT_FORMATS, weight_bytes  # noqa: E402
-from envs.prompts import suite_split  # noqa: E402
-from policies import StaticController  # noqa: E402
+from engine import SamplingConfig, SpeculativeEngine, load_pair
+from engine.backends.kvcache import keep_entries, new_cache
+from engine.backends.quant import WEIGHT_FORMATS, weight_bytes
+from engine.costs.measure_costs import device_name
+from engine.engine import forward_logits
+from envs.prompts import suite_split
+from policies import StaticController
 
 
 def read_bandwidth_gbs(size_mb: int = 1024, reps: int = 5) -> float:

@@ -15,20 +15,17 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import envs  # noqa: E402,F401 - registers the environment ids
-from engine.control import Controller  # noqa: E402
-from engine.cost_profile import CostProfile  # noqa: E402
-from envs import ReplayBackend, ReplayTrace, replay_generate, throughput  # noqa: E402
-from envs.oracle import oracle_throughput, static_grid  # noqa: E402
-from envs.record_traces import load_traces  # noqa: E402
-from policies import AnalyticController, ConfidenceController, StaticController, load_policy  # noqa: E402
+from engine.control import Controller
+from engine.costs.cost_profile import CostProfile
+from envs import ReplayBackend, ReplayTrace, replay_generate, throughput
+from envs.oracle import oracle_throughput, static_grid
+from envs.record_traces import load_traces
+from policies import AnalyticController, ConfidenceController, StaticController, load_policy
 
 
 class GatedConfidence(Controller):

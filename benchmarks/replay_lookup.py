@@ -20,14 +20,12 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine.lookup import LookupConfig, describe_lookup  # noqa: E402
-from envs import workspace  # noqa: E402
-from envs.oracle import oracle_throughput, static_grid  # noqa: E402
-from envs.prompts import LONG_SUITE, language_of, suite_split  # noqa: E402
-from envs.replay import replay_generate, throughput  # noqa: E402
-from policies import StaticController, load_policy  # noqa: E402
+from engine.lookup import LookupConfig, describe_lookup
+from envs import workspace
+from envs.oracle import oracle_throughput, static_grid
+from envs.prompts import LONG_SUITE, language_of, suite_split
+from envs.replay import replay_generate, throughput
+from policies import StaticController, load_policy
 
 GRID = [
     LookupConfig(

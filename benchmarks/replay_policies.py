@@ -19,55 +19,13 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine.errors import InputError  # noqa: E402
-from engine.lookup import describe_lookup, resolve_lookup  # noqa: E402
-from envs import workspace  # noqa: E402
-from envs.oracle import oracle_throughput, static_grid  # noqa: E402
-from envs.prompts import suite_split  # noqa: E402
-from envs.replay import replay_generate, throughput  # noqa: E402
-from policies import AnalyticController, StaticController, load_policy  # noqa: E402
-
-
-def replay_inputs(
-    policy,
-    profile,
-    cache_dir: str,
-    split: str,
-    per_language: int,
-    tune_split: str,
-    tune_per_language: int,
-    max_new_tokens: int | None = None,
-    temperature: float | None = None,
-):
-    """(cost profile, measured traces, tune traces) to replay ``policy``'s kind of controller on: the models
-    and trace settings it was trained with (``max_new_tokens`` / ``temperature`` override its own), traces
-    from the shared cache (recorded on first use), ``profile`` or else the policy's training profile."""
-    config = policy.meta["train_config"]
-    pair = workspace.load_models(config["pair"], config["dtype"], config["device"], config["threads"])
-    profile = profile or workspace.ensure_profile(pair, cache_dir, config.get("profile"))
-    kw = {
-        "temperature": config["temperature"] if temperature is None else temperature,
-        "tree_width": policy.tree_width,
-        "max_depth": policy.max_depth,
-        "max_new_tokens": max_new_tokens or config["max_new_tokens"],
-        "seed": config["seed"],
-    }
-
-    def traces(name: str, count: int):
-        return workspace.ensure_traces(pair, suite_split(name, count), cache_dir, tag=name, **kw)
-
-    return profile, traces(split, per_language), traces(tune_split, tune_per_language)
-
-
-def trace_summary(measured, split: str, profile, lookup) -> str:
-    """The header line of a replay table: traces, positions, the profile's device, the lookup."""
-    return (
-        f"{len(measured)} {split} traces ({sum(rt.trace.num_positions for rt in measured)} positions); "
-        f"profile {profile.meta.get('device_name')} {profile.meta.get('dtype')} "
-        f"{profile.meta.get('num_threads')} threads; lookup {describe_lookup(lookup)}"
-    )
+from engine.errors import InputError
+from engine.lookup import describe_lookup, resolve_lookup
+from envs import workspace
+from envs.oracle import oracle_throughput, static_grid
+from envs.replay import replay_generate, throughput
+from envs.workspace import replay_inputs, trace_summary
+from policies import AnalyticController, StaticController, load_policy
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         "--features-profile",
         help="cost profile the policies and the analytic controller are conditioned on, when it is not the one "
         "times are charged from (--profile): e.g. the device measured with random weights "
-        "(python -m engine.measure_costs --random-weights), as where the real weights cannot be copied",
+        "(python -m engine.costs.measure_costs --random-weights), as where the real weights cannot be copied",
     )
     ap.add_argument(
         "--max-new-tokens", type=int, help="trace length (default: the first policy's training length)"

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import random
@@ -53,28 +52,19 @@ from pathlib import Path
 import httpx
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from engine.costs.measure_costs import device_name
+from envs.prompts import interleave_languages, load_suite
+from evaluation.llama_cpp_build import default_bin_dir, find_server
+from serving import vllm_peer
+from serving.launch import ServerProcess, free_port, peak_rss_mb, prompt_ids
 
-from engine.measure_costs import device_name  # noqa: E402
-from envs.prompts import interleave_languages, load_suite  # noqa: E402
-from serving import vllm_peer  # noqa: E402
-from serving.launch import ServerProcess, free_port, peak_rss_mb, prompt_ids  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_OURS = ("ar=--autoregressive", "static=--policy none --depth 1 --lookup on")
 DEFAULT_VLLM_TABLE = {(1, 1): 3, (2, 4): 2, (5, 1024): 1}
 """The table of the ``vllm table`` row without ``--vllm-table``: longer drafts when the batch is small."""
 OURS_WEIGHTS = "GGUF blocks as stored (kquant target, kquant-strict draft: engine/models.py)"
 LLAMA_WEIGHTS = "GGUF Q4_K/Q6_K blocks as stored (same files)"
-
-
-def _llama_cpp():
-    spec = importlib.util.spec_from_file_location(
-        "draftpilot_llama_cpp", ROOT / "benchmarks" / "llama_cpp.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -394,12 +384,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.pair != "qwen2.5-coder":
             print("skipped llama-server rows: only the default pair has GGUF files", flush=True)
         else:
-            lc = _llama_cpp()
-            from engine.weights import DEFAULT_PAIRS, fetch_gguf
+            from engine.backends.weights import DEFAULT_PAIRS, fetch_gguf
 
             t_spec, d_spec = DEFAULT_PAIRS[args.pair]
             target, draft = fetch_gguf(t_spec, progress=False), fetch_gguf(d_spec, progress=False)
-            server = lc.find_server(Path(args.llama_bin) if args.llama_bin else lc.default_bin_dir())
+            server = find_server(Path(args.llama_bin) if args.llama_bin else default_bin_dir())
             if server is None:
                 print("skipped llama-server rows: no llama-server binary (benchmarks/llama_cpp.py builds it)")
     rows = build_rows(args, target, draft, server)

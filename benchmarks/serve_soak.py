@@ -36,10 +36,9 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from serving.launch import ServerProcess, free_port, prompt_ids, rss_mb
 
-from serving.launch import ServerProcess, free_port, prompt_ids, rss_mb  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 async def request(client, base, body, stream):

@@ -3,9 +3,10 @@
 The engine knows nothing of environments or policies; controllers plug in through ``engine.control``.
 """
 
+from engine.backends.models import load_pair
+from engine.backends.pair import IncompatiblePairError, ModelPair
 from engine.control import Controller, DraftState, StaticController
 from engine.engine import EngineConfig, SpeculativeEngine
-from engine.models import IncompatiblePairError, ModelPair, load_pair
 from engine.results import CycleRecord, GenerationResult
 from engine.sampling import SamplingConfig
 

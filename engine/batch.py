@@ -2,7 +2,7 @@
 decode it alone.
 
 ``BatchedEngine`` keeps a slot per admitted request: its own KV caches (target and draft, growing buffers:
-``engine.kvcache``), its controller, its context-lookup index, its sampler (a ``torch.Generator`` seeded by the
+``engine.backends.kvcache``), its controller, its context-lookup index, its sampler (a ``torch.Generator`` seeded by the
 request, its own ``SamplingConfig``) and stop tokens. ``step()`` runs one cycle of every request in flight:
 
 1. requests added since the last step are prefilled, each alone (one target forward of its prompt: the same
@@ -41,12 +41,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.backends.pair import ModelPair
 from engine.batch_forward import Rows, forward_rows
 from engine.control import Controller
 from engine.engine import EngineConfig, Forward, SpeculativeEngine, VerifyRows, _Request
 from engine.errors import DraftpilotError, InputError, is_int, short_repr
 from engine.lookup import NgramIndex
-from engine.models import ModelPair
 from engine.results import CycleRecord, GenerationResult
 from engine.sampling import SamplingConfig
 from engine.tree import depth_limit

@@ -5,14 +5,14 @@ tree mask or None for causal, the rows to keep); ``forward_rows(model, items)`` 
 ``forward_logits`` of that item alone would, computing the linear layers over every item's rows at once (one
 pass over the weights for all sequences: the throughput of batching) and everything else per sequence:
 
-* kquant models on the native decoder (``engine/csrc/decoder.cpp``, ``Decoder.forward_batch``): all layers in
+* kquant models on the native decoder (``engine/backends/csrc/decoder.cpp``, ``Decoder.forward_batch``): all layers in
   one C++ call; attention per (sequence, key/value head) over that sequence's cache only. The kernels compute
   every output row independently of the others and attention reads exactly the row's keys in cache order, so
   each item's logits are bitwise those of its forward alone, whatever else is batched with it (tested with a
   negative control).
 * other Qwen2 models (the torch path, device-generic: the model's own modules, so it runs on CUDA too): the
   projections and the MLP over all rows, the rotary embedding, the cache append, row-wise attention
-  (``engine.attention``: one SDPA call per query row over the keys that row sees) and the norms per item,
+  (``engine.backends.attention``: one SDPA call per query row over the keys that row sees) and the norms per item,
   the same calls in the same order as the lean forward of the item alone. Bitwise batch invariant where the
   linear layers are (the integer formats, whose kernels compute each row alone); float32 products on the CPU
   are not (MKL's 1-3-row products differ from larger ones by ~1e-7), so there greedy identity is measured
@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import torch
 from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM, apply_rotary_pos_emb
 
-from engine import lean
-from engine.attention import MAX_ROWWISE_ROWS, rowwise_attention
+from engine.backends import lean
+from engine.backends.attention import MAX_ROWWISE_ROWS, rowwise_attention
+from engine.backends.kvcache import GrowingLayer
 from engine.engine import forward_logits
-from engine.kvcache import GrowingLayer
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Rows:
     ids: Sequence[int]
     positions: Sequence[int]
     cache: object
-    """Its own KV cache (a ``DynamicCache`` from ``engine.kvcache.new_cache``), appended to by the forward."""
+    """Its own KV cache (a ``DynamicCache`` from ``engine.backends.kvcache.new_cache``), appended to by the forward."""
     mask: torch.Tensor | None = None
     """Additive (or boolean) 4D tree mask over cache + new rows; None: causal."""
     keep: int = 0

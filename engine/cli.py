@@ -43,12 +43,13 @@ from typing import Any
 
 import torch
 
+from engine.backends.files import atomic_write_json
+from engine.backends.models import load_pair, resolve_device, resolve_dtype, resolve_weights, split_pair
+from engine.backends.pair import ModelPair
+from engine.backends.random_pair import RANDOM_PAIR_CONFIGS
+from engine.backends.tiny import tiny_config
+from engine.backends.weights import DEFAULT_PAIRS
 from engine.errors import DraftpilotError, InputError, is_int
-from engine.files import atomic_write_json
-from engine.models import ModelPair, load_pair, resolve_device, resolve_dtype, resolve_weights, split_pair
-from engine.random_pair import RANDOM_PAIR_CONFIGS
-from engine.tiny import tiny_config
-from engine.weights import DEFAULT_PAIRS
 
 CLI_ERRORS = (DraftpilotError, OSError)
 """What a command line reports as one line: deliberate errors and unusable files; anything else is a bug and
@@ -276,7 +277,7 @@ def _check_writable_dir(directory: Path, what: str) -> None:
 @dataclass
 class ModelConfig:
     """The model pair and where it runs: the fields of every command line that loads a pair (``train.py``,
-    ``evaluate.py``, ``generate.py``, ``python -m engine.measure_costs``, ``python -m envs.record_traces``),
+    ``evaluate.py``, ``generate.py``, ``python -m engine.costs.measure_costs``, ``python -m envs.record_traces``),
     each of whose configs extends this one."""
 
     pair: str = "qwen2.5-coder"
@@ -461,9 +462,8 @@ def save_config(config: Any, path: str | Path) -> Path:
     return atomic_write_json(path, dataclasses.asdict(config), indent=1, default=str)
 
 
-def load_config(cls: type, path: str | Path, missing: dict[str, Any] | None = None):
+def load_config(cls: type, path: str | Path):
     """Read a config saved by ``save_config``; unknown keys are an error (a config from other code).
-    ``missing``: values of fields a file written before they existed holds none of (what it ran with).
     Raises ``ConfigFileError`` for a file that is not such a config (``FileNotFoundError`` if missing)."""
     path = Path(path)
     try:
@@ -477,6 +477,6 @@ def load_config(cls: type, path: str | Path, missing: dict[str, Any] | None = No
     if unknown:
         raise ConfigFileError(f"{path}: unknown {cls.__name__} fields {unknown}")
     try:
-        return cls(**{**(missing or {}), **data})
+        return cls(**data)
     except TypeError as err:
         raise ConfigFileError(f"{path} is not a valid {cls.__name__} config ({err})") from err

@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from engine import lean
-from engine.attention import MAX_ROWWISE_ROWS, MAX_VERIFY_NODES
+from engine.backends import lean
+from engine.backends.attention import MAX_ROWWISE_ROWS, MAX_VERIFY_NODES
+from engine.backends.kvcache import cache_len, keep_entries, new_cache
+from engine.backends.pair import ModelPair
 from engine.control import Controller, ControllerError, DraftState, decision, verify_size
 from engine.errors import InputError, is_int, short_repr
-from engine.kvcache import cache_len, keep_entries, new_cache
 from engine.lookup import LookupConfig, NgramIndex
-from engine.models import ModelPair
 from engine.results import CycleRecord, GenerationResult
 from engine.sampling import (
     SamplingConfig,
@@ -70,7 +70,7 @@ class EngineConfig:
     """Hard cap on draft depth per cycle, whatever the controller says."""
     max_verify: int = MAX_VERIFY_NODES
     """Hard cap on drafted nodes verified in one target forward, whatever the controller asks (1 to 64: the
-    root plus these nodes stay within row-wise attention, ``engine.attention.MAX_ROWWISE_ROWS``)."""
+    root plus these nodes stay within row-wise attention, ``engine.backends.attention.MAX_ROWWISE_ROWS``)."""
     max_tree_nodes: int = MAX_TREE_NODES
     """Hard cap on the nodes of one cycle's draft tree. A width-W tree has ``W + (d - 1) W^2`` nodes at depth d
     (``engine.tree.tree_size``), so the cap is a depth cap, ``engine.tree.depth_limit(W, max_tree_nodes)``,

@@ -22,7 +22,7 @@ from typing import Literal, Protocol
 import numpy as np
 
 from engine.control import Controller, DraftState
-from engine.cost_profile import CostProfile
+from engine.costs.cost_profile import CostProfile
 from engine.engine import SpeculativeEngine
 from engine.lookup import LookupConfig
 from engine.results import CycleRecord
@@ -69,7 +69,7 @@ class Backend(Protocol):
 
 
 class ReplayBackend:
-    """Exact replay of recorded traces, times from a cost profile (``time_noise``: with its measured noise)."""
+    """Exact replay of recorded traces, times from a cost profile."""
 
     kind = "replay"
 
@@ -77,7 +77,6 @@ class ReplayBackend:
         self,
         traces: Sequence[ReplayTrace],
         profile: CostProfile,
-        time_noise: bool = False,
         profiles: ProfileMix | None = None,
         lookup: LookupConfig | None = None,
     ):
@@ -89,7 +88,7 @@ class ReplayBackend:
         widths = {rt.width for rt in traces}
         if len(widths) != 1:
             raise ValueError(f"traces of one tree width expected, got widths {sorted(widths)}")
-        self.traces, self.profile, self.time_noise = list(traces), profile, time_noise
+        self.traces, self.profile = list(traces), profile
         self.profiles = profiles
         self.lookup = lookup
         self.width = self.traces[0].width
@@ -109,9 +108,8 @@ class ReplayBackend:
         depth_zero: bool = False,
         profile: CostProfile | PerturbedProfile | None = None,
     ) -> Episode:
-        noise_rng = np.random.default_rng(int(rng.integers(2**31))) if self.time_noise else None
         return replay_cycles(
-            self.traces[index], profile or self.profile, noise_rng, depth_zero=depth_zero, lookup=self.lookup
+            self.traces[index], profile or self.profile, None, depth_zero=depth_zero, lookup=self.lookup
         )
 
     def throughput_of(self, controller: Controller | None) -> float:

@@ -18,7 +18,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from engine.control import Controller, DraftState, StaticController
-from engine.cost_profile import CostProfile, chunk_curve
+from engine.costs.cost_profile import CostProfile, chunk_curve
 from engine.lookup import LookupConfig
 from engine.results import CycleRecord
 from envs.replay import SIZE_LADDER, ReplayTrace, replay_generate, throughput

@@ -35,6 +35,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from engine.backends.files import DirectoryLock
+from engine.backends.kvcache import keep_entries, new_cache
+from engine.backends.models import pair_name
+from engine.backends.pair import ModelPair
 from engine.cli import (
     CLI_ERRORS,
     ArgumentParser,
@@ -47,9 +51,6 @@ from engine.cli import (
 from engine.control import StaticController
 from engine.engine import MAX_SEED, SpeculativeEngine, forward_logits
 from engine.errors import DraftpilotError, InputError, is_int
-from engine.files import DirectoryLock
-from engine.kvcache import keep_entries, new_cache
-from engine.models import ModelPair, pair_name
 from engine.sampling import SamplingConfig, check_finite, score_logprobs
 from engine.tree import DraftTree, expand_topk
 from envs.trace import Trace, TraceError

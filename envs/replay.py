@@ -22,9 +22,9 @@ from typing import Literal
 
 import numpy as np
 
-from engine.attention import MAX_VERIFY_NODES
+from engine.backends.attention import MAX_VERIFY_NODES
 from engine.control import Controller, DraftState, decision, verify_size
-from engine.cost_profile import CostProfile
+from engine.costs.cost_profile import CostProfile
 from engine.errors import InputError
 from engine.lookup import LookupConfig, NgramIndex
 from engine.results import CycleRecord

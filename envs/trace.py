@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.backends.files import atomic_path
 from engine.errors import DraftpilotError
-from engine.files import atomic_path
 
 FORMAT_VERSION = 1
 
@@ -67,7 +67,7 @@ class Trace:
         )
 
     def save(self, path: str | Path) -> None:
-        """Write atomically (``engine.files.atomic_path``): a kill mid-write never leaves a half trace under the
+        """Write atomically (``engine.backends.files.atomic_path``): a kill mid-write never leaves a half trace under the
         final name, and the temporary file (``.<name>.<random>.tmp``) never matches ``*.npz``."""
         with atomic_path(path) as tmp, open(tmp, "wb") as f:  # a file object: numpy adds no ".npz" to it
             np.savez_compressed(

@@ -1,13 +1,14 @@
 """The cached inputs of training and evaluation: the model pair, its cost profile (measured once per
 pair/device/weight format) and replay traces (recorded once per prompt and settings, resumable), all under one
-cache directory so that later runs reuse them.
+cache directory so that later runs reuse them; ``replay_inputs``: those inputs for replaying a policy file on the
+settings it was trained with (benchmarks/replay_policies.py, benchmarks/foresight.py).
 
     <cache_dir>/<pair>/<cpu|cuda>-<precision>[-native][-nV]/profile.json      (precision: ModelPair.precision)
     <cache_dir>/<pair>/<cpu|cuda>-<precision>[-native][-nV]/traces/<greedy|tT>-w<W>-d<D>-n<N>-s<seed>/<id>__s<k>.npz
 
-"-native": the pair runs the native decoder (``engine.lean``), whose speed and logits differ from the
+"-native": the pair runs the native decoder (``engine.backends.lean``), whose speed and logits differ from the
 torch-operation forward of the same weights, so its profiles and traces are kept apart. "-nV": the
-compiled kernels' arithmetic version (``engine.native.KERNEL_NUMERICS``, written from version 2 on), for
+compiled kernels' arithmetic version (``engine.backends.native.KERNEL_NUMERICS``, written from version 2 on), for
 pairs with kquant layers: traces recorded by kernels that computed other bits are never replayed.
 """
 
@@ -16,16 +17,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from engine import lean
-from engine.cost_profile import CostProfile
+from engine.backends import lean
+from engine.backends.models import load_pair
+from engine.backends.native import KERNEL_NUMERICS
+from engine.backends.pair import ModelPair
+from engine.costs.cost_profile import CostProfile
+from engine.costs.measure_costs import ProfileConfig, measure_profile
 from engine.errors import DraftpilotError, InputError
-from engine.measure_costs import ProfileConfig, measure_profile
-from engine.models import ModelPair, load_pair
-from engine.native import KERNEL_NUMERICS
+from engine.lookup import describe_lookup
 from engine.sampling import SamplingConfig
+from envs.prompts import suite_split
 from envs.record_traces import record_prompts
 from envs.replay import ReplayTrace
 from envs.trace import Trace
@@ -41,7 +46,7 @@ def load_models(
     draft_vocab: int = 0,
 ) -> ModelPair:
     """A named pair (qwen2.5-coder, tiny) or "TARGET::DRAFT" (paths or hub ids) in the given weight formats
-    (``engine.quant``); ``threads`` > 0 sets torch's intra-op threads first."""
+    (``engine.backends.quant``); ``threads`` > 0 sets torch's intra-op threads first."""
     if threads:
         torch.set_num_threads(threads)
     return load_pair(
@@ -143,3 +148,44 @@ def ensure_traces(
             flush=True,
         )
     return [ReplayTrace(Trace.load(p)) for p in summary.paths]
+
+
+def replay_inputs(
+    policy: Any,
+    profile: CostProfile | None,
+    cache_dir: str,
+    split: str,
+    per_language: int,
+    tune_split: str,
+    tune_per_language: int,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+):
+    """(cost profile, measured traces, tune traces) to replay ``policy``'s (a loaded policy file,
+    ``policies.load_policy``: its ``meta``, ``tree_width``, ``max_depth``) kind of controller on: the models
+    and trace settings it was trained with (``max_new_tokens`` / ``temperature`` override its own), traces
+    from the shared cache (recorded on first use), ``profile`` or else the policy's training profile."""
+    config = policy.meta["train_config"]
+    pair = load_models(config["pair"], config["dtype"], config["device"], config["threads"])
+    profile = profile or ensure_profile(pair, cache_dir, config.get("profile"))
+    kw = {
+        "temperature": config["temperature"] if temperature is None else temperature,
+        "tree_width": policy.tree_width,
+        "max_depth": policy.max_depth,
+        "max_new_tokens": max_new_tokens or config["max_new_tokens"],
+        "seed": config["seed"],
+    }
+
+    def traces(name: str, count: int):
+        return ensure_traces(pair, suite_split(name, count), cache_dir, tag=name, **kw)
+
+    return profile, traces(split, per_language), traces(tune_split, tune_per_language)
+
+
+def trace_summary(measured: Sequence[ReplayTrace], split: str, profile: CostProfile, lookup: Any) -> str:
+    """The header line of a replay table: traces, positions, the profile's device, the lookup."""
+    return (
+        f"{len(measured)} {split} traces ({sum(rt.trace.num_positions for rt in measured)} positions); "
+        f"profile {profile.meta.get('device_name')} {profile.meta.get('dtype')} "
+        f"{profile.meta.get('num_threads')} threads; lookup {describe_lookup(lookup)}"
+    )

@@ -12,7 +12,7 @@ What is compared between sittings is ``stored_config``: the config with its path
 file actually used (the newest ``runs/*/policy.pt`` when none is given) and that file's sha256, so the same
 --out given relative or absolute resumes, while a replaced policy file or a newer default policy is
 refused. ``prepare_output`` refuses an --out that holds a finished evaluation unless ``--restart`` (which
-removes its outputs first); the caller holds the directory's lock (``engine.files.DirectoryLock``).
+removes its outputs first); the caller holds the directory's lock (``engine.backends.files.DirectoryLock``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from engine.backends.files import sha256_file
 from engine.errors import DraftpilotError
-from engine.files import sha256_file
 from evaluation.plots import FIGURES
 from evaluation.report import write_json
 

@@ -15,26 +15,14 @@ with our engine is approximate where a text has two tokenisations.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
-from engine.weights import DEFAULT_PAIRS, cache_dir, fetch_gguf
+from engine.backends.files import cache_dir
+from engine.backends.weights import DEFAULT_PAIRS, fetch_gguf
+from evaluation.llama_cpp import AUTOREGRESSIVE, LlamaSetting, parse_ngram, run_llama_cpp
+from evaluation.llama_cpp_build import default_bin_dir, find_binaries, stale_build
 
 LLAMA_PEERS = ("llama_cpp", "llama_cpp_spec", "llama_cpp_lookup")
-BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "llama_cpp.py"
-
-
-def _benchmark_module():
-    """``benchmarks/llama_cpp.py`` (a script, not a package module), loaded by path once."""
-    name = "draftpilot_llama_cpp_benchmark"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def parse_spec_setting(text: str) -> tuple[int, float]:
@@ -50,9 +38,9 @@ def parse_spec_setting(text: str) -> tuple[int, float]:
 
 
 def parse_lookup_setting(text: str) -> tuple[int, int]:
-    """``"N:M"`` -> (N, M), 1 <= N <= M (``benchmarks/llama_cpp.parse_ngram``)."""
+    """``"N:M"`` -> (N, M), 1 <= N <= M (``evaluation.llama_cpp.parse_ngram``)."""
     try:
-        return _benchmark_module().parse_ngram(text)
+        return parse_ngram(text)
     except ValueError as err:
         raise ValueError(f"llama_lookup: {err}") from None
 
@@ -70,12 +58,11 @@ class LlamaPeer:
         pair,
         lookup: tuple[int, int] = (3, 3),
     ):
-        self.lc = _benchmark_module()
         self.binaries, self.target, self.draft = binaries, target_gguf, draft_gguf
         self.settings = {
-            "llama_cpp": self.lc.AUTOREGRESSIVE,
-            "llama_cpp_spec": self.lc.LlamaSetting(*spec),
-            "llama_cpp_lookup": self.lc.LlamaSetting(ngram=lookup),
+            "llama_cpp": AUTOREGRESSIVE,
+            "llama_cpp_spec": LlamaSetting(*spec),
+            "llama_cpp_lookup": LlamaSetting(ngram=lookup),
         }
         self.threads, self.pair = threads, pair
 
@@ -87,15 +74,14 @@ class LlamaPeer:
                 None,
                 f"llama.cpp rows need a pair published as GGUF ({', '.join(DEFAULT_PAIRS)}), not {config.pair}",
             )
-        lc = _benchmark_module()
-        bin_dir = Path(config.llama_bin).expanduser() if config.llama_bin else lc.default_bin_dir()
-        binaries = lc.find_binaries(bin_dir)
+        bin_dir = Path(config.llama_bin).expanduser() if config.llama_bin else default_bin_dir()
+        binaries = find_binaries(bin_dir)
         if binaries is None:
             return None, (
                 f"llama.cpp rows left out: no llama.cpp programs in {bin_dir} (build them once with "
                 f"`python benchmarks/llama_cpp.py`, or pass --llama-bin)"
             )
-        stale = None if config.llama_bin else lc.stale_build(bin_dir)
+        stale = None if config.llama_bin else stale_build(bin_dir)
         if stale:
             return None, (
                 f"llama.cpp rows left out: the programs in {bin_dir} were {stale}; build them again with "
@@ -128,7 +114,7 @@ class LlamaPeer:
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
         setting = self.settings[name]
-        out = self.lc.run_llama_cpp(
+        out = run_llama_cpp(
             self.binaries,
             setting,
             text,

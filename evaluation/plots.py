@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from engine.files import atomic_path  # noqa: E402
+from engine.backends.files import atomic_path  # noqa: E402
 from evaluation.measurements import accepted_lengths  # noqa: E402
 
 FIGURES = ("speedup.png", "accepted_hist.png", "learned_actions.png")

@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from engine.files import atomic_write
+from engine.backends.files import atomic_write
 from evaluation import plots
 from evaluation.measurements import per_prompt
 

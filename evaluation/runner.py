@@ -33,6 +33,7 @@ from evaluation.config import (
     select_prompts,
 )
 from evaluation.exactness import greedy_audit, law_checks, sampled_test
+from evaluation.llama_cpp import LlamaCppRunError
 from evaluation.llama_peer import LlamaPeer
 from evaluation.measurements import DecisionLoggingController, run_engine
 from evaluation.peers import SCHEDULES, run_peer
@@ -380,7 +381,7 @@ def evaluate(config: EvalConfig, checkpoint=None, setup: Setup | None = None) ->
         elif name in LLAMA_PEERS:
             try:
                 setup.llama.run(name, setup.tune_prompts[0]["prompt"], 8, config.seed)
-            except setup.llama.lc.LlamaCppRunError as err:  # a peer that cannot run here leaves its row out
+            except LlamaCppRunError as err:  # a peer that cannot run here leaves its row out
                 measured.remove(name)
                 setup.names.remove(name)
                 setup.warnings.append(f"{name} left out: llama.cpp failed its warm-up request: {err}")

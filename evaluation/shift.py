@@ -31,13 +31,13 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from engine.backends.files import atomic_path, atomic_write_json
 from engine.cli import ModelConfig, check_output_dir
-from engine.cost_profile import CostProfile
+from engine.costs.cost_profile import CostProfile
+from engine.costs.measure_costs import device_name
 from engine.engine import EngineConfig, SpeculativeEngine
 from engine.errors import InputError
-from engine.files import atomic_path, atomic_write_json
 from engine.lookup import LookupConfig, describe_lookup, parse_lookup, resolve_lookup
-from engine.measure_costs import device_name
 from engine.sampling import SamplingConfig
 from envs import workspace
 from envs.oracle import oracle_plan, static_grid

@@ -9,7 +9,7 @@ from collections import Counter
 
 import numpy as np
 
-from engine.measure_costs import device_name
+from engine.costs.measure_costs import device_name
 from evaluation.measurements import aggregate, group_by_language, per_prompt
 from evaluation.stats import paired_ratio_from_rows
 

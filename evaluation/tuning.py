@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from engine.cost_profile import CostProfile
+from engine.backends.pair import ModelPair
+from engine.costs.cost_profile import CostProfile
 from engine.engine import SpeculativeEngine
-from engine.models import ModelPair
 from envs import workspace
 from envs.oracle import static_grid
 from envs.replay import ReplayTrace

@@ -4,7 +4,7 @@ training code in ``policies.ppo`` and stable-baselines3 are never imported on th
 
 from policies.analytic import AnalyticController
 from policies.heuristic import ConfidenceController, HeuristicController
-from policies.learned import LearnedController, PolicyFileError, SpeculationGuard, load_policy
+from policies.learned import LearnedController, PolicyFileError, load_policy
 from policies.static import StaticController
 
 __all__ = [
@@ -12,7 +12,6 @@ __all__ = [
     "ConfidenceController",
     "HeuristicController",
     "LearnedController",
-    "SpeculationGuard",
     "PolicyFileError",
     "StaticController",
     "load_policy",

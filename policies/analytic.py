@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.control import Controller, DraftState
-from engine.cost_profile import CostProfile
+from engine.costs.cost_profile import CostProfile
 from engine.results import CycleRecord
 
 LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -28,7 +28,7 @@ LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 class AnalyticController(Controller):
     """Cost-model controller; ``profile`` provides draft_step_s(width, ctx), verify_s(nodes, ctx) and
-    overhead_s(nodes) (``engine.cost_profile.CostProfile``)."""
+    overhead_s(nodes) (``engine.costs.cost_profile.CostProfile``)."""
 
     decides_depth_zero = True
 
@@ -42,7 +42,7 @@ class AnalyticController(Controller):
         probe_every: int = 8,
     ):
         if profile is None:
-            raise ValueError("AnalyticController needs a cost profile (python -m engine.measure_costs)")
+            raise ValueError("AnalyticController needs a cost profile (python -m engine.costs.measure_costs)")
         self.profile, self.tree_width, self.max_depth = profile, tree_width, max_depth
         self.ladder, self.smoothing, self.probe_every = np.asarray(ladder), smoothing, probe_every
         self.reset()

@@ -26,7 +26,7 @@ from stable_baselines3 import PPO
 from stable_baselines3.common.running_mean_std import RunningMeanStd
 
 from engine.control import Controller, DraftState, decision, verify_size
-from engine.cost_profile import CostProfile
+from engine.costs.cost_profile import CostProfile
 from engine.results import CycleRecord
 from envs.backends import Backend
 from envs.environments import DepthEnv, EnvConfig, SizeEnv

@@ -2,7 +2,7 @@
 
 File format (``torch.save`` of plain types and tensors, read back with ``weights_only=True``)::
 
-    {"format": "draftpilot-policy", "format_version": 1, "feature_version": engine.features.FEATURE_VERSION,
+    {"format": "draftpilot-policy", "format_version": 1, "feature_version": engine.costs.features.FEATURE_VERSION,
      "depth": ACTOR, "size": ACTOR, "size_ladder": [1, 2, ...], "tree_width": W, "max_depth": D,
      "depth_zero": bool, "device_features": [6 floats], "pair": str, "profile": JSON str,
      "train_config": JSON str, "metrics": JSON str, "payload_sha256": hex str}
@@ -11,7 +11,7 @@ File format (``torch.save`` of plain types and tensors, read back with ``weights
 
 An actor is the MLP that maps the normalised observation to action logits (stable-baselines3's
 ``mlp_extractor.policy_net`` followed by ``action_net``); decisions are the argmax (deterministic).
-Observations come from ``engine.features``: the same functions the environments use in training.
+Observations come from ``engine.costs.features``: the same functions the environments use in training.
 
 Integrity: ``payload_sha256`` is a SHA-256 over every other entry (tensors by dtype, shape and bytes; the
 other values by type and value; ``payload_digest``), computed by ``save_policy``. ``load_policy`` recomputes
@@ -37,11 +37,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.attention import MAX_VERIFY_NODES
+from engine.backends.attention import MAX_VERIFY_NODES
+from engine.backends.files import atomic_save, load_plain
+from engine.backends.pair import ModelPair
 from engine.control import Controller, DraftState
-from engine.cost_profile import CostProfile
-from engine.errors import DraftpilotError, is_int
-from engine.features import (
+from engine.costs.cost_profile import CostProfile
+from engine.costs.features import (
     DEPTH_OBS_DIM,
     FEATURE_VERSION,
     NUM_DEVICE_FEATURES,
@@ -50,9 +51,8 @@ from engine.features import (
     device_features,
     size_observation,
 )
-from engine.files import atomic_save, load_plain
+from engine.errors import DraftpilotError, is_int
 from engine.lookup import LookupConfig, stored_lookup
-from engine.models import ModelPair
 from engine.results import CycleRecord
 
 FORMAT = "draftpilot-policy"
@@ -191,62 +191,6 @@ class Actor:
         }
 
 
-class SpeculationGuard:
-    """Keeps a controller that decides depth 0 from drafting where, measured on this request, drafting cycles
-    emit fewer tokens per second than autoregressive steps.
-
-    A policy trained in replay decides from features and a cost profile; the device at run time can be
-    slower or faster than its profile, and prompts can be unlike the training ones (measured: a policy that
-    never drafted on its validation prompts drafted on test prompts and ran 0.83x autoregressive decoding).
-    The guard compares what the request itself measures: tokens per second of its last ``window`` drafting
-    cycles against its last ``window`` autoregressive steps (the first ``baseline`` cycles are autoregressive
-    steps, the baseline, so the comparison is always on this machine at this moment). When drafting is
-    slower, speculation is switched off for ``backoff`` cycles, after which the policy may draft again and is
-    judged afresh; each consecutive verdict against drafting doubles the pause (up to ``max_backoff``), one
-    in favour resets it. Autoregressive steps cost nothing relative to the baseline, so the guard bounds the
-    loss of a wrong policy to its probing cycles, and leaves a policy that pays alone. Exactness is untouched:
-    the guard only ever says "no speculation this cycle", which every controller may."""
-
-    def __init__(self, window: int = 6, baseline: int = 3, backoff: int = 24, max_backoff: int = 192):
-        if min(window, baseline, backoff) < 1 or max_backoff < backoff:
-            raise ValueError(
-                "SpeculationGuard: window, baseline and backoff must be >= 1, max_backoff >= backoff"
-            )
-        self.window, self.baseline, self.backoff, self.max_backoff = window, baseline, backoff, max_backoff
-        self.reset()
-
-    def reset(self) -> None:
-        self.cycles = 0
-        self.off_until = self.baseline  # the first cycles are autoregressive steps: the baseline rate
-        self.pause = self.backoff
-        self.drafting: list[tuple[int, float]] = []  # (tokens, seconds) of recent drafting cycles
-        self.stepping: list[tuple[int, float]] = []  # of recent autoregressive steps
-        self.vetoes = 0
-
-    def allows_drafting(self) -> bool:
-        return self.cycles >= self.off_until
-
-    def observe(self, record: CycleRecord) -> None:
-        seconds = record.draft_s + record.verify_s + record.controller_s + record.overhead_s
-        self.cycles += 1
-        if seconds <= 0 or not math.isfinite(seconds):
-            return
-        recent = self.drafting if record.depth > 0 else self.stepping
-        recent.append((record.emitted, seconds))
-        del recent[: -self.window]
-        if len(self.drafting) < self.window or not self.stepping:
-            return
-        rate = sum(t for t, _ in self.drafting) / sum(s for _, s in self.drafting)
-        baseline = sum(t for t, _ in self.stepping) / sum(s for _, s in self.stepping)
-        self.drafting.clear()  # the next verdict is on fresh drafting cycles
-        if rate < baseline:
-            self.off_until = self.cycles + self.pause
-            self.pause = min(2 * self.pause, self.max_backoff)
-            self.vetoes += 1
-        else:
-            self.pause = self.backoff
-
-
 def trained_lookup(meta: dict | None) -> LookupConfig | None:
     """The context lookup a policy file's metadata says it was trained for (``train_config["lookup"]``;
     None: none, also for files stored before the setting)."""
@@ -272,11 +216,9 @@ class LearnedController(Controller):
         fallback: Controller | None = None,
         meta: dict[str, Any] | None = None,
         depth_zero: bool = False,
-        guard: SpeculationGuard | None = None,
     ):
         """``depth_zero``: the depth actor was trained to decide depth 0 too (draft at all?); policies
-        trained without it always draft. ``guard``: a ``SpeculationGuard`` that may overrule a decision to
-        draft at depth 0 (deployed policies: ``load_policy``; never during training)."""
+        trained without it always draft."""
         if (depth_actor is None or size_actor is None) and fallback is None:
             raise ValueError("a LearnedController without both actors needs a fallback controller")
         if fallback is not None and fallback.tree_width != tree_width:
@@ -287,7 +229,6 @@ class LearnedController(Controller):
         self.device_feats = np.asarray(device_feats, dtype=np.float32)
         self.meta = meta or {}
         self.decides_depth_zero = bool(depth_zero)
-        self.guard = guard if self.decides_depth_zero else None
 
     def _capped(self, state: DraftState) -> DraftState:
         # the policy was trained on trees of depth <= max_depth (replay's cap): show it the same cap
@@ -298,13 +239,9 @@ class LearnedController(Controller):
     def reset(self) -> None:
         if self.fallback is not None:
             self.fallback.reset()
-        if self.guard is not None:
-            self.guard.reset()
 
     def should_continue(self, state: DraftState) -> bool:
         if state.depth >= self.max_depth:
-            return False
-        if state.depth == 0 and self.guard is not None and not self.guard.allows_drafting():
             return False
         if self.depth_actor is None:
             if state.depth == 0 and not self.fallback.decides_depth_zero:
@@ -320,8 +257,6 @@ class LearnedController(Controller):
     def observe(self, record: CycleRecord) -> None:
         if self.fallback is not None:
             self.fallback.observe(record)
-        if self.guard is not None:
-            self.guard.observe(record)
 
     @property
     def trained_lookup(self) -> LookupConfig | None:
@@ -346,8 +281,6 @@ class LearnedController(Controller):
 
     def __repr__(self) -> str:
         parts = [f"tree_width={self.tree_width}", f"max_depth={self.max_depth}"]
-        if self.guard is not None:
-            parts.append("guard=True")
         if self.meta.get("path"):
             parts.insert(0, repr(str(self.meta["path"])))
         return f"LearnedController({', '.join(parts)})"
@@ -485,14 +418,8 @@ def load_policy(
     device: str | torch.device = "cpu",
     profile: CostProfile | None = None,
     pair: ModelPair | None = None,
-    guard: bool = False,
 ) -> LearnedController:
     """A ``LearnedController`` from an exported ``policy.pt``.
-
-    ``guard``: a policy that decides depth 0 gets a ``SpeculationGuard`` (drafting is switched off while it
-    measures slower than autoregressive steps on the request), a safety net for a device or traffic unlike
-    the training ones; off by default: on the default pair's test prompts in replay it cost 2% (its
-    baseline steps delay the first draft) and the policy alone was never slower than autoregressive decoding.
 
     ``profile`` (a ``CostProfile``) replaces the device features stored at training time, so a policy can
     be conditioned on the device it runs on; by default it sees the training device's features.
@@ -566,7 +493,6 @@ def load_policy(
         device_feats=feats,
         meta=meta,
         depth_zero=depth_zero,
-        guard=SpeculationGuard() if guard else None,
     )
     if pair is not None and (message := controller.pair_warning(pair)):
         warnings.warn(message, PolicyFileWarning, stacklevel=2)

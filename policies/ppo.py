@@ -13,7 +13,7 @@ resuming *your own* interrupted run and are trusted-only: the SB3 models are SB3
 loader unpickles (cloudpickle) and can run code. The trainer's own state is plain tensors and numbers read
 with ``torch.load(weights_only=True)``, and ``manifest.json`` (plain JSON, written last and atomically)
 records the sha256 of every file and is signed with an HMAC under a per-user secret key
-(``engine.files.user_hmac``: ``<cache>/secret/signing.key``, owner-only, made on first use); ``load``
+(``engine.backends.files.user_hmac``: ``<cache>/secret/signing.key``, owner-only, made on first use); ``load``
 refuses a directory without a manifest, with a manifest this user's key did not sign, or with any file that
 does not match it, before unpickling anything. A truncated, swapped or edited file is refused, and so is a
 planted checkpoint whose manifest was rewritten to match, unless its author can read your key.
@@ -39,11 +39,7 @@ from stable_baselines3.common.running_mean_std import RunningMeanStd
 from stable_baselines3.common.torch_layers import FlattenExtractor
 from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 
-from engine.control import Controller
-from engine.cost_profile import CostProfile
-from engine.errors import DraftpilotError
-from engine.features import DEPTH_OBS_DIM, SIZE_OBS_DIM
-from engine.files import (
+from engine.backends.files import (
     atomic_path,
     atomic_write_json,
     load_plain,
@@ -51,6 +47,10 @@ from engine.files import (
     user_hmac,
     user_key_path,
 )
+from engine.control import Controller
+from engine.costs.cost_profile import CostProfile
+from engine.costs.features import DEPTH_OBS_DIM, SIZE_OBS_DIM
+from engine.errors import DraftpilotError
 from envs.backends import Backend
 from envs.environments import DepthEnv, EnvConfig, NoDecisionError, SizeEnv, reference_rho
 from policies import imitation

@@ -35,10 +35,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
 from sse_starlette import EventSourceResponse
 
+from engine.backends.pair import ModelPair
 from engine.control import Controller
 from engine.engine import MAX_SEED
 from engine.errors import InputError
-from engine.models import ModelPair
 from engine.sampling import SamplingConfig
 from serving.metrics import ServerMetrics
 from serving.text import Detokenizer, StopMatcher

@@ -96,25 +96,16 @@ class ServerProcess:
             self._out.close()
 
 
-_TOKENIZERS: dict[str, object] = {}
-
-
 def prompt_ids(pair: str, text: str) -> list[int]:
     """The token ids our server builds for ``text`` as one user message of a named pair (the tiny pair: its
     byte tokenizer, no chat template, cut to 200 bytes)."""
     if pair == "tiny":
-        from engine.tiny import ByteTokenizer
+        from engine.backends.tiny import ByteTokenizer
 
         return ByteTokenizer().encode(text)[:200]
-    if pair not in _TOKENIZERS:
-        from transformers import AutoTokenizer
+    from engine.backends.weights import pair_tokenizer
 
-        from engine.weights import DEFAULT_PAIRS, convert_to_hf
-
-        _TOKENIZERS[pair] = AutoTokenizer.from_pretrained(
-            convert_to_hf(DEFAULT_PAIRS[pair][0], progress=False)
-        )
-    ids = _TOKENIZERS[pair].apply_chat_template(
+    ids = pair_tokenizer(pair).apply_chat_template(
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
     )
     return [int(i) for i in (ids["input_ids"] if hasattr(ids, "keys") else ids)]

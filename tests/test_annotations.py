@@ -33,7 +33,7 @@ def _unannotated(fn: ast.FunctionDef) -> list[str]:
 
 def test_private_engine_methods_are_annotated():
     missing = []
-    for path in sorted((ROOT / "engine").glob("*.py")):
+    for path in sorted((ROOT / "engine").rglob("*.py")):
         if path.name in NOT_OURS:
             continue
         for cls, fn in _functions(path):
@@ -41,19 +41,19 @@ def test_private_engine_methods_are_annotated():
                 continue
             bare = _unannotated(fn) + (["return"] if fn.returns is None else [])
             if bare:
-                missing.append(f"engine/{path.name}:{fn.lineno} {cls}.{fn.name}: {bare}")
+                missing.append(f"{path.relative_to(ROOT)}:{fn.lineno} {cls}.{fn.name}: {bare}")
     assert not missing, "\n".join(missing)
 
 
 def test_profile_and_backend_parameters_are_annotated():
     missing = []
     for package in ("engine", "envs", "policies", "evaluation"):
-        for path in sorted((ROOT / package).glob("*.py")):
+        for path in sorted((ROOT / package).rglob("*.py")):
             if path.name in NOT_OURS:
                 continue
             for cls, fn in _functions(path):
                 bare = [name for name in _unannotated(fn) if name in TYPED_NAMES]
                 if bare:
                     where = f"{cls}.{fn.name}" if cls else fn.name
-                    missing.append(f"{package}/{path.name}:{fn.lineno} {where}: {bare}")
+                    missing.append(f"{path.relative_to(ROOT)}:{fn.lineno} {where}: {bare}")
     assert not missing, "\n".join(missing)

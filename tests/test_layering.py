@@ -1,8 +1,17 @@
 """The packages depend one way (docs/architecture.md "Modules"): the engine imports none of the others, the
 environments do not import the controllers or the evaluation, the controllers do not import the
 evaluation, of the controllers only the training modules (PPO, imitation) import the environments, and the server
-(serving/) imports only the engine and the controllers' inference code. Every import is checked, function-level ones
-included (they hide cycles)."""
+(serving/) imports only the engine and the controllers' inference code. Inside the engine the layers depend one
+way too: the backends (``engine.backends``: models, weights, kernels, caches) import neither the loop nor the
+costs; the loop (``engine``'s own modules: the cycle, sampler, trees, batching, command lines) imports no cost
+module; the costs (``engine.costs``: measurement, profiles, features, the cost model) may use both.
+``engine.errors`` is the base every layer may import (it imports nothing of the project).
+
+Every import is checked, function-level ones included (they hide cycles), and so are modules loaded through
+``importlib.import_module`` / ``__import__`` with a literal name. A file loaded by path
+(``spec_from_file_location``, ``runpy.run_path``) is refused in the packages and in benchmarks/: the project is
+installed, so everything imports by name. The benchmarks are scripts on top of every package: they import no
+sibling script and never edit ``sys.path``."""
 
 from __future__ import annotations
 
@@ -14,7 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "envs", "policies", "evaluation", "serving")
 FORBIDDEN = {
-    "engine": {"envs", "policies", "evaluation", "serving"},
+    "engine": {"envs", "policies", "evaluation", "serving", "stable_baselines3", "gymnasium"},
     "envs": {"policies", "evaluation", "serving"},
     "policies": {"envs", "evaluation", "serving"},
     "evaluation": {"serving"},
@@ -25,33 +34,118 @@ ALLOWED = {
     ("policies/ppo.py", "envs"),  # training code: PPO on the environments (never on the inference path)
     ("policies/imitation.py", "envs"),  # training code: the imitation start, on the same environments
 }
+ENGINE_LAYERS = ("engine.backends", "engine.costs", "engine.errors")  # else: the loop ("engine")
+ENGINE_FORBIDDEN = {
+    "engine.backends": {"engine", "engine.costs"},
+    "engine": {"engine.costs"},
+    "engine.costs": set(),
+    "engine.errors": {"engine", "engine.backends", "engine.costs"},
+}
+PATH_LOADERS = {"spec_from_file_location", "run_path", "SourceFileLoader"}
+NAME_LOADERS = {"import_module", "__import__"}
+
+
+def _call_name(node: ast.Call) -> str:
+    func = node.func
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+
+
+def imported_modules(path: Path, package: str | None = None) -> set[str]:
+    """Dotted names of every module ``path`` imports, as far as they can be told: ``from a import b`` gives
+    ``a`` and ``a.b`` (``b`` may be a submodule); relative imports are resolved against ``package`` (the
+    module's dotted package, default its directory's name); ``importlib.import_module("x.y")`` gives
+    ``x.y``; a file loaded by path gives ``<path load>``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = package or path.parent.name
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names if alias.name != "*")
+        elif isinstance(node, ast.Call):
+            call = _call_name(node)
+            if call in NAME_LOADERS and node.args and isinstance(node.args[0], ast.Constant):
+                if isinstance(node.args[0].value, str):
+                    names.add(node.args[0].value)
+            elif call in PATH_LOADERS:
+                names.add("<path load>")
+    return names
 
 
 def imported_packages(path: Path) -> set[str]:
     """Top-level names of every module ``path`` imports (relative imports resolved to its package)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            names.add(path.parent.name if node.level else (node.module or "").split(".")[0])
-    return names
+    return {name.split(".")[0] for name in imported_modules(path)}
 
 
-def upward_imports() -> list[str]:
+def engine_layer(module: str) -> str | None:
+    """The engine layer of a dotted module name (None: not the engine's)."""
+    if module != "engine" and not module.startswith("engine."):
+        return None
+    return next(
+        (layer for layer in ENGINE_LAYERS if module == layer or module.startswith(layer + ".")), "engine"
+    )
+
+
+def upward_imports(root: Path = ROOT) -> list[str]:
     found = []
     for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            rel = str(path.relative_to(ROOT))
-            for name in sorted(imported_packages(path) & FORBIDDEN[package]):
+        for path in sorted((root / package).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            modules = imported_modules(path, ".".join(path.relative_to(root).parent.parts))
+            tops = {name.split(".")[0] for name in modules}
+            for name in sorted(tops & (FORBIDDEN[package] | {"benchmarks"})):
                 if (rel, name) not in ALLOWED:
                     found.append(f"{rel} imports {name}")
+            if "<path load>" in modules:
+                found.append(f"{rel} loads a file by path")
+            if package == "engine":
+                own = engine_layer(".".join(path.relative_to(root).with_suffix("").parts))
+                for name in sorted(modules):
+                    if engine_layer(name) in ENGINE_FORBIDDEN[own]:
+                        found.append(f"{rel} ({own}) imports {name}")
+    return found
+
+
+def benchmark_problems(root: Path = ROOT) -> list[str]:
+    """What a benchmark script does that a script on top of the installed packages must not: import a
+    sibling script, load a file by path, edit ``sys.path``."""
+    found = []
+    scripts = {path.stem for path in (root / "benchmarks").glob("*.py")}
+    for path in sorted((root / "benchmarks").glob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        modules = imported_modules(path, "benchmarks")
+        for name in sorted(modules):
+            top = name.split(".")[0]
+            if top in scripts or top == "benchmarks":
+                found.append(f"{rel} imports the script {name}")
+        if "<path load>" in modules:
+            found.append(f"{rel} loads a file by path")
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "path"
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "sys"
+            ):
+                found.append(f"{rel}:{node.lineno} uses sys.path")
+                break
     return found
 
 
 def test_no_package_imports_upward():
     assert upward_imports() == []
+
+
+def test_benchmarks_are_scripts_over_the_installed_packages():
+    assert benchmark_problems() == []
 
 
 def test_the_scan_sees_function_level_imports(tmp_path):
@@ -60,6 +154,36 @@ def test_the_scan_sees_function_level_imports(tmp_path):
     module.parent.mkdir()
     module.write_text("def f():\n    from policies import StaticController\n    return StaticController\n")
     assert "policies" in imported_packages(module)
+
+
+def test_the_scan_sees_importlib_loads_and_layer_breaks(tmp_path):
+    """Negative controls: a backend that imports the loop through importlib, a loop module importing a cost
+    module with a relative import, a package module and a benchmark loading a script by path, a benchmark
+    importing a sibling script and one editing sys.path are all reported."""
+    files = {
+        "engine/backends/x.py": "import importlib\n\ndef f():\n    return importlib.import_module('engine.engine')\n",
+        "engine/y.py": "from .costs import features\n",
+        "engine/costs/z.py": "from engine.engine import SpeculativeEngine\nfrom engine.backends import models\n",
+        "evaluation/w.py": "import importlib.util\nspec = importlib.util.spec_from_file_location('m', 'a.py')\n",
+        "benchmarks/a.py": "import sys\nsys.path.insert(0, '.')\nimport b\n",
+        "benchmarks/b.py": "import runpy\nrunpy.run_path('a.py')\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    for package in PACKAGES:
+        (tmp_path / package).mkdir(exist_ok=True)
+    assert sorted(upward_imports(tmp_path)) == [
+        "engine/backends/x.py (engine.backends) imports engine.engine",
+        "engine/y.py (engine) imports engine.costs",
+        "engine/y.py (engine) imports engine.costs.features",
+        "evaluation/w.py loads a file by path",
+    ]
+    assert benchmark_problems(tmp_path) == [
+        "benchmarks/a.py imports the script b",
+        "benchmarks/a.py:2 uses sys.path",
+        "benchmarks/b.py loads a file by path",
+    ]
 
 
 @pytest.mark.parametrize("rel, name", sorted(ALLOWED))

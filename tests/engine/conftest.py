@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import native
+from engine.backends import native
 
 
 @pytest.fixture(

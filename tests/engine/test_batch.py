@@ -8,11 +8,12 @@ import shutil
 import pytest
 import torch
 
-from engine import SamplingConfig, SpeculativeEngine, StaticController, lean, load_pair
+from engine import SamplingConfig, SpeculativeEngine, StaticController, load_pair
+from engine.backends import lean
+from engine.backends.kvcache import new_cache
 from engine.batch import BatchConfig, BatchedEngine, BatchRequest, CapacityError, grant_rows
 from engine.batch_forward import Rows, forward_rows
 from engine.errors import InputError
-from engine.kvcache import new_cache
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -11,7 +11,7 @@ import torch
 
 import engine.engine as engine_module
 from engine import EngineConfig, SamplingConfig, SpeculativeEngine
-from engine.kvcache import _crop
+from engine.backends.kvcache import _crop
 from policies import StaticController
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -1,6 +1,6 @@
 """Every command line builds its flags one way (``engine.cli.add_dataclass_args`` over a dataclass that extends
 ``ModelConfig``) and names a pair one way (``--pair NAME`` or ``--pair TARGET::DRAFT``, parsed by
-``engine.models.split_pair``)."""
+``engine.backends.models.split_pair``)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import pytest
 import evaluate
 import generate
 import train
-from engine import measure_costs
+from engine.backends.models import load_pair, pair_name, split_pair
 from engine.cli import ArgumentParser, ModelConfig, add_dataclass_args, from_args
+from engine.costs import measure_costs
 from engine.errors import InputError
-from engine.models import load_pair, pair_name, split_pair
 from envs import record_traces
 from evaluation import shift
 from tests_helpers import one_error_line

@@ -1,6 +1,6 @@
 """Command lines check every argument and the output path before any model loads (issue 14), and report a
 bad one as a single ``error: ...`` line naming it, exit status 2: ``python generate.py`` and
-``python -m engine.measure_costs``. A profile is saved atomically."""
+``python -m engine.costs.measure_costs``. A profile is saved atomically."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import json
 import pytest
 
 import generate
-from engine import measure_costs
-from engine.cost_profile import CostProfile
+from engine.backends.models import load_pair
+from engine.costs import measure_costs
+from engine.costs.cost_profile import CostProfile
 from engine.errors import InputError
-from engine.models import load_pair
 from tests_helpers import one_error_line
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -29,7 +29,7 @@ def no_models(monkeypatch):
     monkeypatch.setattr(measure_costs, "measure_profile_cli", refuse)
 
 
-# ------------------------------------------------------------------------------------- engine.measure_costs
+# ------------------------------------------------------------------------------------- engine.costs.measure_costs
 PROFILE_BASE = ["--pair", "tiny", "--quick", "--reps", "1"]
 
 
@@ -113,7 +113,7 @@ def test_profile_save_is_atomic(tmp_path, monkeypatch):
     def crash(fd):
         raise KeyboardInterrupt  # a kill between writing the data and renaming it
 
-    monkeypatch.setattr("engine.files.os.fsync", crash)
+    monkeypatch.setattr("engine.backends.files.os.fsync", crash)
     changed = small_profile(overhead_base_s=1.0)
     with pytest.raises(KeyboardInterrupt):
         changed.save(path)

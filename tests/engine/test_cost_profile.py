@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from engine import SpeculativeEngine, load_pair
+from engine.backends.random_pair import build_random_pair, parameter_count, random_pair_configs
 from engine.control import StaticController
-from engine.cost_profile import PROFILE_VERSION, CostProfile, ProfileError, spread_to_sigma
+from engine.costs.cost_profile import PROFILE_VERSION, CostProfile, ProfileError, spread_to_sigma
+from engine.costs.measure_costs import ProfileConfig, build_parser, main, measure_profile
+from engine.costs.speedup_model import cycle_time, empirical_c, empirical_g
 from engine.errors import InputError
-from engine.measure_costs import ProfileConfig, build_parser, main, measure_profile
-from engine.random_pair import build_random_pair, parameter_count, random_pair_configs
-from engine.speedup_model import cycle_time, empirical_c, empirical_g
 
 SMALL = ProfileConfig(
     contexts=(32, 96),
@@ -319,7 +319,7 @@ def test_save_load_round_trip(tmp_path, measured):
 
 
 def test_load_errors_are_clear(tmp_path):
-    with pytest.raises(FileNotFoundError, match="python -m engine.measure_costs"):
+    with pytest.raises(FileNotFoundError, match="python -m engine.costs.measure_costs"):
         CostProfile.load(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
@@ -419,7 +419,7 @@ def test_published_types_match_the_published_files():
     168 Q4_K linears; draft 13 Q8_0, 12 Q6_K, 12 Q4_K, 132 Q5_0 linears)."""
     from collections import Counter
 
-    from engine.random_pair import published_source_types
+    from engine.backends.random_pair import published_source_types
 
     target = Counter(published_source_types("qwen2.5-coder", "target", 28).values())
     draft = Counter(published_source_types("qwen2.5-coder", "draft", 24).values())
@@ -432,9 +432,10 @@ def test_published_types_match_the_published_files():
 @pytest.mark.parametrize("role", ["target", "draft"])
 def test_published_types_match_the_cached_files_module_by_module(role):
     """Against the GGUF files themselves where they are cached (a real-model run fetched them)."""
-    from engine.quant import gguf_linears
-    from engine.random_pair import published_source_types
-    from engine.weights import DEFAULT_PAIRS, cache_dir
+    from engine.backends.files import cache_dir
+    from engine.backends.gguf import gguf_linears
+    from engine.backends.random_pair import published_source_types
+    from engine.backends.weights import DEFAULT_PAIRS
 
     spec = DEFAULT_PAIRS["qwen2.5-coder"][("target", "draft").index(role)]
     path = cache_dir() / "gguf" / spec.gguf_file
@@ -448,8 +449,8 @@ def test_published_types_match_the_cached_files_module_by_module(role):
 def test_random_integer_weights_take_the_published_layout():
     """kquant from random floats: k6 exactly where the published target has Q6_K blocks, k4 elsewhere;
     kquant-strict k4 everywhere; without published types every linear is k6 (a float source)."""
-    from engine.models import _convert
-    from engine.random_pair import published_source_types
+    from engine.backends.models import _convert
+    from engine.backends.random_pair import published_source_types
 
     small = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=2)
     small.update(num_key_value_heads=1, vocab_size=512, pad_token_id=0, bos_token_id=0, eos_token_id=511)

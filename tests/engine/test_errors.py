@@ -19,8 +19,8 @@ from engine import (
     SpeculativeEngine,
     load_pair,
 )
-from engine.models import _make_pair, check_compatible
-from engine.tiny import ByteTokenizer, tiny_config
+from engine.backends.pair import check_compatible, make_pair
+from engine.backends.tiny import ByteTokenizer, tiny_config
 from policies import StaticController
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -134,7 +134,7 @@ def test_mismatched_vocab_sizes_are_refused(tiny_pair):
     config.vocab_size = 300
     other = Qwen2ForCausalLM(config).to(torch.float64).eval()
     with pytest.raises(IncompatiblePairError, match=r"272 vs 300"):
-        _make_pair(tiny_pair.target, other, tiny_pair.tokenizer, tiny_pair.tokenizer, "mismatch")
+        make_pair(tiny_pair.target, other, tiny_pair.tokenizer, tiny_pair.tokenizer, "mismatch")
     with pytest.raises(IncompatiblePairError):
         check_compatible(other, tiny_pair.draft, tiny_pair.tokenizer, tiny_pair.tokenizer)
     assert issubclass(IncompatiblePairError, ValueError)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine import Controller, EngineConfig, SamplingConfig, SpeculativeEngine
-from engine.attention import MAX_ROWWISE_ROWS, MAX_VERIFY_NODES
+from engine.backends.attention import MAX_ROWWISE_ROWS, MAX_VERIFY_NODES
 from engine.control import ControllerError
 from engine.errors import DraftpilotError, InputError
 from engine.tree import depth_limit, tree_size

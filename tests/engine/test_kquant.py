@@ -1,4 +1,4 @@
-"""The kquant formats (engine.kquant, engine/csrc/kquant.cpp): GGUF K-quant blocks moved bit for bit into
+"""The kquant formats (engine.backends.kquant, engine/backends/csrc/kquant.cpp): GGUF K-quant blocks moved bit for bit into
 the kernels' layouts, the compiled products against a float64 reference, batch invariance, NaN propagation,
 greedy exactness and the conversion cache."""
 
@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine import SpeculativeEngine, load_pair, native
-from engine.kquant import (
+from engine import SpeculativeEngine, load_pair
+from engine.backends import native
+from engine.backends.gguf import gguf_linears, q6_k_fields
+from engine.backends.kquant import (
     KQuantLinear,
     pack_k6,
     q4_k_to_k4,
@@ -24,7 +26,7 @@ from engine.kquant import (
     unpack_k4,
     unpack_k6,
 )
-from engine.quant import QUANT_STAMP, ensure_quantized_gguf, gguf_linears, load_quantized, q6_k_fields
+from engine.backends.quant import QUANT_STAMP, ensure_quantized_gguf, load_quantized
 from policies import HeuristicController, StaticController
 from tests_helpers import assert_greedy_identity, random_q4_k, random_q6_k, write_gguf
 
@@ -201,7 +203,7 @@ def test_unavailable_kernels_are_a_clear_error(monkeypatch):
 def test_cpu_default_takes_kquant_only_with_a_simd_path(monkeypatch, capsys):
     """weights="auto" on the CPU: kquant where the kernels have an AVX-512 or AVX2 path; torch's int4 kernels
     (with a warning naming the reason) where they build only the slow portable path or not at all."""
-    from engine import models
+    from engine.backends import models
 
     class Ops:
         def __init__(self, isa):
@@ -318,7 +320,7 @@ def test_gguf_conversion_to_kquant(fmt, kinds, tmp_path):
 
 # Fingerprint of the kernels' outputs (every path: AVX-512, AVX2, portable) on fixed inputs (sha256 of the float32 bytes). Recorded
 # traces hold what these kernels computed: a change that alters any bit must increment
-# engine.native.KERNEL_NUMERICS (the trace caches' key) and then update this fingerprint.
+# engine.backends.native.KERNEL_NUMERICS (the trace caches' key) and then update this fingerprint.
 KERNEL_FINGERPRINT = "0bdaec540f053436"
 
 
@@ -341,7 +343,7 @@ def _kernel_digest(ops=None) -> str:
 
 def test_kernel_arithmetic_matches_the_recorded_fingerprint():
     assert _kernel_digest() == KERNEL_FINGERPRINT, (
-        "the kernels' outputs changed: increment engine.native.KERNEL_NUMERICS (recorded traces no longer "
+        "the kernels' outputs changed: increment engine.backends.native.KERNEL_NUMERICS (recorded traces no longer "
         "match) and update KERNEL_FINGERPRINT"
     )
 
@@ -389,7 +391,7 @@ def test_amx_prefill_products_compute_the_vnni_bits():
 def test_tiles_only_move_bytes(kind, n):
     """The kernels' tiled layout is the row layout's bytes rearranged (rows padded to 16): back and forth
     is the identity, and a tile holds what the kernels' header says."""
-    from engine.kquant import tile_tensors, untile_tensors
+    from engine.backends.kquant import tile_tensors, untile_tensors
 
     torch.manual_seed(n)
     parts = quantize_k4(torch.randn(n, 256)) if kind == "k4" else quantize_k6(torch.randn(n, 256))

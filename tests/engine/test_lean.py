@@ -1,4 +1,4 @@
-"""The lean Qwen2 forward (engine.lean) is bitwise transformers' forward on every shape the engine uses:
+"""The lean Qwen2 forward (engine.backends.lean) is bitwise transformers' forward on every shape the engine uses:
 one row, chains of rows, tree masks, kept rows; on dense and kquant weights."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine import lean, load_pair
-from engine.kvcache import keep_entries, new_cache
+from engine import load_pair
+from engine.backends import lean
+from engine.backends.kvcache import keep_entries, new_cache
 from engine.tree import tree_attention_mask
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -1,4 +1,4 @@
-"""The native decoder (engine/csrc/decoder.cpp, through engine.lean) for kquant models: batch invariant
+"""The native decoder (engine/backends/csrc/decoder.cpp, through engine.backends.lean) for kquant models: batch invariant
 (rows of a chain or a tree bitwise the one-row steps that would decode them), close to the lean forward of
 the same weights, and clear about bad inputs."""
 
@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine import lean, load_pair, native
-from engine.kvcache import new_cache
+from engine import load_pair
+from engine.backends import lean, native
+from engine.backends.kvcache import new_cache
 from engine.tree import tree_attention_mask
 
 pytestmark = [
@@ -133,13 +134,13 @@ def test_native_decoder_refuses_bad_inputs(model):
 # Fingerprint of the native decoder's outputs (hidden states and cache entries) on fixed random layers:
 # prompt rows, a chain and a tree over a cache, head sizes on and off the 16-wide dot product path.
 # Recorded traces hold what the decoder computed: a change that alters any bit must increment
-# engine.native.KERNEL_NUMERICS and then update this fingerprint (a restructuring that keeps every bit,
+# engine.backends.native.KERNEL_NUMERICS and then update this fingerprint (a restructuring that keeps every bit,
 # e.g. a faster attention loop, must leave it as it is).
 DECODER_FINGERPRINT = "87ee09ee51145dc8"
 
 
 def _random_decoder(rng, hidden, heads, kv_heads, head_dim, intermediate, layers=2, ops=None):
-    from engine.kquant import quantize_k4, quantize_k6, tiled_parts
+    from engine.backends.kquant import quantize_k4, quantize_k6, tiled_parts
 
     decoder = (ops or native.kernels()).Decoder(hidden, heads, kv_heads, head_dim, intermediate, 1e-6)
     shapes = [
@@ -209,7 +210,7 @@ def test_native_decoder_arithmetic_matches_the_recorded_fingerprint():
     if not native.kernels().simd():
         pytest.skip("the fingerprint is of the SIMD paths (AVX-512, AVX2); this CPU runs the portable one")
     assert _decoder_digest() == DECODER_FINGERPRINT, (
-        "the decoder's outputs changed: increment engine.native.KERNEL_NUMERICS (recorded traces no longer "
+        "the decoder's outputs changed: increment engine.backends.native.KERNEL_NUMERICS (recorded traces no longer "
         "match) and update DECODER_FINGERPRINT"
     )
 
@@ -225,7 +226,7 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     import os
     import time
 
-    from engine.native import clear_stale_lock
+    from engine.backends.native import clear_stale_lock
 
     lock = tmp_path / "lock"
     lock.write_text("")

@@ -1,5 +1,5 @@
 """The built distribution carries every file the native build needs: an sdist of the project, and a wheel
-built from that sdist (the way pip installs from one), hold each source ``engine/native.py`` compiles and
+built from that sdist (the way pip installs from one), hold each source ``engine/backends/native.py`` compiles and
 each header those sources include; the sources preprocess from the unpacked wheel alone, and (``slow``)
 the kernels compile from it. Negative controls: the check flags a listing without the header, an archive
 built from a ``pyproject.toml`` that ships only ``csrc/*.cpp`` fails it, and the preprocessor fails on the
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import native
+from engine.backends import native
 
 REPO = Path(__file__).resolve().parents[2]
 # pyproject's [tool.setuptools] packages (read, not repeated: a package added there is copied too)
@@ -28,7 +28,7 @@ PACKAGES = tuple(
     )
 )
 LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
-CPP_ONLY = 'engine = ["csrc/*.cpp"]'
+CPP_ONLY = '"engine.backends" = ["csrc/*.cpp"]'
 SAFE_EXTRACT = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
 
 
@@ -68,7 +68,9 @@ def _project_copy(dest: Path, pyproject: str | None = None) -> Path:
     dest.mkdir(parents=True)
     (dest / "pyproject.toml").write_text(pyproject or (REPO / "pyproject.toml").read_text())
     shutil.copy2(REPO / "README.md", dest / "README.md")
-    for package in PACKAGES:
+    for package in sorted(
+        {name.split(".")[0] for name in PACKAGES}
+    ):  # a top-level copy holds its subpackages
         shutil.copytree(REPO / package, dest / package, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     return dest
 
@@ -99,12 +101,16 @@ def wheel_csrc(built, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     with zipfile.ZipFile(built[1]) as z:
         z.extractall(out)
-    return out / "engine" / "csrc"
+    return out / "engine" / "backends" / "csrc"
 
 
 def test_the_native_build_needs_its_sources_and_header():
     required = native_files()
-    assert {"engine/csrc/kquant.cpp", "engine/csrc/decoder.cpp", "engine/csrc/kquant.h"} <= required
+    assert {
+        "engine/backends/csrc/kquant.cpp",
+        "engine/backends/csrc/decoder.cpp",
+        "engine/backends/csrc/kquant.h",
+    } <= required
     assert all((REPO / path).is_file() for path in required)
 
 
@@ -118,11 +124,11 @@ def test_the_check_rejects_an_archive_without_the_header(built, tmp_path):
     """Negative controls: a listing with the header removed, and a real build whose package data ships
     only ``csrc/*.cpp`` (what pyproject.toml did before it shipped the headers)."""
     names = [n for n in _names(built[1]) if not n.endswith("kquant.h")]
-    assert missing_files(native_files(), names) == ["engine/csrc/kquant.h"]
+    assert missing_files(native_files(), names) == ["engine/backends/csrc/kquant.h"]
     pyproject = (REPO / "pyproject.toml").read_text()
-    line = next(li for li in pyproject.splitlines() if li.startswith("engine = ["))
+    line = next(li for li in pyproject.splitlines() if li.startswith('"engine.backends" = ['))
     for archive in _sdist_then_wheel(tmp_path, pyproject.replace(line, CPP_ONLY)):
-        assert "engine/csrc/kquant.h" in missing_files(native_files(), _names(archive)), archive.name
+        assert "engine/backends/csrc/kquant.h" in missing_files(native_files(), _names(archive)), archive.name
 
 
 def _preprocess(csrc: Path) -> list[subprocess.CompletedProcess]:

@@ -1,4 +1,4 @@
-"""Quantized execution (engine.quant, engine.attention): GGUF block decoding, the integer modules, batch
+"""Quantized execution (engine.backends.quant, engine.backends.attention): GGUF block decoding, the integer modules, batch
 invariance, greedy exactness on every weight format, the converted-weights cache and its errors."""
 
 from __future__ import annotations
@@ -11,24 +11,22 @@ import pytest
 import torch
 
 from engine import SpeculativeEngine, load_pair
-from engine.attention import rowwise_attention
-from engine.engine import forward_logits
-from engine.kvcache import keep_entries, new_cache
-from engine.quant import (
+from engine.backends.attention import rowwise_attention
+from engine.backends.gguf import QuantizationError, gguf_linears, q4_k_decode
+from engine.backends.kvcache import keep_entries, new_cache
+from engine.backends.quant import (
     INTEGER_FORMATS,
     QUANT_STAMP,
     Int4Linear,
     Int8Linear,
-    QuantizationError,
     effective_weight,
     ensure_quantized_gguf,
-    gguf_linears,
     load_quantized,
-    q4_k_decode,
     q4_k_to_int4,
     quantize_int4,
     quantize_int8,
 )
+from engine.engine import forward_logits
 from engine.tree import tree_attention_mask
 from policies import HeuristicController, StaticController
 from tests_helpers import assert_greedy_identity, random_q4_k, write_gguf

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine import SamplingConfig, SpeculativeEngine, load_pair
+from engine.backends.kvcache import keep_entries, new_cache
 from engine.engine import forward_logits
-from engine.kvcache import keep_entries, new_cache
 from policies import StaticController
 
 pytestmark = pytest.mark.slow

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.speedup_model import best_gamma, expected_tokens, expected_tokens_general, speedup
+from engine.costs.speedup_model import best_gamma, expected_tokens, expected_tokens_general, speedup
 
 
 def test_expected_tokens_article_value():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.features import NUM_DEVICE_FEATURES, device_features
+from engine.costs.features import NUM_DEVICE_FEATURES, device_features
 from envs import EnvConfig, ReplayBackend, ReplayTrace
 from envs.environments import DepthEnv
 from envs.profiles import REFERENCE_CONTEXT, PerturbedProfile, ProfileMix

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from engine import SamplingConfig
+from engine.backends.files import DirectoryBusyError, DirectoryLock
 from engine.errors import InputError
-from engine.files import DirectoryBusyError, DirectoryLock
 from envs.record_traces import RecordError, draft_trees, load_traces, main, read_prompts, record_prompts
 from tests_helpers import one_error_line
 

@@ -276,7 +276,7 @@ def test_two_evaluations_into_one_out_cannot_run_at_once(workdir, tiny_policy):
 
     out = workdir / "busy"
     code = (
-        "import sys; from engine.files import DirectoryLock; DirectoryLock(sys.argv[1]).acquire(); "
+        "import sys; from engine.backends.files import DirectoryLock; DirectoryLock(sys.argv[1]).acquire(); "
         "print('locked', flush=True); sys.stdin.read()"
     )
     root = Path(runner.__file__).resolve().parents[1]
@@ -356,7 +356,7 @@ def test_refused_evaluations_leave_out_as_it_was(workdir, tiny_policy, tmp_path)
         assert _snapshot(directory) == before, argv
 
     code = (
-        "import sys; from engine.files import DirectoryLock; DirectoryLock(sys.argv[1]).acquire(); "
+        "import sys; from engine.backends.files import DirectoryLock; DirectoryLock(sys.argv[1]).acquire(); "
         "print('locked', flush=True); sys.stdin.read()"
     )
     proc = subprocess.Popen(

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from engine.cost_profile import CostProfile
+from engine.costs.cost_profile import CostProfile
 from tests_evaluation_helpers import load_benchmark
 
 

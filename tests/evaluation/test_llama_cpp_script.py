@@ -1,4 +1,5 @@
-"""benchmarks/llama_cpp.py without llama.cpp or a model: its parsers on output captured from real runs
+"""The llama.cpp peer (evaluation.llama_cpp, evaluation.llama_cpp_build, the benchmarks/llama_cpp.py command line)
+without llama.cpp or a model: its parsers on output captured from real runs
 (llama.cpp 0.5.0-dev, commit 0c1e570, from the llama-cpp-python 0.3.36 sdist), flag probing and one run
 through fake binaries, the skip line without binaries, and the refusal of bad arguments."""
 
@@ -13,8 +14,10 @@ from pathlib import Path
 import pytest
 
 from engine import load_pair
+from evaluation import llama_cpp as lc
+from evaluation import llama_cpp_build as lcb
 from evaluation.config import EvalConfig
-from evaluation.llama_peer import LlamaPeer, _benchmark_module
+from evaluation.llama_peer import LlamaPeer
 from evaluation.runner import Setup
 from tests_evaluation_helpers import load_benchmark
 
@@ -83,8 +86,8 @@ def script():
     return load_benchmark("llama_cpp")
 
 
-def test_parses_completion_timings(script):
-    got = script.parse_completion_output(COMPLETION_STDERR)
+def test_parses_completion_timings():
+    got = lc.parse_completion_output(COMPLETION_STDERR)
     assert got["decode_runs"] == 31 and got["tokens"] == 32
     assert got["decode_s"] == pytest.approx(7.63336)
     assert (
@@ -94,8 +97,8 @@ def test_parses_completion_timings(script):
     assert got["total_s"] == pytest.approx(10.76409)
 
 
-def test_parses_speculative_timings_and_acceptance(script):
-    got = script.parse_speculative_output(SPECULATIVE_STDERR)
+def test_parses_speculative_timings_and_acceptance():
+    got = lc.parse_speculative_output(SPECULATIVE_STDERR)
     assert got["tokens"] == 41 and got["decode_s"] == pytest.approx(2.272)
     assert got["tok_s"] == pytest.approx(41 / 2.272) and round(got["tok_s"], 3) == 18.046
     assert got["prompt_tokens"] == 39 and got["prompt_s"] == pytest.approx(0.577)
@@ -103,26 +106,26 @@ def test_parses_speculative_timings_and_acceptance(script):
     assert got["accept"] == pytest.approx(31 / 34) and "n_predict" not in got
 
 
-def test_parsers_refuse_output_without_timings(script):
-    with pytest.raises(script.LlamaCppRunError, match="eval time"):
-        script.parse_completion_output("0.01.0 E failed to load model\n")
-    with pytest.raises(script.LlamaCppRunError, match="decoded"):
-        script.parse_speculative_output(COMPLETION_STDERR)  # perf lines alone are not a speculative result
+def test_parsers_refuse_output_without_timings():
+    with pytest.raises(lc.LlamaCppRunError, match="eval time"):
+        lc.parse_completion_output("0.01.0 E failed to load model\n")
+    with pytest.raises(lc.LlamaCppRunError, match="decoded"):
+        lc.parse_speculative_output(COMPLETION_STDERR)  # perf lines alone are not a speculative result
 
 
-def test_prompt_eval_line_is_not_read_as_decoding(script):
+def test_prompt_eval_line_is_not_read_as_decoding():
     only_prompt = "\n".join(
         line for line in COMPLETION_STDERR.splitlines() if " eval time" not in line or "prompt eval" in line
     )
-    with pytest.raises(script.LlamaCppRunError):
-        script.parse_completion_output(only_prompt)
+    with pytest.raises(lc.LlamaCppRunError):
+        lc.parse_completion_output(only_prompt)
 
 
-def test_parses_version_and_nan(script):
-    assert script.parse_version(VERSION_STDERR) == {"version": "0.5.0-dev", "build": 1, "commit": "0c1e570"}
-    assert script.parse_version("no version here") == {}
+def test_parses_version_and_nan():
+    assert lcb.parse_version(VERSION_STDERR) == {"version": "0.5.0-dev", "build": 1, "commit": "0c1e570"}
+    assert lcb.parse_version("no version here") == {}
     zero = "decoded    0 tokens in    0.000 seconds, speed:     -nan t/s\n"
-    got = script.parse_speculative_output(zero)
+    got = lc.parse_speculative_output(zero)
     assert got["tokens"] == 0 and math.isnan(got["tok_s"])
 
 
@@ -166,8 +169,8 @@ def fake_bin(tmp_path) -> Path:
     return tmp_path
 
 
-def test_probes_flags_and_runs_through_fake_binaries(script, fake_bin):
-    binaries = script.find_binaries(fake_bin)
+def test_probes_flags_and_runs_through_fake_binaries(fake_bin):
+    binaries = lcb.find_binaries(fake_bin)
     assert binaries is not None
     assert binaries.draft_max_flag == "--spec-draft-n-max" and binaries.p_min_flag == "--spec-draft-p-min"
     assert binaries.draft_threads_flags == ("-td", "-tbd")
@@ -176,7 +179,7 @@ def test_probes_flags_and_runs_through_fake_binaries(script, fake_bin):
     assert binaries.version["commit"] == "0c1e570"
     prompt = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
-    ar = script.run_llama_cpp(binaries, script.AUTOREGRESSIVE, prompt, "t.gguf", max_new_tokens=32, threads=2)
+    ar = lc.run_llama_cpp(binaries, lc.AUTOREGRESSIVE, prompt, "t.gguf", max_new_tokens=32, threads=2)
     assert ar["setting"] == "autoregressive" and ar["tokens"] == 32 and ar["output"] == "Hello there."
     args = json.loads((fake_bin / "llama-completion.data" / "args").read_text())
     assert "--ignore-eos" not in args and "-md" not in args
@@ -184,8 +187,8 @@ def test_probes_flags_and_runs_through_fake_binaries(script, fake_bin):
         assert args[args.index(flag) + 1] == value
     assert "-no-cnv" in args and args[args.index("-p") + 1] == prompt
 
-    spec = script.run_llama_cpp(
-        binaries, script.LlamaSetting(8, 0.75), prompt, "t.gguf", "d.gguf", max_new_tokens=32, threads=2
+    spec = lc.run_llama_cpp(
+        binaries, lc.LlamaSetting(8, 0.75), prompt, "t.gguf", "d.gguf", max_new_tokens=32, threads=2
     )
     assert spec["setting"] == "spec n=8 p=0.75" and spec["n_max"] == 8 and spec["p_min"] == 0.75
     assert spec["tokens"] == 41 and spec["accept"] == pytest.approx(31 / 34)
@@ -203,11 +206,11 @@ def test_probes_flags_and_runs_through_fake_binaries(script, fake_bin):
     assert "--ignore-eos" not in args
 
 
-def test_a_failing_run_raises_a_clear_error(script, fake_bin):
-    binaries = script.find_binaries(fake_bin)
+def test_a_failing_run_raises_a_clear_error(fake_bin):
+    binaries = lcb.find_binaries(fake_bin)
     (fake_bin / "llama-completion.data" / "stderr").write_text("0.01 E error: unknown argument: -foo\n")
-    with pytest.raises(script.LlamaCppRunError, match="autoregressive: no 'eval time"):
-        script.run_llama_cpp(binaries, script.AUTOREGRESSIVE, "x", "t.gguf")
+    with pytest.raises(lc.LlamaCppRunError, match="autoregressive: no 'eval time"):
+        lc.run_llama_cpp(binaries, lc.AUTOREGRESSIVE, "x", "t.gguf")
 
 
 def test_skips_without_binaries_when_building_is_off(script, tmp_path, capsys):
@@ -237,10 +240,7 @@ def test_refuses_bad_arguments(script, tmp_path, extra, capsys):
 def test_grid_lists_parse(script):
     assert script._int_list("4, 8,16,8") == [4, 8, 16]
     assert script._prob_list("0,0.75") == [0.0, 0.75]
-    assert (
-        script.LlamaSetting(16, 0.0).name == "spec n=16 p=0"
-        and script.AUTOREGRESSIVE.name == "autoregressive"
-    )
+    assert lc.LlamaSetting(16, 0.0).name == "spec n=16 p=0" and lc.AUTOREGRESSIVE.name == "autoregressive"
 
 
 # ------------------------------------------------------------------------- the evaluation's llama.cpp rows
@@ -262,7 +262,7 @@ def test_evaluation_llama_peer_runs_through_fake_binaries(fake_bin, tmp_path):
 
 
 def _benchmark_find(bin_dir):
-    return _benchmark_module().find_binaries(bin_dir)
+    return lcb.find_binaries(bin_dir)
 
 
 @pytest.mark.parametrize("text", ["16", "0,0.5", "8,1.5", "a,b"])
@@ -329,12 +329,12 @@ def test_evaluation_llama_lookup_row_runs_ngram_simple_without_the_draft(fake_bi
 
 
 def test_ngram_settings_parse_and_refuse(script):
-    assert script.parse_ngram("3:3") == (3, 3) and script.parse_ngram("2,4") == (2, 4)
+    assert lc.parse_ngram("3:3") == (3, 3) and lc.parse_ngram("2,4") == (2, 4)
     assert script._ngram_list("2:2,3:4,2:2") == [(2, 2), (3, 4)]
-    assert script.LlamaSetting(ngram=(3, 3)).name == "lookup n=3 m=3"
+    assert lc.LlamaSetting(ngram=(3, 3)).name == "lookup n=3 m=3"
     for bad in ("3:2", "0:1", "a:b", "3"):
         with pytest.raises(ValueError):
-            script.parse_ngram(bad)
+            lc.parse_ngram(bad)
 
 
 @pytest.mark.parametrize("text", ["3:2", "x", "0:0"])
@@ -380,27 +380,27 @@ def _fake_compiler(path: Path, rc: int) -> str:
     return str(path)
 
 
-def test_the_build_leaves_amx_out_on_x86_where_the_compiler_can(script, tmp_path, monkeypatch):
+def test_the_build_leaves_amx_out_on_x86_where_the_compiler_can(tmp_path, monkeypatch):
     import platform
 
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     accepts, refuses = _fake_compiler(tmp_path / "ok++", 0), _fake_compiler(tmp_path / "old++", 1)
-    flags = script.cmake_flags(accepts)
-    assert flags[: len(script.CMAKE_FLAGS)] == script.CMAKE_FLAGS
-    extra = " ".join(script.NO_AMX)
+    flags = lcb.cmake_flags(accepts)
+    assert flags[: len(lcb.CMAKE_FLAGS)] == lcb.CMAKE_FLAGS
+    extra = " ".join(lcb.NO_AMX)
     assert f"-DCMAKE_C_FLAGS={extra}" in flags and f"-DCMAKE_CXX_FLAGS={extra}" in flags
-    assert script.cmake_flags(refuses) == script.CMAKE_FLAGS  # a compiler without AMX flags: as before
+    assert lcb.cmake_flags(refuses) == lcb.CMAKE_FLAGS  # a compiler without AMX flags: as before
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
-    assert script.cmake_flags(accepts) == script.CMAKE_FLAGS
+    assert lcb.cmake_flags(accepts) == lcb.CMAKE_FLAGS
 
 
-def test_a_cached_build_with_other_flags_is_stale(script, tmp_path, monkeypatch):
-    monkeypatch.setattr(script, "cmake_flags", lambda cxx=None: ("-DA=1", "-DB=2"))
-    assert script.stale_build(tmp_path) is None  # no BUILD_INFO.json: not built by the script
+def test_a_cached_build_with_other_flags_is_stale(tmp_path, monkeypatch):
+    monkeypatch.setattr(lcb, "cmake_flags", lambda cxx=None: ("-DA=1", "-DB=2"))
+    assert lcb.stale_build(tmp_path) is None  # no BUILD_INFO.json: not built by the script
     info = tmp_path / "BUILD_INFO.json"
     info.write_text(json.dumps({"cmake_flags": ["-DA=1", "-DB=2"]}))
-    assert script.stale_build(tmp_path) is None
+    assert lcb.stale_build(tmp_path) is None
     info.write_text(json.dumps({"cmake_flags": ["-DA=1"]}))
-    assert "-DB=2 missing" in script.stale_build(tmp_path)
+    assert "-DB=2 missing" in lcb.stale_build(tmp_path)
     info.write_text("{not json")
-    assert script.stale_build(tmp_path) is None
+    assert lcb.stale_build(tmp_path) is None

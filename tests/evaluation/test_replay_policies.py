@@ -54,7 +54,7 @@ def test_features_profile_conditions_the_policies_not_the_clock(workdir, tiny_po
     still charged from --profile, so the rows that read no profile stay as they were."""
     import numpy as np
 
-    from engine.cost_profile import CostProfile
+    from engine.costs.cost_profile import CostProfile
 
     module = load_benchmark("replay_policies")
     real_path = next((workdir / CACHE).rglob("profile*.json"))

@@ -10,7 +10,7 @@ import math
 import pytest
 
 import train
-from engine.cost_profile import CostProfile, ProfileError
+from engine.costs.cost_profile import CostProfile, ProfileError
 from engine.errors import InputError
 from envs.workspace import load_profile_arg
 from evaluation.config import EvalConfig

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import train
-from engine.features import device_features
+from engine.costs.features import device_features
 from envs.backends import ReplayBackend
 from envs.environments import EnvConfig
 from envs.profiles import ProfileMix

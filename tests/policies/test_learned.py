@@ -15,8 +15,8 @@ import torch
 import train
 from engine import SamplingConfig, SpeculativeEngine
 from engine.cli import load_config, save_config
+from engine.costs.features import FEATURE_VERSION, NUM_DEVICE_FEATURES
 from engine.errors import InputError
-from engine.features import FEATURE_VERSION, NUM_DEVICE_FEATURES
 from engine.results import CycleRecord
 from envs.backends import ReplayBackend
 from envs.environments import DepthEnv, EnvConfig, SizeEnv
@@ -384,7 +384,7 @@ def test_a_size_phase_with_no_size_decision_is_skipped(tiny_data):
 
 
 def test_the_draft_lag_counts_the_tokens_of_autoregressive_steps_since_the_last_draft():
-    from engine.features import MAX_LAG, history_features
+    from engine.costs.features import MAX_LAG, history_features
 
     def rec(depth, emitted):
         return CycleRecord(100, depth, depth, depth, max(depth - 1, 0), emitted)
@@ -396,65 +396,11 @@ def test_the_draft_lag_counts_the_tokens_of_autoregressive_steps_since_the_last_
     assert history_features([rec(0, 1)] * (MAX_LAG + 50))[4] == 1.0  # saturates
 
 
-def _timed(depth, emitted, seconds):
-    return CycleRecord(100, depth, depth, depth, max(depth - 1, 0), emitted, verify_s=seconds)
-
-
-def test_speculation_guard_switches_drafting_off_while_it_measures_slower():
-    from policies import SpeculationGuard
-
-    guard = SpeculationGuard(window=3, baseline=2, backoff=4, max_backoff=8)
-    assert not guard.allows_drafting()  # the baseline steps come first
-    for _ in range(2):
-        guard.observe(_timed(0, 1, 0.05))  # 20 tokens/s autoregressive
-    assert guard.allows_drafting()
-    for _ in range(3):
-        guard.observe(_timed(2, 1, 0.08))  # 12.5 tokens/s drafting: slower
-    assert not guard.allows_drafting() and guard.vetoes == 1
-    for _ in range(4):
-        guard.observe(_timed(0, 1, 0.05))
-    assert guard.allows_drafting()  # the pause is over: the policy may draft again
-    for _ in range(3):
-        guard.observe(_timed(2, 3, 0.08))  # 37.5 tokens/s: drafting pays, it stays on
-    assert guard.allows_drafting() and guard.vetoes == 1
-    guard.reset()
-    assert not guard.allows_drafting() and guard.vetoes == 0
-
-
-def test_a_guarded_policy_stays_exact_and_the_guard_only_says_no(tiny_pair):
-    """Greedy identity with the guard forcing autoregressive steps between drafting cycles."""
-    from engine import SpeculativeEngine
-    from policies import SpeculationGuard
-
-    class AlwaysDraft(StaticController):
-        decides_depth_zero = True
-
-    engine = SpeculativeEngine(tiny_pair)
-    prompt = list(range(40, 60))
-    reference = engine.generate(prompt, 40).tokens
-    assert len(reference) == 40
-    inner = LearnedController(
-        None,
-        None,
-        size_ladder=[1, 2],
-        tree_width=1,
-        max_depth=4,
-        device_feats=np.zeros(NUM_DEVICE_FEATURES),
-        fallback=AlwaysDraft(3, 3),
-        depth_zero=True,
-        guard=SpeculationGuard(window=2, baseline=2, backoff=3, max_backoff=6),
-    )
-    result = engine.generate(prompt, 40, inner)
-    assert result.tokens == reference
-    depths = [r.depth for r in result.cycles]
-    assert depths[:2] == [0, 0] and any(d > 0 for d in depths)
-
-
 def test_the_temperature_is_observed_by_both_decisions_and_reaches_them_from_engine_and_replay(tiny_pair):
     """Feature version 3: the request's temperature is in the common part of both observations (saturating at
     MAX_TEMPERATURE); the engine shows a controller its sampling temperature, replay the trace's."""
     from engine.control import DraftState, StaticController
-    from engine.features import MAX_TEMPERATURE, depth_observation, size_observation
+    from engine.costs.features import MAX_TEMPERATURE, depth_observation, size_observation
 
     def state(temperature):
         scores = np.asarray([-0.1, -0.5], dtype=np.float32)
@@ -518,8 +464,6 @@ def test_profile_perturbation_defaults_to_one_in_replay_and_zero_live():
     assert train.TrainConfig(profile_perturbation=2.5).profile_perturbation == 2.5
     with pytest.raises(ValueError, match="--backend replay"):
         train.TrainConfig(backend="live", profile_perturbation=0.5)
-    # a run stored before the field existed trained without perturbation
-    assert train.NEWER_FIELDS["profile_perturbation"] == 0.0
 
 
 def test_training_across_temperatures_and_randomised_profiles(tmp_path):
@@ -528,7 +472,7 @@ def test_training_across_temperatures_and_randomised_profiles(tmp_path):
     first = train.train(quick_config(tmp_path, run_name="plain", tree_width=1))
     profile = Path(tmp_path / "cache").rglob("profile.json").__next__()
     other = tmp_path / "steeper.json"
-    from engine.cost_profile import CostProfile
+    from engine.costs.cost_profile import CostProfile
 
     data = CostProfile.load(profile).to_dict()
     for key in ("verify_table", "verify_chain_table"):  # rows: sizes; a steeper verification curve

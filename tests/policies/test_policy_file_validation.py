@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.features import DEPTH_OBS_DIM, NUM_DEVICE_FEATURES, SIZE_OBS_DIM
+from engine.costs.features import DEPTH_OBS_DIM, NUM_DEVICE_FEATURES, SIZE_OBS_DIM
 from envs.replay import SIZE_LADDER
 from policies import PolicyFileError, load_policy
 from policies.learned import HASH_KEY, Actor, PolicyFileWarning, payload_digest, save_policy

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import dataclasses
 import io
 import json
 import shutil
@@ -20,10 +19,10 @@ import torch
 import generate
 import policies.ppo as ppo
 import train
+from engine.backends.files import DirectoryBusyError, sha256_file, user_hmac
 from engine.cli import save_config
+from engine.costs.features import NUM_DEVICE_FEATURES
 from engine.errors import InputError
-from engine.features import NUM_DEVICE_FEATURES
-from engine.files import DirectoryBusyError, sha256_file, user_hmac
 from engine.lookup import LookupConfig
 from envs.backends import ReplayBackend
 from envs.environments import EnvConfig
@@ -92,7 +91,7 @@ def one_error_line(stderr: str) -> str:
 def locked_by_another_process(directory: Path):
     """A second process that holds ``directory``'s lock until the block ends."""
     code = (
-        "import sys; from engine.files import DirectoryLock; DirectoryLock(sys.argv[1]).acquire(); "
+        "import sys; from engine.backends.files import DirectoryLock; DirectoryLock(sys.argv[1]).acquire(); "
         "print('locked', flush=True); sys.stdin.read()"
     )
     proc = subprocess.Popen(
@@ -377,20 +376,6 @@ def test_a_second_run_with_the_same_name_fails_at_once(base):
     assert rc == 0, stderr
 
 
-def test_resume_of_a_config_written_before_the_newer_settings_keeps_what_it_ran_with(base):
-    """A config.json without the fields added since (lookup, the profile perturbation) resumes with the
-    values it trained with (train.NEWER_FIELDS), not with today's defaults."""
-    run = copy_run(base, "older")
-    stored = json.loads((run / "config.json").read_text())
-    for name in ("lookup", "profile_perturbation"):
-        stored.pop(name)
-    (run / "config.json").write_text(json.dumps(stored))
-    config, resume, _ = train.config_from_argv(["--resume", str(run)])
-    assert resume == run and config.lookup == "off" and config.profile_perturbation == 0.0
-    with pytest.raises(train.RunDirectoryError, match="--profile-perturbation: 0.0 -> 1.0"):
-        train.config_from_argv(["--resume", str(run), "--profile-perturbation", "1"])
-
-
 def test_resume_refuses_flags_that_differ_from_the_run(base):
     run = copy_run(base, "flags")
     with pytest.raises(train.RunDirectoryError) as err:
@@ -550,26 +535,6 @@ def test_long_requests_join_the_training_and_validation_traces(base, monkeypatch
     assert seen[0][2] == [40, 40] and config.max_new_tokens != 40
     stored = load_policy(metrics["policy"]).meta["train_config"]
     assert stored["long_train_prompts"] == 1 and stored["long_max_new_tokens"] == 40
-
-
-def test_a_config_stored_before_the_newer_settings_means_the_defaults_of_its_day():
-    current = dataclasses.asdict(train.TrainConfig(pair="tiny", lookup="off", profile_perturbation=0.0))
-    older = {k: v for k, v in current.items() if k not in train.NEWER_FIELDS}
-    assert train.config_differences(older, current) == []
-    asked = dataclasses.asdict(
-        train.TrainConfig(pair="tiny", long_train_prompts=2, lookup="off", profile_perturbation=0.0)
-    )
-    assert train.config_differences(older, asked) == ["--long-train-prompts: 0 -> 2"]
-    # trained before lookup and the perturbation existed = without them; today's defaults (in replay: lookup
-    # on, perturbation 1) differ
-    assert train.config_differences(older, dataclasses.asdict(train.TrainConfig(pair="tiny"))) == [
-        "--lookup: 'off' -> '3-4:2+8:4'",
-        "--profile-perturbation: 0.0 -> 1.0",
-    ]
-    for field, value in train.NEWER_FIELDS.items():
-        default = next(f.default for f in dataclasses.fields(train.TrainConfig) if f.name == field)
-        # only lookup's and the perturbation's defaults have changed since (both resolved by the backend)
-        assert value == default or field in ("lookup", "profile_perturbation")
 
 
 def test_lookup_auto_means_on_for_replay_and_off_for_live_and_is_stored_resolved():

@@ -3,8 +3,8 @@
 Replay environments take their time from a ``CostProfile`` instead of a clock: draft step time by
 frontier width and context, the first draft step by the number of pending tokens, verification time by
 the number of verified nodes and context, the fixed per-cycle overhead, the controller call, prefill,
-each with its measured noise. This is the article's c and g(gamma) made empirical. ``engine.measure_costs``
-measures one (``python -m engine.measure_costs``); this module only holds, queries and stores it.
+each with its measured noise. This is the article's c and g(gamma) made empirical. ``engine.costs.measure_costs``
+measures one (``python -m engine.costs.measure_costs``); this module only holds, queries and stores it.
 
 *Context* everywhere is the committed token count at the start of the cycle (``CycleRecord.context_len``).
 Queries interpolate piecewise-linearly; below the grid they clamp, above it they extrapolate linearly
@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from engine.backends.files import atomic_write
 from engine.errors import DraftpilotError
-from engine.files import atomic_write
 
 PROFILE_VERSION = 1
 _IQR_PER_SIGMA = 0.6744897501960817  # standard normal quartile: IQR/median of lognormal = 2 sinh(q sigma)
@@ -75,7 +75,7 @@ def chunk_curve(profile: Any, max_pending: int, context: int) -> np.ndarray:
 class CostProfile:
     """Measured cycle costs on one device, pair and dtype (seconds; spreads are IQR/median over reps).
 
-    Tables are indexed [grid value, context]. Build one with ``engine.measure_costs.measure_profile`` or by
+    Tables are indexed [grid value, context]. Build one with ``engine.costs.measure_costs.measure_profile`` or by
     hand (tests); ``save``/``load`` round-trip it through JSON.
     """
 
@@ -117,7 +117,7 @@ class CostProfile:
     overhead_spread: float = 0.0
     """IQR/median of measured overhead over its fitted value."""
     batched: dict[str, Any] = field(default_factory=dict)
-    """The batch axis (``engine.measure_costs --batch-axis``; empty otherwise, and in older profiles): forwards
+    """The batch axis (``engine.costs.measure_costs --batch-axis``; empty otherwise, and in older profiles): forwards
     through ``engine.batch_forward.forward_rows`` carrying several sequences, each on its own cache, as
     ``engine.batch`` runs them. ``context``: committed tokens of every sequence; ``target`` / ``draft``: lists
     of [sequences, rows in all, median seconds] (target: each sequence's root and a chain of nodes, causal;
@@ -371,7 +371,7 @@ class CostProfile:
             raise ValueError(f"model must be 'target' or 'draft', got {model!r}")
         if not self.batched:
             raise ProfileError(
-                "this profile has no batch axis: measure it with `python -m engine.measure_costs --batch-axis`"
+                "this profile has no batch axis: measure it with `python -m engine.costs.measure_costs --batch-axis`"
             )
         r_grid, s_grid = self._arrays["batched_" + model + "_grid"]
         table = self._arrays["batched_" + model]
@@ -386,7 +386,7 @@ class CostProfile:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def save(self, path: str | Path) -> Path:
-        """Write the profile as JSON, atomically (``engine.files.atomic_write``: a kill leaves the old file
+        """Write the profile as JSON, atomically (``engine.backends.files.atomic_write``: a kill leaves the old file
         or the new one, never part of one)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -402,7 +402,7 @@ class CostProfile:
             raise IsADirectoryError(f"{path} is a directory, not a cost profile (a .json file)")
         if not path.is_file():
             raise FileNotFoundError(
-                f"no cost profile at {path}: measure one with `python -m engine.measure_costs --out {path}`"
+                f"no cost profile at {path}: measure one with `python -m engine.costs.measure_costs --out {path}`"
             )
         try:
             data = json.loads(path.read_text())
@@ -413,7 +413,7 @@ class CostProfile:
         if data.get("version") != PROFILE_VERSION:
             raise ProfileError(
                 f"{path} has cost profile format version {data.get('version')!r}; this code "
-                f"reads version {PROFILE_VERSION}: measure it again with `python -m engine.measure_costs`"
+                f"reads version {PROFILE_VERSION}: measure it again with `python -m engine.costs.measure_costs`"
             )
         known = {f.name for f in fields(cls)}
         missing = [

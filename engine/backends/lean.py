@@ -8,8 +8,8 @@ embedding, the cache append, row-wise attention, the MLP -- read off the model's
 logits are bitwise those of ``model(...)`` (a test checks it on every forward shape the engine uses).
 Forwards with more rows (prompt prefill, trace-recording blocks) keep transformers' forward.
 
-When every linear layer of the decoder runs the compiled kquant kernels (``engine.kquant``), the layers run
-in one call of the native decoder instead (``engine/csrc/decoder.cpp``): the same computation written out in
+When every linear layer of the decoder runs the compiled kquant kernels (``engine.backends.kquant``), the layers run
+in one call of the native decoder instead (``engine/backends/csrc/decoder.cpp``): the same computation written out in
 C++ (no per-operation dispatch from Python, q/k/v and gate/up each on one quantised input), batch
 invariant by construction like the kernels, so greedy speculation through it stays token-identical to
 autoregressive decoding through it; its logits are close to, not bitwise, transformers' (other summation
@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM, apply_rotary_pos_emb
 
-from engine.attention import MAX_ROWWISE_ROWS, ROWWISE_ATTENTION, row_keys, rowwise_attention
-from engine.kquant import KQuantLinear
-from engine.kvcache import GrowingLayer
+from engine.backends.attention import MAX_ROWWISE_ROWS, ROWWISE_ATTENTION, row_keys, rowwise_attention
+from engine.backends.kquant import KQuantLinear
+from engine.backends.kvcache import GrowingLayer
 
 NATIVE = True
 """Whether kquant models take the native decoder (tests and benchmarks switch it off to compare)."""

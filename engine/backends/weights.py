@@ -26,11 +26,14 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tqdm.auto import tqdm
 
+from engine.backends.files import cache_dir
+from engine.backends.gguf import QuantizationError
+from engine.backends.quant import ensure_quantized_gguf, load_quantized
 from engine.errors import DraftpilotError
-from engine.quant import QuantizationError, ensure_quantized_gguf, load_quantized
 
 CONVERTED_STAMP = "draftpilot-converted.json"
 _CHUNK = 8 << 20  # 8 MiB: large enough for fast hashing, small enough to never matter for RAM
@@ -83,12 +86,6 @@ QWEN25_CODER_05B = _split(
 DEFAULT_PAIRS: dict[str, tuple[PublishedGguf, PublishedGguf]] = {
     "qwen2.5-coder": (QWEN25_CODER_15B, QWEN25_CODER_05B),  # (target, draft)
 }
-
-
-def cache_dir() -> Path:
-    """Root of the weights cache: `$DRAFTPILOT_CACHE`, else `~/.cache/draftpilot`."""
-    env = os.environ.get("DRAFTPILOT_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "draftpilot"
 
 
 def _canonical(project: str) -> str:
@@ -235,6 +232,22 @@ def convert_to_hf(spec: PublishedGguf, cache: Path | str | None = None, progress
     return final
 
 
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def pair_tokenizer(name: str, progress: bool = False) -> Any:
+    """The tokenizer of the published pair ``name`` (its target's, from the converted checkpoint, converted
+    first if needed), loaded once per process: what the engine encodes prompts with, for tools that need the
+    same prompt ids without loading the models."""
+    if name not in _TOKENIZERS:
+        from transformers import AutoTokenizer
+
+        _TOKENIZERS[name] = AutoTokenizer.from_pretrained(
+            convert_to_hf(DEFAULT_PAIRS[name][0], progress=progress)
+        )
+    return _TOKENIZERS[name]
+
+
 def ensure_default_pair(
     name: str = "qwen2.5-coder", cache: Path | str | None = None, progress: bool = True
 ) -> tuple[Path, Path]:
@@ -248,7 +261,7 @@ def ensure_default_pair(
 def ensure_quantized(
     spec: PublishedGguf, fmt: str, cache: Path | str | None = None, progress: bool = True
 ) -> Path:
-    """The cached integer-format (``engine.quant``) conversion of ``spec``'s GGUF linear weights, built once
+    """The cached integer-format (``engine.backends.quant``) conversion of ``spec``'s GGUF linear weights, built once
     from the GGUF blocks (Q4_K codes kept as they are for int4)."""
     root = Path(cache) if cache is not None else cache_dir()
     return ensure_quantized_gguf(

@@ -3,14 +3,14 @@
 Letters follow the article: alpha = per-token acceptance probability, gamma = draft length, c = cost of
 one draft step relative to one target step, g(gamma) = cost of verifying gamma tokens relative to one
 target step (1 in the simplified model). The last functions give the same quantities measured on a
-device (``engine.cost_profile.CostProfile``).
+device (``engine.costs.cost_profile.CostProfile``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from engine.cost_profile import CostProfile
+from engine.costs.cost_profile import CostProfile
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:

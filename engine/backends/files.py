@@ -21,7 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import DraftpilotError
-from engine.weights import cache_dir
+
+
+def cache_dir() -> Path:
+    """Root of the project's cache (weights, converted formats, compiled kernels, the signing key):
+    `$DRAFTPILOT_CACHE`, else `~/.cache/draftpilot`."""
+    env = os.environ.get("DRAFTPILOT_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "draftpilot"
 
 
 class DirectoryBusyError(DraftpilotError, RuntimeError):

@@ -1,7 +1,7 @@
-"""Measuring a ``CostProfile`` (``engine.cost_profile``): the engine's own forwards, timed on the device, and the
+"""Measuring a ``CostProfile`` (``engine.costs.cost_profile``): the engine's own forwards, timed on the device, and the
 command line that writes the profile file.
 
-    python -m engine.measure_costs --pair tiny --quick --out runs/profile_tiny.json
+    python -m engine.costs.measure_costs --pair tiny --quick --out runs/profile_tiny.json
 
 Every timed call is exactly the forward the engine issues in a cycle (same ``_forward``, masks, positions
 and ``logits_to_keep``) on a KV cache holding the given context, cropped back (outside the clock) before
@@ -28,7 +28,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from engine.attention import MAX_ROWWISE_ROWS, MAX_VERIFY_NODES
+from engine.backends.attention import MAX_ROWWISE_ROWS, MAX_VERIFY_NODES
+from engine.backends.kvcache import keep_entries, new_cache
+from engine.backends.pair import ModelPair
 from engine.batch_forward import Rows, forward_rows
 from engine.cli import (
     CLI_ERRORS,
@@ -41,11 +43,9 @@ from engine.cli import (
     report_error,
 )
 from engine.control import StaticController
-from engine.cost_profile import CostProfile
+from engine.costs.cost_profile import CostProfile
 from engine.engine import SpeculativeEngine
 from engine.errors import InputError, is_int
-from engine.kvcache import keep_entries, new_cache
-from engine.models import ModelPair
 from engine.tree import MAX_TREE_NODES, ancestor_matrix, tree_attention_mask
 
 LADDER = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -510,7 +510,7 @@ def measure_profile(
         "transformers": transformers.__version__,
         "num_threads": torch.get_num_threads(),
         "random_weights": bool(random_weights),
-        # integer formats of random weights follow the published files' block types (engine.random_pair)
+        # integer formats of random weights follow the published files' block types (engine.backends.random_pair)
         "random_weights_layout": "published" if random_weights else None,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "loadavg_start": list(os.getloadavg()),
@@ -589,7 +589,7 @@ def measure_profile(
 # ------------------------------------------------------------------------------------------------ CLI
 @dataclass
 class MeasureCostsConfig(ModelConfig):
-    """What ``python -m engine.measure_costs`` measures (the pair: ``ModelConfig``; the grids and repetitions:
+    """What ``python -m engine.costs.measure_costs`` measures (the pair: ``ModelConfig``; the grids and repetitions:
     ``ProfileConfig``) and where it writes the profile."""
 
     out: str = field(kw_only=True)
@@ -599,7 +599,7 @@ class MeasureCostsConfig(ModelConfig):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = ArgumentParser(prog="python -m engine.measure_costs", description=__doc__)
+    ap = ArgumentParser(prog="python -m engine.costs.measure_costs", description=__doc__)
     add_dataclass_args(ap, MeasureCostsConfig)
     add_dataclass_args(ap, ProfileConfig, "grids and repetitions")
     ap.add_argument("--quick", action="store_true", help="small grids, 2 reps (explicit flags win)")

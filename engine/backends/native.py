@@ -1,4 +1,4 @@
-"""The project's compiled CPU kernels (``engine/csrc/``: the K-quant products of ``kquant.cpp`` and the
+"""The project's compiled CPU kernels (``engine/backends/csrc/``: the K-quant products of ``kquant.cpp`` and the
 native decoder of ``decoder.cpp``): built on first use with the machine's
 C++ compiler for the machine's own instruction set (``-march=native``) and cached, keyed by the source,
 the compiler flags, the torch version and the CPU's instruction-set flags, so a cache made on one CPU is
@@ -25,7 +25,7 @@ from engine.errors import DraftpilotError
 KERNEL_NUMERICS = 2
 """Version of the kernels' arithmetic (every output bit). Traces and profiles recorded through the kernels
 are cached under a key that includes it (``envs.workspace.pair_dir``) when it is above 1: a change to
-``engine/csrc`` that alters any output bit (tests/engine/test_kquant.py holds a fingerprint of the
+``engine/backends/csrc`` that alters any output bit (tests/engine/test_kquant.py holds a fingerprint of the
 outputs) must increment it, so stale traces are re-recorded instead of replayed. Changes that keep every
 bit (tiling, chunking, prefetching, instruction selection) leave it alone."""
 
@@ -62,7 +62,7 @@ def cpu_signature() -> str:
 def build_dir() -> Path:
     import torch
 
-    from engine.weights import cache_dir
+    from engine.backends.files import cache_dir
 
     key = hashlib.sha256()
     for part in (

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from engine.control import DraftState
-from engine.cost_profile import CostProfile
+from engine.costs.cost_profile import CostProfile
 from engine.results import CycleRecord
 
 FEATURE_VERSION = 5
