@@ -163,7 +163,7 @@ def test_the_kernels_compile_from_the_unpacked_wheel(wheel_csrc, tmp_path):
     """The full build (``native.build`` on the wheel's sources, in a subprocess so that this extension
     never loads into the test process): minutes on a 2-core CPU."""
     code = (
-        "import sys; from pathlib import Path; from engine import native; "
+        "import sys; from pathlib import Path; from engine.backends import native; "
         "m = native.build('draftpilot_kquant_wheel', Path(sys.argv[1]), sources=Path(sys.argv[2])); print(m.isa())"
     )
     run = subprocess.run(
