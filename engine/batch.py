@@ -63,13 +63,13 @@ class BatchConfig:
     max_rows: int = 64
     """Rows of one target forward (each request's root plus its granted nodes; the rule is in the module
     docstring) and of one draft forward; at least ``max_requests``."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Caps, draft mode and lookup, as for ``SpeculativeEngine`` (every request shares them)."""
     max_prefill_tokens: int = 128
     """Prompt tokens prefilled in one step: waiting requests are prefilled in admission order while their
     prompts fit (at least one a step, whatever its length), the others at the next steps. A prefill runs
     alone, so a burst of arrivals would otherwise hold every running request's next tokens for all their
     prefills at once."""
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    """Caps, draft mode and lookup, as for ``SpeculativeEngine`` (every request shares them)."""
 
     def __post_init__(self) -> None:
         for name in ("max_requests", "max_rows", "max_prefill_tokens"):
