@@ -53,7 +53,7 @@ from engine.cli import (
     save_config,
 )
 from engine.costs.cost_profile import CostProfile
-from engine.costs.features import device_features
+from engine.costs.features import DeviceAtLoad, device_features
 from engine.errors import DraftpilotError, InputError
 from engine.lookup import LookupConfig, describe_lookup, parse_lookup, resolve_lookup
 from envs import workspace
@@ -64,9 +64,10 @@ from envs.profiles import ProfileMix
 from envs.prompts import LONG_SUITE, interleave_languages, load_suite
 from envs.record_traces import MAX_TRACE_DEPTH
 from envs.replay import replay_generate, throughput
-from policies import AnalyticController, StaticController
+from policies import AnalyticController, StaticController, load_training
 from policies.learned import load_policy, save_policy
 from policies.ppo import CoTrainer, PPOConfig, has_checkpoint, verify_checkpoint
+from serving.export import write_exports
 
 
 @dataclass
@@ -138,6 +139,16 @@ class TrainConfig(ModelConfig):
     "Training")."""
     backend: str = "replay"
     """replay (exact traces + cost profile) or live (the real engine, wall-clock reward)."""
+    load_aware: bool = True
+    """Train for a server (replay backend): every episode decodes its request inside a server replay
+    (envs.server) among other clients at a load level of --concurrencies, each cycle charged what it adds to
+    the batched forwards; the policy observes the load and is validated and compared per load level. Needs
+    the cost profile's batch axis (measured with it by default). Replay backend only (stored False with the
+    live one)."""
+    concurrencies: tuple[int, ...] = (1, 2, 4, 8)
+    """Closed-loop load levels (concurrent clients) of the load-aware episodes, validation and reports."""
+    max_requests: int = 8
+    """Requests the replayed server decodes at once (serve.py --max-requests); more clients wait."""
     reward: str = "average"
     """average (emitted - rho * time, dense) or throughput (LTD's per-cycle emitted / time)."""
     rounds: int = 3
@@ -195,6 +206,14 @@ class TrainConfig(ModelConfig):
                 )
         if (self.long_train_prompts or self.long_val_prompts) and self.backend == "live":
             raise ValueError("--long-train-prompts and --long-val-prompts need --backend replay")
+        self.concurrencies = tuple(int(n) for n in self.concurrencies)  # a list when read from JSON
+        if self.backend == "live":
+            self.load_aware = False  # one request at a time: no load to train for (stored resolved)
+        if not self.concurrencies or any(n < 1 for n in self.concurrencies) or self.max_requests < 1:
+            raise ValueError(
+                f"concurrencies (--concurrencies) must be integers >= 1 and max_requests >= 1, got "
+                f"{self.concurrencies}, {self.max_requests}"
+            )
         if parse_lookup(self.lookup) is not None and self.backend == "live":
             raise ValueError("--lookup needs --backend replay")
         if self.eval_every < 1:
@@ -268,9 +287,10 @@ def effective_config(config: TrainConfig) -> TrainConfig:
 
 
 def _flat(config: dict) -> dict:
+    """One level, PPO fields as ``ppo.<name>``; tuples as lists (what a config read back from JSON holds)."""
     out = {k: v for k, v in config.items() if k != "ppo"}
     out.update({f"ppo.{k}": v for k, v in (config.get("ppo") or {}).items()})
-    return out
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
 
 def _flag(key: str) -> str:
@@ -319,9 +339,16 @@ def load_models(config: TrainConfig):
 
 
 def ensure_profile(config: TrainConfig, pair):
-    return workspace.ensure_profile(
+    profile = workspace.ensure_profile(
         pair, config.cache_dir, config.profile, widths=(1, 2, config.tree_width), progress=config.progress
     )
+    if config.load_aware and config.backend == "replay" and not profile.batched:
+        raise InputError(
+            "--load-aware needs the cost profile's batch axis, which this profile lacks: measure it with "
+            "`python -m engine.costs.measure_costs --batch-axis --out FILE` and pass --profile FILE (or delete "
+            "the cached profile.json to measure it again), or train with --no-load-aware"
+        )
+    return profile
 
 
 def ensure_traces(
@@ -529,7 +556,33 @@ def summary_text(metrics: dict) -> str:
     ]
     lines += [f"  {label:<{width}}  {value:8.3f}  {ratio}".rstrip() for label, value, ratio in rows]
     lines.append(f"verdict: {metrics['verdict']}")
+    if metrics.get("load"):
+        lines += load_summary(metrics["load"])
     return "\n".join(lines)
+
+
+def load_summary(load: dict) -> list[str]:
+    """The per-load comparison (server replay, validation traces): system tokens/s at each closed-loop load
+    level and on the Poisson run, and the mean ratio over autoregressive decoding."""
+    levels = [f"N={n}" for n in load["concurrencies"]]
+    rows = load["rows"]
+    width = max(len(name) for name in rows)
+    head = "  ".join(f"{c:>7}" for c in levels + ["poisson", "p99 ms", "score"])
+    lines = [
+        "",
+        "server replay (validation traces, system tokens/s; score: mean over N of / autoregressive):",
+    ]
+    lines.append(f"  {'controller':<{width}}  {head}")
+    for name, row in rows.items():
+        cells = [row[c] for c in levels] + [row["poisson"], row["poisson_itl_p99_ms"], row["score"]]
+        lines.append(f"  {name:<{width}}  " + "  ".join(f"{v:7.2f}" for v in cells))
+    lines.append(
+        "learned draft length per load level: "
+        + ", ".join(f"N={n} {d}" for n, d in load["learned_depths"].items())
+    )
+    for name, where in (load.get("exports") or {}).items():
+        lines.append(f"{name} export: {where}")
+    return lines
 
 
 def run_directory(config: TrainConfig) -> Path:
@@ -643,10 +696,24 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
         return StaticController(depth_d, depth_v, tree_width=config.tree_width)
 
     feats = device_features(profile, config.tree_width)
+    setup, loads, evaluate = None, None, validation(val_traces, profile, mix, lookup)
+    if config.load_aware:
+        setup = load_training.load_setup(
+            train_traces, val_traces, profile, lookup, config.concurrencies, config.max_requests
+        )
+        print(
+            "static chain tuned per load level (server replay, train traces; depth: system tokens/s): "
+            + ", ".join(f"N={n} {d}: {tps:.1f}" for n, (d, tps) in setup.table.items()),
+            flush=True,
+        )
+        loads = DeviceAtLoad(profile, config.tree_width, alone=feats)
+        evaluate = lambda controller: setup.score(lambda: controller)  # noqa: E731 - one shared controller
     if config.backend == "live":
         engine = SpeculativeEngine(pair, SamplingConfig(temperature=config.temperature))
         prompts = [pair.encode(p["prompt"]) for p in train_prompts]
         backend = LiveBackend(engine, prompts, config.tree_width, config.max_new_tokens, profile)
+    elif setup is not None:
+        backend = setup.backend(profile, mix, lookup, config.max_requests)
     else:
         backend = ReplayBackend(
             train_traces,
@@ -664,9 +731,10 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
         config.ppo,
         env_config,
         baseline,
-        validation(val_traces, profile, mix, lookup),
+        evaluate,
         max_depth=config.max_depth,
         device_feats=feats,
+        loads=loads,
         seed=config.seed,
         device=policy_device,
         tensorboard_dir=str(run / "tb"),
@@ -702,9 +770,16 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
     best_tps, depth_actor, size_actor = trainer.best
     if depth_actor is None:  # validation never ran on a complete controller
         depth_actor, size_actor = trainer.actor("depth"), trainer.actor("size")
-        best_tps = validation(val_traces, profile, mix, lookup)(trainer.joint())
+        best_tps = evaluate(trainer.joint())
     validated = {}
-    if mix is not None:  # validation averaged over the mix: report the deployment profile's figure too
+    if setup is not None:  # the score across load levels chose the policy; report batch one's figure too
+        validated["learned_load_score"] = best_tps
+        if mix is not None:  # batch one over the mix, as a run without the load reports it
+            validated["learned_on_val_mix"] = validation(val_traces, profile, mix, lookup)(
+                trainer.controller(depth_actor, size_actor)
+            )
+        best_tps = replay_eval(val_traces, profile, lookup)(trainer.controller(depth_actor, size_actor))
+    elif mix is not None:  # validation averaged over the mix: report the deployment profile's figure too
         validated["learned_on_val_mix"] = best_tps
         best_tps = replay_eval(val_traces, profile, lookup)(trainer.controller(depth_actor, size_actor))
     metrics = {
@@ -723,6 +798,19 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
         "train_prompts": [p["id"] for p in train_prompts],
         "phases": [asdict(h) for h in trainer.history],
     }
+    if setup is not None:
+        learned = trainer.controller(depth_actor, size_actor)
+        factories = load_training.load_baselines(setup, profile, config.tree_width, config.max_depth)
+        factories["learned (exported)"] = lambda: learned
+        depths = load_training.chosen_depths(setup, lambda: learned)
+        metrics["load"] = {
+            "concurrencies": list(setup.concurrencies),
+            "table": {str(n): list(v) for n, v in setup.table.items()},
+            "reference_autoregressive": {str(n): v for n, v in setup.reference.items()},
+            "rows": load_training.per_load(setup, factories),
+            "learned_depths": {str(n): d for n, d in depths.items()},
+            "table_ranges": [[a, b, k] for (a, b), k in load_training.table_ranges(depths).items()],
+        }
     judged = verdict(metrics)
     metrics.update(winner=judged["winner"], verdict=judged["verdict"])
     if judged["winner"] != "learned":
@@ -741,6 +829,9 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
         metrics=metrics,
         depth_zero=config.depth_zero,
     )
+    if setup is not None:
+        ranges = {(a, b): k for a, b, k in metrics["load"]["table_ranges"]}
+        metrics["load"]["exports"] = write_exports(ranges, run)
     atomic_write_json(run / "metrics.json", metrics)
     metrics["policy"] = str(path)
     return metrics

@@ -36,6 +36,7 @@ One thread drives it (a server's loop): ``add``, ``cancel``, ``step`` and ``resu
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -46,6 +47,7 @@ from engine.batch_forward import Rows, forward_rows
 from engine.control import Controller
 from engine.engine import EngineConfig, Forward, SpeculativeEngine, VerifyRows, _Request
 from engine.errors import DraftpilotError, InputError, is_int, short_repr
+from engine.load import LoadState, LoadTracker
 from engine.lookup import NgramIndex
 from engine.results import CycleRecord, GenerationResult
 from engine.sampling import SamplingConfig
@@ -133,6 +135,10 @@ class _Slot:
     """The cycle in progress (a generator of ``Forward`` / ``VerifyRows``), None between cycles."""
     waiting: Forward | VerifyRows | None = None
     record: CycleRecord | None = None
+    target_rows: int = 0
+    """Rows this request put in the target forwards of the last step (the others' load next step)."""
+    drafted: bool = False
+    """Whether it ran the draft in the last step."""
 
 
 class BatchedEngine:
@@ -149,6 +155,12 @@ class BatchedEngine:
         self._slots: dict[int, _Slot] = {}  # admission order
         self._done: dict[int, GenerationResult | BaseException] = {}
         self._next_rid = 0
+        self.waiting_outside = 0
+        """Requests waiting outside the batch (a server's waiting line, set by its owner): counted in every
+        request's ``LoadState.waiting``."""
+        self._arrivals = LoadTracker()
+        self._last_rows = 0  # target rows of the last step, all requests
+        self._last_drafting = 0  # requests that ran the draft in the last step
 
     # ----------------------------------------------------------------------------------------------- API
     def add(self, request: BatchRequest) -> int:
@@ -198,6 +210,7 @@ class BatchedEngine:
             | frozenset(int(t) for t in stop),
             tree_cap,
         )
+        self._arrivals.arrived(time.monotonic())
         return rid
 
     def cancel(self, rid: int) -> None:
@@ -244,9 +257,19 @@ class BatchedEngine:
                 prefilled += len(slot.prompt_ids)
                 self._guard(slot, self._prefill, slot)
         running = [s for s in self._slots.values() if s.req is not None and self._finish(s) is None]
+        waiting = sum(s.req is None for s in self._slots.values()) + max(int(self.waiting_outside), 0)
+        rate = self._arrivals.rate(time.monotonic())
         for slot in running:
             new_tokens.setdefault(slot.rid, len(slot.req.tokens))
             slot.record = None
+            slot.req.load = LoadState(
+                requests=len(running),
+                waiting=waiting,
+                other_rows=max(self._last_rows - slot.target_rows, 0),
+                other_drafting=max(self._last_drafting - slot.drafted, 0),
+                arrival_rate=rate,
+            )
+            slot.target_rows, slot.drafted = 0, False
             slot.steps = self.engine._cycle(
                 slot.req,
                 slot.controller,
@@ -257,7 +280,14 @@ class BatchedEngine:
             )
             self._advance(slot, None)
         self._run_cycles()
+        self._last_rows = sum(s.target_rows for s in running)
+        self._last_drafting = sum(s.drafted for s in running)
         return [self._event(rid, start) for rid, start in new_tokens.items()]
+
+    def load_of(self, rid: int) -> LoadState | None:
+        """The load request ``rid``'s last cycle ran under (``DraftState.load``; None before its first)."""
+        slot = self._slots.get(rid)
+        return None if slot is None or slot.req is None else slot.req.load
 
     # ------------------------------------------------------------------------------------------ internals
     def _prefill(self, slot: _Slot) -> None:
@@ -324,6 +354,11 @@ class BatchedEngine:
                     call = s.waiting
                     positions = call.positions or range(call.start, call.start + len(call.ids))
                     items.append(Rows(call.ids, positions, call.cache, call.mask, call.keep))
+                for s in chunk:
+                    if model is self.pair.target:
+                        s.target_rows += s.waiting.rows
+                    else:
+                        s.drafted = True
                 for s, logits in zip(chunk, forward_rows(model, items, self.device)):
                     self._advance(s, logits)
                 chunk, rows = [], 0

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.errors import InputError, is_int, short_repr
+from engine.load import LoadState
 from engine.results import CycleRecord
 
 
@@ -50,10 +51,18 @@ class DraftState:
     """The request's sampling temperature (0: greedy). Draft scores are already temperature-scaled; how
     well they predict acceptance still depends on it (a sampled target accepts a deterministic draft less
     often than the greedy one does)."""
+    load: LoadState | None = None
+    """The load of the step this cycle runs in (``engine.load``): None when the request decodes alone
+    (``generate``), set by the batched engine and by the server replay."""
 
     @classmethod
     def before_drafting(
-        cls, context_len: int, max_depth: int, history: Sequence[CycleRecord], temperature: float = 0.0
+        cls,
+        context_len: int,
+        max_depth: int,
+        history: Sequence[CycleRecord],
+        temperature: float = 0.0,
+        load: LoadState | None = None,
     ) -> DraftState:
         """The depth-0 state (asked of controllers with ``decides_depth_zero``): nothing drafted yet."""
         empty = np.zeros(0, dtype=np.float32)
@@ -66,6 +75,7 @@ class DraftState:
             max_depth=max_depth,
             history=history,
             temperature=temperature,
+            load=load,
         )
 
 

@@ -29,6 +29,7 @@ from engine.backends.kvcache import cache_len, keep_entries, new_cache
 from engine.backends.pair import ModelPair
 from engine.control import Controller, ControllerError, DraftState, decision, verify_size
 from engine.errors import InputError, is_int, short_repr
+from engine.load import LoadState
 from engine.lookup import LookupConfig, NgramIndex
 from engine.results import CycleRecord, GenerationResult
 from engine.sampling import (
@@ -155,6 +156,9 @@ class _Request:
     """The prompt, until the draft has run it (its prefill waits for the first drafting cycle)."""
     draft_prefill_s: float = 0.0
     """Time the draft's (lazy) prefill took: reported as prefill, not as the cycle's drafting."""
+    load: LoadState | None = None
+    """The load of the step the current cycle runs in (``engine.load``; set by the batched engine, None
+    alone): what ``DraftState.load`` shows the controller."""
 
 
 class SpeculativeEngine:
@@ -400,7 +404,9 @@ class SpeculativeEngine:
         if not controller.decides_depth_zero:
             return True, 0.0
         t0 = self.clock()
-        state = DraftState.before_drafting(len(req.tokens), cap, req.cycles, req.sampling.temperature)
+        state = DraftState.before_drafting(
+            len(req.tokens), cap, req.cycles, req.sampling.temperature, load=req.load
+        )
         answer = controller.should_continue(state)
         go = decision(answer, controller)
         return go, self.clock() - t0
@@ -649,6 +655,7 @@ class SpeculativeEngine:
             max_depth=cap,
             history=req.cycles,
             temperature=req.sampling.temperature,
+            load=req.load,
         )
 
     def _finish_reason(self, req: _Request, prompt_len: int, max_new_tokens: int) -> str | None:

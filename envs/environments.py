@@ -22,6 +22,7 @@ from engine.costs.features import (
     DEPTH_OBS_HIGH,
     SIZE_OBS_DIM,
     SIZE_OBS_HIGH,
+    DeviceAtLoad,
     depth_observation,
     device_features,
     size_observation,
@@ -97,6 +98,7 @@ class _DecisionEnv(gym.Env):
         self.config = config or EnvConfig()
         self.width = backend.width
         self.device = device_features(self.profile, self.width)
+        self.loads = DeviceAtLoad(self.profile, self.width, alone=self.device)
         self.rho = float(self.config.rho or reference_rho(backend))
         self._loop = None
         self.last_result = None
@@ -132,8 +134,11 @@ class _DecisionEnv(gym.Env):
             return
         self.profile = sample(self.np_random)
         self.device = device_features(self.profile, self.width)
+        self.loads = DeviceAtLoad(self.profile, self.width, alone=self.device)
         if hasattr(self.other, "device_feats"):
             self.other.device_feats = self.device
+        if getattr(self.other, "loads", None) is not None:
+            self.other.loads = self.loads
 
     def step(self, action):
         if self._loop is None:
@@ -247,7 +252,7 @@ class DepthEnv(_DecisionEnv):
         self.action_space = gym.spaces.Discrete(2)
 
     def _observe(self, state):
-        return depth_observation(state, self.device)
+        return depth_observation(state, self.loads.at(state.load))
 
     def _act(self, action):
         go = bool(int(action))
@@ -298,7 +303,7 @@ class SizeEnv(_DecisionEnv):
         self.action_space = gym.spaces.Discrete(len(self.config.size_ladder))
 
     def _observe(self, state):
-        return size_observation(state, self.device)
+        return size_observation(state, self.loads.at(state.load))
 
     def _act(self, action):
         return self.config.size_ladder[int(action)], 0.0

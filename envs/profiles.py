@@ -70,6 +70,12 @@ class PerturbedProfile:
     def noise_scale(self, rng: np.random.Generator) -> float:
         return self.base.noise_scale(rng)
 
+    def prefill_s(self, prompt_len: int, with_draft: bool = True) -> float:
+        """The prefills, scaled with every time (the draft's also by ``draft``)."""
+        target = self.base.prefill_s(prompt_len, with_draft=False)
+        draft = self.base.prefill_s(prompt_len, with_draft=True) - target if with_draft else 0.0
+        return self.scale * (target + self.draft * draft)
+
 
 class ProfileMix:
     """Draws a training profile per episode: one of ``profiles`` (uniformly), rescaled to ``reference``'s

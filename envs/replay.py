@@ -16,7 +16,7 @@ i <= D and its rank among depth-<=D nodes is < V.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -26,6 +26,7 @@ from engine.backends.attention import MAX_VERIFY_NODES
 from engine.control import Controller, DraftState, decision, verify_size
 from engine.costs.cost_profile import CostProfile
 from engine.errors import InputError
+from engine.load import LoadState
 from engine.lookup import LookupConfig, NgramIndex
 from engine.results import CycleRecord
 from engine.tree import MAX_TREE_NODES, clamp_verify, depth_limit
@@ -152,12 +153,14 @@ class ReplayTrace:
     def done(self, t: int) -> bool:
         return t + 1 >= len(self.trace.tokens)
 
-    def state(self, t: int, depth: int, history: Sequence[CycleRecord]) -> DraftState:
+    def state(
+        self, t: int, depth: int, history: Sequence[CycleRecord], load: LoadState | None = None
+    ) -> DraftState:
         """The DraftState the live engine shows a controller after draft step ``depth`` at position t
-        (depth 0: before the first step, empty arrays)."""
+        (depth 0: before the first step, empty arrays); ``load``: the step's load (``engine.load``)."""
         if depth == 0:
             return DraftState.before_drafting(
-                self.context_len(t), self.depth_cap(t), history, self.temperature
+                self.context_len(t), self.depth_cap(t), history, self.temperature, load=load
             )
         pos = self.position(t)
         view = pos.views.get(depth)
@@ -179,6 +182,7 @@ class ReplayTrace:
             max_depth=self.depth_cap(t),
             history=history,
             temperature=self.temperature,
+            load=load,
         )
 
     def num_drafted(self, t: int, depth: int) -> int:
@@ -251,6 +255,7 @@ def replay_cycles(
     speculative: bool = True,
     depth_zero: bool = False,
     lookup: LookupConfig | None = None,
+    load: Callable[[], LoadState | None] | None = None,
 ) -> Generator[Message, Reply, None]:
     """The engine's cycle loop on a trace, as a coroutine: yields ``("depth", DraftState)`` (send a bool:
     continue?), ``("size", DraftState)`` (send the number of nodes to verify) and ``("cycle",
@@ -259,7 +264,8 @@ def replay_cycles(
     ``depth_zero``: also ask ``("depth", state at depth 0)`` before drafting (the engine does so for
     controllers with ``decides_depth_zero``); False makes the cycle an autoregressive step. ``lookup``: the
     engine's context lookup (``EngineConfig.lookup``): where it proposes, the cycle is a lookup cycle and
-    nothing is asked."""
+    nothing is asked. ``load``: called at each cycle's start, the load its states show (the server replay,
+    ``envs.server``); None: alone."""
     records: list[CycleRecord] = []
     t, pending = 0, 1
     while not rt.done(t):
@@ -275,7 +281,8 @@ def replay_cycles(
             t += rec.emitted
             continue
         cap = rt.depth_cap(t)
-        if speculative and cap >= 1 and depth_zero and not (yield ("depth", rt.state(t, 0, records))):
+        now = load() if load is not None else None
+        if speculative and cap >= 1 and depth_zero and not (yield ("depth", rt.state(t, 0, records, now))):
             cap = 0  # depth 0 chosen: an autoregressive step, the draft falls one more token behind
         if not speculative or cap < 1:
             rec = CycleRecord(rt.context_len(t), 0, 0, 0, 0, 1)
@@ -283,10 +290,10 @@ def replay_cycles(
             pending += 1
         else:
             depth = 1
-            while depth < cap and (yield ("depth", rt.state(t, depth, records))):
+            while depth < cap and (yield ("depth", rt.state(t, depth, records, now))):
                 depth += 1
             num_drafted = rt.num_drafted(t, depth)
-            num_verify = yield ("size", rt.state(t, depth, records))
+            num_verify = yield ("size", rt.state(t, depth, records, now))
             num_verify = rt.verified(num_verify, num_drafted)
             accepted = rt.accepted(t, depth, num_verify)
             rec = CycleRecord(

@@ -86,7 +86,8 @@ def ensure_profile(
     progress: bool = True,
 ) -> CostProfile:
     """The profile at ``path`` if given, else the cached one for this pair/device/dtype, measured (and
-    cached) the first time: the contexts traces visit, the full size ladder, 3 repetitions."""
+    cached) the first time: the contexts traces visit, the full size ladder, 3 repetitions, and the batch
+    axis (1-16 sequences of 1-8 rows: what the server replay and load-aware training charge)."""
     if path:
         return load_profile_arg(path)
     cached = pair_dir(pair, cache_dir) / "profile.json"
@@ -94,10 +95,23 @@ def ensure_profile(
         return CostProfile.load(cached)
     widths = tuple(sorted(set(widths)))
     if pair.name == "tiny":
-        grid = replace(ProfileConfig.quick(), widths=widths)
+        grid = replace(
+            ProfileConfig.quick(),
+            widths=widths,
+            batch_axis=True,
+            batch_sequences=(1, 2, 4),
+            batch_rows=(1, 2, 4),
+        )
     else:
         grid = ProfileConfig(
-            contexts=(128, 512, 1024, 2048), widths=widths, reps=3, prefill_reps=1, overhead_cycles=6
+            contexts=(128, 512, 1024, 2048),
+            widths=widths,
+            reps=3,
+            prefill_reps=1,
+            overhead_cycles=6,
+            batch_axis=True,
+            batch_sequences=(1, 2, 4, 8, 16),
+            batch_context=512,
         )
     print(f"measuring the cost profile once ({cached}) ...", flush=True)
     profile = measure_profile(pair, grid, progress=progress)

@@ -5,10 +5,11 @@ training code in ``policies.ppo`` and stable-baselines3 are never imported on th
 from policies.analytic import AnalyticController
 from policies.heuristic import ConfidenceController, HeuristicController
 from policies.learned import LearnedController, PolicyFileError, load_policy
-from policies.static import StaticController
+from policies.static import BatchSizeTableController, StaticController
 
 __all__ = [
     "AnalyticController",
+    "BatchSizeTableController",
     "ConfidenceController",
     "HeuristicController",
     "LearnedController",

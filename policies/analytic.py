@@ -21,6 +21,7 @@ import numpy as np
 
 from engine.control import Controller, DraftState
 from engine.costs.cost_profile import CostProfile
+from engine.costs.load_model import LoadedProfiles
 from engine.results import CycleRecord
 
 LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -40,10 +41,16 @@ class AnalyticController(Controller):
         ladder: tuple[int, ...] = LADDER,
         smoothing: float = 0.2,
         probe_every: int = 8,
+        load_aware: bool = True,
     ):
+        """``load_aware``: in a batch (``DraftState.load``), cost each choice at the load as
+        ``engine.costs.load_model`` does (what it adds to the forwards every request waits on), when the
+        profile has a batch axis; False, or without one: the request's own forward times, as alone."""
         if profile is None:
             raise ValueError("AnalyticController needs a cost profile (python -m engine.costs.measure_costs)")
         self.profile, self.tree_width, self.max_depth = profile, tree_width, max_depth
+        self.loads = LoadedProfiles(profile) if load_aware else None
+        self._at = profile
         self.ladder, self.smoothing, self.probe_every = np.asarray(ladder), smoothing, probe_every
         self.reset()
 
@@ -61,12 +68,13 @@ class AnalyticController(Controller):
     def _best(self, path_probs: np.ndarray, depth: int, ctx: int) -> tuple[float, int]:
         expected = self._expected(path_probs)
         sizes = np.minimum(self.ladder, len(path_probs))
-        draft_s = depth * self.profile.draft_step_s(self.tree_width, ctx)
+        p = self._at
+        draft_s = depth * p.draft_step_s(self.tree_width, ctx)
         cost = np.asarray(
             [
                 draft_s
-                + self.profile.verify_s(int(v), ctx, chain=self.tree_width == 1)
-                + self.profile.overhead_s(int(v), depth=depth, tree_width=self.tree_width)
+                + p.verify_s(int(v), ctx, chain=self.tree_width == 1)
+                + p.overhead_s(int(v), depth=depth, tree_width=self.tree_width)
                 for v in sizes
             ]
         )
@@ -87,7 +95,7 @@ class AnalyticController(Controller):
         accepted = sum(r.accepted for r in recent)
         rejected = sum(r.accepted < r.num_verified for r in recent)
         alpha = min(accepted / max(accepted + rejected, 1e-9), 0.99)
-        ctx, width, p = state.context_len, self.tree_width, self.profile
+        ctx, width, p = state.context_len, self.tree_width, self._at
         autoregressive = 1.0 / (p.verify_s(0, ctx) + p.overhead_s(0, depth=0))
         best = 0.0
         for d in range(1, max(1, min(self.max_depth, state.max_depth)) + 1):
@@ -100,7 +108,12 @@ class AnalyticController(Controller):
             best = max(best, tokens / cost)
         return best > autoregressive
 
+    def _load(self, state: DraftState) -> None:
+        """The profile this decision costs its choices with: the load's view of it, or the profile."""
+        self._at = self.loads.at(state.load) if self.loads is not None else self.profile
+
     def should_continue(self, state: DraftState) -> bool:
+        self._load(state)
         if state.depth == 0:
             return self.speculation_pays(state)
         if state.depth >= self.max_depth:
@@ -119,6 +132,7 @@ class AnalyticController(Controller):
         return nxt > now
 
     def num_to_verify(self, state: DraftState) -> int:
+        self._load(state)
         ctx = state.context_len
         probs = np.exp(state.node_scores)
         _, size = self._best(probs, state.depth, ctx)

@@ -47,6 +47,7 @@ from engine.costs.features import (
     FEATURE_VERSION,
     NUM_DEVICE_FEATURES,
     SIZE_OBS_DIM,
+    DeviceAtLoad,
     depth_observation,
     device_features,
     size_observation,
@@ -191,6 +192,18 @@ class Actor:
         }
 
 
+def stored_profile(data: Any) -> CostProfile | None:
+    """The cost profile a policy file carries (its ``profile`` entry), or None when it carries none or one
+    this code cannot read (the policy still runs; only its load-aware device features need it)."""
+    if not isinstance(data, dict) or not data.get("contexts"):
+        return None
+    known = {f.name for f in dataclasses.fields(CostProfile)}
+    try:
+        return CostProfile(**{k: v for k, v in data.items() if k in known})
+    except (TypeError, ValueError, DraftpilotError):
+        return None
+
+
 def trained_lookup(meta: dict | None) -> LookupConfig | None:
     """The context lookup a policy file's metadata says it was trained for (``train_config["lookup"]``;
     None: none, also for files stored before the setting)."""
@@ -216,9 +229,11 @@ class LearnedController(Controller):
         fallback: Controller | None = None,
         meta: dict[str, Any] | None = None,
         depth_zero: bool = False,
+        loads: DeviceAtLoad | None = None,
     ):
         """``depth_zero``: the depth actor was trained to decide depth 0 too (draft at all?); policies
-        trained without it always draft."""
+        trained without it always draft. ``loads``: the device features at each load (a batched engine
+        shows the controller its load, ``DraftState.load``); None: ``device_feats`` whatever the load."""
         if (depth_actor is None or size_actor is None) and fallback is None:
             raise ValueError("a LearnedController without both actors needs a fallback controller")
         if fallback is not None and fallback.tree_width != tree_width:
@@ -229,6 +244,12 @@ class LearnedController(Controller):
         self.device_feats = np.asarray(device_feats, dtype=np.float32)
         self.meta = meta or {}
         self.decides_depth_zero = bool(depth_zero)
+        self.loads = loads
+
+    def _device(self, state: DraftState) -> np.ndarray:
+        if self.loads is None or state.load is None or state.load.alone:
+            return self.device_feats
+        return self.loads.at(state.load)
 
     def _capped(self, state: DraftState) -> DraftState:
         # the policy was trained on trees of depth <= max_depth (replay's cap): show it the same cap
@@ -247,12 +268,14 @@ class LearnedController(Controller):
             if state.depth == 0 and not self.fallback.decides_depth_zero:
                 return True
             return self.fallback.should_continue(state)
-        return bool(self.depth_actor.act(depth_observation(self._capped(state), self.device_feats)))
+        return bool(self.depth_actor.act(depth_observation(self._capped(state), self._device(state))))
 
     def num_to_verify(self, state: DraftState) -> int:
         if self.size_actor is None:
             return self.fallback.num_to_verify(state)
-        return self.size_ladder[self.size_actor.act(size_observation(self._capped(state), self.device_feats))]
+        return self.size_ladder[
+            self.size_actor.act(size_observation(self._capped(state), self._device(state)))
+        ]
 
     def observe(self, record: CycleRecord) -> None:
         if self.fallback is not None:
@@ -483,6 +506,9 @@ def load_policy(
         raise PolicyFileError(f"{path}: {err}") from None
     if profile is not None:
         feats = device_features(profile, width)
+    else:
+        profile = stored_profile(meta.get("profile"))
+    loads = DeviceAtLoad(profile, width, alone=feats) if profile is not None else None
     meta.update(pair=data.get("pair"), path=str(path))
     controller = LearnedController(
         depth,
@@ -493,6 +519,7 @@ def load_policy(
         device_feats=feats,
         meta=meta,
         depth_zero=depth_zero,
+        loads=loads if loads is not None and loads.available else None,
     )
     if pair is not None and (message := controller.pair_warning(pair)):
         warnings.warn(message, PolicyFileWarning, stacklevel=2)

@@ -202,6 +202,7 @@ class CoTrainer:
         *,
         max_depth: int,
         device_feats: np.ndarray,
+        loads=None,
         seed: int = 0,
         device: str = "cpu",
         tensorboard_dir: str | None = None,
@@ -212,6 +213,8 @@ class CoTrainer:
         self.backend, self.ppo, self.env_config = backend, ppo, env_config
         self.baseline, self.evaluate = baseline, evaluate
         self.max_depth, self.device_feats = max_depth, np.asarray(device_feats, np.float32)
+        self.loads = loads
+        """``engine.costs.features.DeviceAtLoad`` of the deployment profile (load-aware training), or None."""
         self.seed, self.device, self.tb_dir = seed, device, tensorboard_dir
         self.eval_every, self.writer, self.progress = eval_every, writer, progress
         self.models: dict[str, PPO] = {}
@@ -243,6 +246,7 @@ class CoTrainer:
             device_feats=self.device_feats,
             fallback=None if depth is not None and size is not None else self.baseline(),
             depth_zero=self.env_config.depth_zero,
+            loads=self.loads,
         )
 
     # ----------------------------------------------------------------------------------------- phases

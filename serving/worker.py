@@ -192,6 +192,8 @@ class EngineWorker:
             admit = []
             while self._waiting and len(self._jobs) + len(admit) < self.config.max_requests:
                 admit.append(self._waiting.popleft())
+            still_waiting = len(self._waiting)
+        self.engine.waiting_outside = still_waiting  # the line the controllers see (``LoadState.waiting``)
         now = time.perf_counter()
         for job in cancels:
             if job.rid is not None and self._jobs.pop(job.rid, None) is job:

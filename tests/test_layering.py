@@ -33,6 +33,7 @@ FORBIDDEN = {
 ALLOWED = {
     ("policies/ppo.py", "envs"),  # training code: PPO on the environments (never on the inference path)
     ("policies/imitation.py", "envs"),  # training code: the imitation start, on the same environments
+    ("policies/load_training.py", "envs"),  # training code: the load-aware main job on the server replay
 }
 ENGINE_LAYERS = ("engine.backends", "engine.costs", "engine.errors")  # else: the loop ("engine")
 ENGINE_FORBIDDEN = {

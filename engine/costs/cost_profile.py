@@ -259,6 +259,10 @@ class CostProfile:
         nodes form a chain (the engine runs it causally, without a tree mask: another, cheaper kernel path
         on CPU once there are 4+ rows)."""
         a = self._arrays
+        # the root alone (an autoregressive step) is one causal row whatever the draft's shape: the same
+        # forward in both tables, read from the chain one (no mask, as the engine runs it), so that one noisy
+        # cell of the tree table cannot make autoregressive steps look dearer than they are
+        chain = chain or num_nodes == 0
         key = "verify_chain" if chain and "verify_chain" in a else "verify"
         return _lerp2(a[key + "_grid"], a["contexts"], a[key], num_nodes, context)
 

@@ -10,14 +10,16 @@ and [0, ``SIZE_OBS_HIGH``] (the environments' Box bounds).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from engine.control import DraftState
 from engine.costs.cost_profile import CostProfile
+from engine.costs.load_model import LoadedProfiles
 from engine.results import CycleRecord
 
-FEATURE_VERSION = 5
+FEATURE_VERSION = 6
 """2: the history features gained the draft lag (version 1 policies cannot see it; retrain them).
 3: the common part gained the request's sampling temperature (one policy serves greedy and sampled
 decoding; version 2 policies were trained for one temperature: retrain them).
@@ -29,7 +31,11 @@ trained on it).
 autoregressive step that verifying now would give at each size, and (depth) after one more level. With the
 tiled kquant kernels verification became cheap and the analytic controller beat the learned one (1.061x vs
 1.020x the best static on validation); the policy now starts from the model's numbers and learns where
-they are wrong, instead of rebuilding them from probabilities and cost constants."""
+they are wrong, instead of rebuilding them from probabilities and cost constants.
+6: the common part gained the load (``load_features``: requests in the step, waiting, the other requests'
+rows and drafting, the arrival rate), and the device features (so the cost model's estimates too) are those
+of the profile at the request's load (``engine.costs.load_model``): drafting that pays alone loses when every
+drafted row competes with another request's row, and a policy that cannot see the load cannot tell."""
 MAX_WIDTH = 8
 """Frontier entries observed by the depth policy (wider frontiers are cut, narrower padded with 0)."""
 MAX_NODES = 64
@@ -45,6 +51,9 @@ MAX_TEMPERATURE = 2.0
 """Temperatures above this are observed as this (the feature saturates)."""
 NUM_STATE_FEATURES = 4
 """depth, depth cap, log context, temperature."""
+NUM_LOAD_FEATURES = 5
+"""requests, waiting, other rows, other drafting, arrival rate (``load_features``)."""
+LOAD_REQUESTS_SCALE, LOAD_ROWS_SCALE, LOAD_RATE_SCALE = 4.0, 64.0, 16.0
 MODEL_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
 """Verification sizes at which the size observation holds the cost model's speedup."""
 MAX_MODEL_SPEEDUP = 8.0
@@ -175,6 +184,27 @@ def _padded(values: np.ndarray, size: int) -> np.ndarray:
     return out
 
 
+_ALONE = np.zeros(NUM_LOAD_FEATURES, dtype=np.float32)
+
+
+def load_features(load) -> np.ndarray:
+    """[5] the load of the step (``engine.load.LoadState``; None: alone, all 0): log2 of the requests in the
+    step and log2(1 + waiting), each over 4; the other requests' target rows over 64 and their drafting count
+    over 16; the arrival rate (requests/s) over 16, saturating at 1."""
+    if load is None:
+        return _ALONE
+    return np.asarray(
+        [
+            np.log2(max(load.requests, 1)) / LOAD_REQUESTS_SCALE,
+            np.log2(1 + max(load.waiting, 0)) / LOAD_REQUESTS_SCALE,
+            min(max(load.other_rows, 0) / LOAD_ROWS_SCALE, 4.0),
+            min(max(load.other_drafting, 0) / 16.0, 4.0),
+            min(max(float(load.arrival_rate), 0.0) / LOAD_RATE_SCALE, 1.0),
+        ],
+        dtype=np.float32,
+    )
+
+
 def _common(state: DraftState, device: np.ndarray) -> np.ndarray:
     return np.concatenate(
         [
@@ -189,6 +219,7 @@ def _common(state: DraftState, device: np.ndarray) -> np.ndarray:
             ),
             history_features(state.history),
             device.astype(np.float32),
+            load_features(state.load),
         ]
     )
 
@@ -217,7 +248,40 @@ def size_observation(state: DraftState, device: np.ndarray) -> np.ndarray:
     return np.clip(obs, 0.0, SIZE_OBS_HIGH).astype(np.float32)
 
 
-NUM_COMMON_FEATURES = NUM_STATE_FEATURES + NUM_HISTORY_FEATURES + NUM_DEVICE_FEATURES
+NUM_COMMON_FEATURES = NUM_STATE_FEATURES + NUM_HISTORY_FEATURES + NUM_DEVICE_FEATURES + NUM_LOAD_FEATURES
 DEPTH_OBS_DIM = 2 * MAX_WIDTH + 2 + NUM_COMMON_FEATURES
 SIZE_OBS_DIM = MAX_NODES + 7 + len(MODEL_SIZES) + NUM_COMMON_FEATURES
 DEPTH_OBS_HIGH = SIZE_OBS_HIGH = 64.0
+
+
+class DeviceAtLoad:
+    """The device features a request sees at its load: ``device_features`` of the profile at that load
+    (``engine.costs.load_model.LoadedProfiles``), computed once per load key; alone, or without a batch axis
+    in the profile, ``alone`` (the features of the profile itself, or the ones a policy file carries)."""
+
+    def __init__(self, profile: Any, tree_width: int, alone: np.ndarray | None = None, size: int = 512):
+        self.profiles = LoadedProfiles(profile) if profile is not None else None
+        self.tree_width = int(tree_width)
+        self.alone = (
+            np.asarray(alone, dtype=np.float32)
+            if alone is not None
+            else device_features(profile, self.tree_width)
+        )
+        self.size = size
+        self._cache: dict[tuple, np.ndarray] = {}
+
+    @property
+    def available(self) -> bool:
+        """Whether the features follow the load (the profile has a batch axis)."""
+        return self.profiles is not None and self.profiles.available
+
+    def at(self, load) -> np.ndarray:
+        if load is None or not self.available or load.alone:
+            return self.alone
+        key = load.key()
+        feats = self._cache.get(key)
+        if feats is None:
+            if len(self._cache) >= self.size:
+                self._cache.clear()
+            feats = self._cache[key] = device_features(self.profiles.at(load), self.tree_width)
+        return feats

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.costs.features import NUM_DEVICE_FEATURES, device_features
+from engine.costs.features import NUM_DEVICE_FEATURES, NUM_LOAD_FEATURES, device_features
 from envs import EnvConfig, ReplayBackend, ReplayTrace
 from envs.environments import DepthEnv
 from envs.profiles import REFERENCE_CONTEXT, PerturbedProfile, ProfileMix
@@ -71,7 +71,10 @@ def test_an_environment_over_a_mix_gives_every_episode_its_profile_and_features(
         assert env.profile is not reference
         np.testing.assert_array_equal(env.device, device_features(env.profile, 1))
         np.testing.assert_array_equal(other.device_feats, env.device)  # the other decision sees it too
-        np.testing.assert_allclose(obs[-NUM_DEVICE_FEATURES:], np.clip(env.device, 0, 64), rtol=1e-6)
+        device = obs[
+            -(NUM_DEVICE_FEATURES + NUM_LOAD_FEATURES) : -NUM_LOAD_FEATURES
+        ]  # the load features close it
+        np.testing.assert_allclose(device, np.clip(env.device, 0, 64), rtol=1e-6)
         seen.append(tuple(env.device))
         done = False
         while not done:  # the episode is charged with its own profile

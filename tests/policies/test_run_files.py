@@ -31,7 +31,7 @@ from evaluation import plots
 from evaluation.checkpoint import Checkpoint
 from evaluation.config import EvalConfig
 from evaluation.report import write_json
-from policies import StaticController, load_policy
+from policies import StaticController, load_policy, load_training
 from policies.ppo import MANIFEST, CheckpointError, CoTrainer, read_trainer_state, verify_checkpoint
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -554,14 +554,18 @@ def test_training_with_context_lookup(base, monkeypatch):
     """--lookup: the episodes, the static baselines and validation replay with the engine's lookup, and the
     stored config says so (a deployment reads it from the policy file)."""
     seen = []
-    real = train.ReplayBackend
 
-    def spy(*args, **kwargs):
-        backend = real(*args, **kwargs)
-        seen.append(backend.lookup)
-        return backend
+    def spy(real):
+        def make(*args, **kwargs):
+            backend = real(*args, **kwargs)
+            seen.append(backend.lookup)
+            return backend
 
-    monkeypatch.setattr(train, "ReplayBackend", spy)
+        return make
+
+    # the training backend: the server replay's (load-aware, the default) or the single-request one
+    monkeypatch.setattr(train, "ReplayBackend", spy(train.ReplayBackend))
+    monkeypatch.setattr(load_training, "ServerReplayBackend", spy(load_training.ServerReplayBackend))
     config = quick_config(base["tmp"], run_name="lookup", lookup="1-2:2")
     metrics = train.train(config)
     assert seen == [LookupConfig(1, 2, 2, 0, 0)]

@@ -1,0 +1,591 @@
+"""Server replay: many recorded requests decoded together, step by step, as ``engine.batch.BatchedEngine``
+decodes them, under an arrival process; each step's time from the cost profile's batch axis.
+
+A step here is the batched engine's step: waiting requests are admitted while the batch has room
+(``max_requests``), those not yet prefilled are prefilled in admission order up to ``max_prefill_tokens``
+prompt tokens (at least one), then every running request runs one cycle (``envs.replay.replay_cycles``,
+each request's controller asked as the engine asks it, with the step's ``LoadState``: ``engine.load``,
+computed as the engine computes it); the verification rows are granted under ``max_rows`` by the engine's own
+``grant_rows``; then the step's forwards are timed: each draft level one batched draft forward of every
+request still drafting (the first level its pending tokens, later levels its frontier), one batched target
+forward of every request's root and granted nodes, the prefills alone, and each request's per-cycle overhead.
+Every request's decision changes the step time of all of them.
+
+Each cycle record gets the request's *charge* of its step (``engine.costs.load_model.split_forward``: its
+marginal rows plus an equal share of the rest, the prefills and the context terms), so the records of all
+requests add up to the steps' times; the run's system throughput is every decoded token (first tokens
+included) over the time from the first arrival to the last finish.
+
+What replay leaves out: the live engine's Python between forwards beyond the measured per-cycle overhead,
+lookup proposals cut by the row cap (a lookup proposes at most 4 tokens, so 8 requests never reach the
+64-row cap), and timing noise. ``python benchmarks/server_replay.py`` compares controllers on it; the live
+counterpart is ``benchmarks/serve_load.py``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Generator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engine.batch import grant_rows
+from engine.control import Controller, StaticController, decision, verify_size
+from engine.costs.cost_profile import CostProfile, ProfileError
+from engine.costs.load_model import batch_table, split_forward
+from engine.errors import InputError
+from engine.load import LoadState, LoadTracker
+from engine.lookup import LookupConfig
+from engine.results import CycleRecord
+from envs.replay import Message, ReplayTrace, Reply, replay_cycles, replay_generate, throughput
+
+
+@dataclass(frozen=True)
+class Arrivals:
+    """When requests arrive: a closed loop of ``concurrency`` clients (each sends its next request when its
+    last one finishes), or Poisson arrivals whose rate changes at the given times (``rates``: (from second,
+    requests per second) pieces, the first from 0). ``requests``: how many in all."""
+
+    concurrency: int = 0
+    rates: tuple[tuple[float, float], ...] = ()
+    requests: int = 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.concurrency > 0) == bool(self.rates):
+            raise InputError("Arrivals needs exactly one of concurrency (closed loop) and rates (Poisson)")
+        if self.requests < 1:
+            raise InputError(f"Arrivals.requests must be >= 1, got {self.requests}")
+        if self.rates and (
+            self.rates[0][0] != 0
+            or any(r < 0 for _, r in self.rates)
+            or not any(r > 0 for _, r in self.rates)
+        ):
+            raise InputError(f"Poisson rates must start at 0 and hold a positive rate, got {self.rates}")
+
+    @classmethod
+    def closed(cls, concurrency: int, requests: int | None = None, seed: int = 0) -> Arrivals:
+        return cls(concurrency=concurrency, requests=requests or 2 * concurrency, seed=seed)
+
+    @classmethod
+    def poisson(cls, rates: Sequence[tuple[float, float]], requests: int, seed: int = 0) -> Arrivals:
+        return cls(rates=tuple((float(a), float(b)) for a, b in rates), requests=requests, seed=seed)
+
+    @property
+    def label(self) -> str:
+        if self.concurrency:
+            return f"N={self.concurrency}"
+        return "poisson " + ",".join(f"{r:g}/s@{t:g}s" for t, r in self.rates)
+
+    def poisson_times(self) -> list[float]:
+        """The arrival times of a Poisson run (piecewise constant rate, thinning-free: exponential gaps
+        drawn at the rate in force)."""
+        rng = np.random.default_rng(self.seed)
+        out, now = [], 0.0
+        pieces = list(self.rates) + [(float("inf"), 0.0)]
+        while len(out) < self.requests:
+            i = max(k for k, (start, _) in enumerate(pieces) if start <= now)
+            rate, end = pieces[i][1], pieces[i + 1][0]
+            if rate <= 0:
+                now = end
+                continue
+            gap = float(rng.exponential(1.0 / rate))
+            if now + gap > end:
+                now = end
+                continue
+            now += gap
+            out.append(now)
+        return out
+
+
+@dataclass
+class _Request:
+    rid: int
+    trace: ReplayTrace
+    arrival: float
+    controller: Controller | None
+    external: bool = False
+    depth_zero: bool = False
+    loop: Generator[Message, Reply, None] | None = None
+    admitted: float | None = None
+    prefilled: bool = False
+    done: bool = False
+    t: int = 0  # position in the trajectory (tokens committed after the first)
+    pending: int = 1
+    draft_ran: bool = False
+    load: LoadState | None = None
+    record: CycleRecord | None = None
+    want: int | None = None
+    target_rows: int = 0
+    drafted: bool = False
+    first_token: float | None = None
+    finished: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    records: list[CycleRecord] = field(default_factory=list)
+
+
+@dataclass
+class ServerRun:
+    """What one server replay measured."""
+
+    arrivals: Arrivals
+    requests: list[_Request]
+    steps: list[tuple[float, int, int]]
+    """(step seconds, requests in the step, target rows) per step."""
+    start: float
+    end: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r.token_times) for r in self.requests)
+
+    @property
+    def tokens_per_s(self) -> float:
+        span = self.end - self.start
+        return self.tokens / span if span > 0 else float("nan")
+
+    def itl(self) -> np.ndarray:
+        """Inter-token latencies (s) of every request: the gaps between the steps that committed its tokens,
+        each spread over the tokens of the later step (as a streaming client sees them)."""
+        gaps = []
+        for r in self.requests:
+            times = np.asarray(r.token_times)
+            steps, counts = np.unique(times, return_counts=True)
+            for a, b, n in zip(steps, steps[1:], counts[1:]):
+                gaps += [(b - a) / n] * int(n)
+        return np.asarray(gaps) if gaps else np.zeros(1)
+
+    def ttft(self) -> np.ndarray:
+        return np.asarray([r.first_token - r.arrival for r in self.requests if r.first_token is not None])
+
+    def summary(self) -> dict:
+        itl, ttft = self.itl(), self.ttft()
+        decided = [rec for r in self.requests for rec in r.records if not rec.lookup]
+        return {
+            "arrivals": self.arrivals.label,
+            "tokens_per_s": self.tokens_per_s,
+            "requests": len(self.requests),
+            "tokens": self.tokens,
+            "seconds": self.end - self.start,
+            "mean_batch": float(np.mean([s[1] for s in self.steps])) if self.steps else 0.0,
+            "itl_p50_ms": 1e3 * float(np.percentile(itl, 50)),
+            "itl_p99_ms": 1e3 * float(np.percentile(itl, 99)),
+            "ttft_p50_s": float(np.percentile(ttft, 50)) if len(ttft) else float("nan"),
+            "ttft_p99_s": float(np.percentile(ttft, 99)) if len(ttft) else float("nan"),
+            "drafting_share": float(np.mean([rec.depth > 0 for rec in decided])) if decided else 0.0,
+            "mean_depth": float(np.mean([rec.depth for rec in decided])) if decided else 0.0,
+        }
+
+
+class ServerReplay:
+    """The batched engine's steps over recorded requests (module docstring). ``profile``: a cost profile
+    with a batch axis (``CostProfile.batched``); the single-sequence tables give the context terms, the
+    overhead and the prefills."""
+
+    def __init__(
+        self,
+        traces: Sequence[ReplayTrace],
+        profile: CostProfile,
+        lookup: LookupConfig | None = None,
+        max_requests: int = 8,
+        max_rows: int = 64,
+        max_prefill_tokens: int = 128,
+    ):
+        if not traces:
+            raise InputError("a server replay needs traces")
+        self.table = batch_table(profile)
+        if self.table is None:
+            raise ProfileError(
+                "the server replay needs the cost profile's batch axis: measure it with "
+                "`python -m engine.costs.measure_costs --batch-axis`"
+            )
+        if max_rows < max_requests:
+            raise InputError(f"max_rows ({max_rows}) must be >= max_requests ({max_requests})")
+        self.traces, self.profile, self.lookup = list(traces), profile, lookup
+        self.max_requests, self.max_rows, self.max_prefill_tokens = max_requests, max_rows, max_prefill_tokens
+        self.width = self.traces[0].width
+        self.context = int(self.table.batched["context"])
+
+    # ----------------------------------------------------------------------------------------- runs
+    def run(
+        self,
+        arrivals: Arrivals,
+        make_controller: Callable[[], Controller | None],
+        order: Sequence[int] | None = None,
+    ) -> ServerRun:
+        """Decode ``arrivals.requests`` requests (the traces in ``order``, cycling; default: in turn) with a
+        fresh ``make_controller()`` each (None: autoregressive)."""
+        loop = self.steps(arrivals, make_controller, order)
+        try:
+            message = next(loop)
+        except StopIteration as stop:
+            return stop.value
+        raise InputError(f"a run without an external request was asked {message[0]!r}")
+
+    def steps(
+        self,
+        arrivals: Arrivals,
+        make_controller: Callable[[], Controller | None],
+        order: Sequence[int] | None = None,
+        external: tuple[int, float, bool] | None = None,
+        until_external: bool = False,
+        background: bool = True,
+    ) -> Generator[Message, Reply, ServerRun]:
+        """The run as a generator: it yields only the questions and cycles of the ``external`` request
+        (trace index, arrival second, decides depth 0), answered by whoever drives it (an environment), and
+        returns the ``ServerRun``. ``until_external``: stop when the external request finishes.
+        ``background``: False runs the external request alone (no arrivals)."""
+        order = list(order) if order is not None else list(range(len(self.traces)))
+        count = arrivals.requests
+        closed = arrivals.concurrency > 0
+        arrival_times = [0.0] * min(arrivals.concurrency, count) if closed else arrivals.poisson_times()
+        requests: list[_Request] = []
+        future: deque[_Request] = deque()
+
+        def spawn(at: float) -> None:
+            i = len(requests)
+            req = _Request(i, self.traces[order[i % len(order)]], at, make_controller())
+            requests.append(req)
+            future.append(req)
+
+        for at in arrival_times if background else ():
+            spawn(at)
+        ext: _Request | None = None
+        if external is not None:
+            index, at, depth_zero = external
+            ext = _Request(-1, self.traces[index], at, None, external=True, depth_zero=depth_zero)
+        queue: deque[_Request] = deque()
+        batch: list[_Request] = []
+        tracker = LoadTracker()
+        now, last_rows, last_drafting = 0.0, 0, 0
+        steps: list[tuple[float, int, int]] = []
+        start = min([r.arrival for r in requests] + ([ext.arrival] if ext else []))
+        while True:
+            if ext is not None and ext.admitted is None and ext.arrival <= now and ext not in queue:
+                queue.append(ext)
+            while future and future[0].arrival <= now:
+                queue.append(future.popleft())
+            while queue and len(batch) < self.max_requests:
+                req = queue.popleft()
+                req.admitted = now
+                batch.append(req)
+                tracker.arrived(now)
+            if not batch:
+                upcoming = [r.arrival for r in future] + (
+                    [ext.arrival] if ext is not None and ext.admitted is None else []
+                )
+                if not upcoming:
+                    break
+                now = max(now, min(upcoming))
+                continue
+            step_s, shared = 0.0, 0.0
+            prefilled = 0
+            for req in batch:
+                if req.prefilled:
+                    continue
+                plen = req.trace.trace.prompt_len
+                if prefilled and prefilled + plen > self.max_prefill_tokens:
+                    break
+                prefilled += plen
+                req.prefilled = True
+                shared += self.profile.prefill_s(plen, with_draft=False)
+                self._start(req)
+            running = [r for r in batch if r.prefilled and not r.done]
+            waiting = sum(not r.prefilled for r in batch) + len(queue)
+            rate = tracker.rate(now)
+            for req in running:
+                req.load = LoadState(
+                    requests=len(running),
+                    waiting=waiting,
+                    other_rows=max(last_rows - req.target_rows, 0),
+                    other_drafting=max(last_drafting - req.drafted, 0),
+                    arrival_rate=rate,
+                )
+                req.record, req.want = None, None
+            for req in running:  # phase A: each up to its size question (or its cycle's end)
+                yield from self._until_size(req)
+            asking = [r for r in running if r.want is not None]
+            fixed = sum(1 + r.record.num_verified for r in running if r.record is not None)
+            budget = self.max_rows - fixed - len(asking)
+            for req, granted in zip(asking, grant_rows([r.want for r in asking], budget)):
+                kind, rec = req.loop.send(granted)
+                req.record = rec
+            step_s += shared + self._charge(running, shared)
+            now += step_s
+            steps.append((step_s, len(running), sum(r.target_rows for r in running)))
+            last_rows = sum(r.target_rows for r in running)
+            last_drafting = sum(r.drafted for r in running)
+            finished_ext = False
+            for req in batch:
+                if req.prefilled and req.first_token is None:
+                    req.first_token = now
+                    req.token_times.append(now)
+            for req in running:
+                rec = req.record
+                self._commit(req, rec, now)
+                if req.external:
+                    yield ("cycle", rec)
+                elif req.controller is not None and not rec.lookup:
+                    req.controller.observe(rec)
+                if req.done:
+                    req.finished = now
+                    finished_ext = finished_ext or req.external
+            done = [r for r in batch if r.done]
+            for req in done:
+                if req.finished is None:  # its first token ended it
+                    req.finished = now
+            batch = [r for r in batch if not r.done]
+            if closed and background:
+                for _ in done:
+                    if len(requests) < count and not (ext is not None and _ is ext):
+                        spawn(now)
+            if until_external and finished_ext:
+                break
+            if (
+                not batch
+                and not future
+                and not queue
+                and (ext is None or ext.done or ext.admitted is not None)
+            ):
+                break
+        members = requests + ([ext] if ext is not None else [])
+        end = max([r.finished for r in members if r.finished is not None] + [now])
+        return ServerRun(arrivals, members, steps, start, end)
+
+    # ---------------------------------------------------------------------------------- internals
+    def _start(self, req: _Request) -> None:
+        ctrl = req.controller
+        speculative = req.external or ctrl is not None
+        depth_zero = req.depth_zero if req.external else bool(ctrl and ctrl.decides_depth_zero)
+        if ctrl is not None:
+            if ctrl.tree_width != self.width:
+                raise InputError(f"controller tree_width {ctrl.tree_width} != trace tree_width {self.width}")
+            ctrl.reset()
+        req.loop = replay_cycles(
+            req.trace, None, None, speculative=speculative, depth_zero=depth_zero, lookup=self.lookup,
+            load=lambda: req.load,
+        )  # fmt: skip
+        if req.trace.done(0):
+            req.done = True
+
+    def _until_size(self, req: _Request) -> Generator[Message, Reply, None]:
+        """Advance ``req``'s cycle to its size question (``req.want``) or its end (``req.record``)."""
+        reply: Reply = None
+        while True:
+            kind, payload = req.loop.send(reply)
+            if kind == "cycle":
+                req.record = payload
+                return
+            if req.external:
+                reply = yield (kind, payload)
+            elif kind == "depth":
+                reply = decision(req.controller.should_continue(payload), req.controller)
+            else:
+                reply = verify_size(req.controller.num_to_verify(payload), req.controller)
+            if kind == "size":
+                req.want = req.trace.verified(int(reply), req.trace.num_drafted(req.t, payload.depth))
+                return
+
+    def _charge(self, running: list[_Request], shared: float) -> float:
+        """Time the step's forwards and overheads; write each request's charge into its record. Returns the
+        step's time without the prefills (``shared``, split equally here)."""
+        profile, table, ctx_b, width = self.profile, self.table, self.context, self.width
+        recs = [r.record for r in running]
+        total = 0.0
+        for rec in recs:
+            rec.draft_s = rec.verify_s = rec.overhead_s = 0.0
+        # draft prefills (a request's first drafting cycle runs the draft over its prompt)
+        for req, rec in zip(running, recs):
+            if rec.depth > 0 and not req.draft_ran:
+                plen = req.trace.trace.prompt_len
+                extra = profile.prefill_s(plen, with_draft=True) - profile.prefill_s(plen, with_draft=False)
+                rec.draft_s += extra
+                total += extra
+        depth = max((rec.depth for rec in recs), default=0)
+        for level in range(1, depth + 1):
+            members = [i for i, rec in enumerate(recs) if rec.depth >= level]
+            rows = [running[i].pending if level == 1 else width for i in members]
+            t, shares = split_forward(table, "draft", rows)
+            total += t
+            for i, r, c in zip(members, rows, shares):
+                ctx = recs[i].context_len
+                if level == 1:
+                    fix = profile.draft_chunk_s(r, ctx) - profile.draft_chunk_s(r, ctx_b)
+                else:
+                    fix = profile.draft_step_s(r, ctx) - profile.draft_step_s(r, ctx_b)
+                recs[i].draft_s += c + fix
+                total += fix
+        rows = [1 + rec.num_verified for rec in recs]
+        t, shares = split_forward(table, "target", rows, [1] * len(rows))
+        total += t
+        for i, (rec, c) in enumerate(zip(recs, shares)):
+            chain = rec.lookup or width == 1
+            fix = profile.verify_s(rec.num_verified, rec.context_len, chain) - profile.verify_s(
+                rec.num_verified, ctx_b, chain
+            )
+            over = profile.overhead_s(rec.num_verified, depth=0 if rec.depth == 0 and not rec.lookup else max(rec.depth, 1), tree_width=width)  # fmt: skip
+            rec.verify_s = c + fix + shared / len(running)
+            rec.overhead_s = over
+            total += fix + over
+            running[i].target_rows = rows[i]
+            running[i].drafted = rec.depth > 0
+        for rec in recs:
+            rec.forward_s = rec.draft_s + rec.verify_s
+        return total
+
+    def _commit(self, req: _Request, rec: CycleRecord, now: float) -> None:
+        t0 = req.t
+        if rec.lookup:
+            req.pending += rec.emitted
+        elif rec.depth == 0:
+            req.pending += 1
+        else:
+            req.pending = req.trace.pending_after(t0, rec.depth, rec.accepted)
+            req.draft_ran = True
+        req.t += rec.emitted
+        req.records.append(rec)
+        req.token_times.extend([now] * rec.emitted)
+        if req.trace.done(req.t):
+            req.done = True
+            try:  # the coroutine ends after its last cycle
+                req.loop.send(None)
+            except StopIteration:
+                pass
+
+
+# ------------------------------------------------------------------------------------ tuning and scores
+def closed_loop(concurrency: int, traces: int, seed: int = 0) -> Arrivals:
+    """The closed-loop run every comparison uses: ``concurrency`` clients, each request of the traces once
+    (at least two per client, so every client's second request meets a busy server)."""
+    return Arrivals.closed(concurrency, max(traces, 2 * concurrency), seed)
+
+
+def tune_table(
+    sim: ServerReplay, concurrencies: Sequence[int], depths: Sequence[int] = (0, 1, 2, 3, 4, 6)
+) -> dict[int, tuple[int, float]]:
+    """The static setting tuned per load level (the vLLM-style table): for each closed-loop concurrency, the
+    depth d (verifying the top d nodes: a whole chain; 0: autoregressive) with the most system tokens/s,
+    and that figure."""
+    out = {}
+    for n in concurrencies:
+        arrivals = closed_loop(n, len(sim.traces))
+        scores = {
+            d: sim.run(arrivals, lambda d=d, w=sim.width: StaticController(d, d, w)).tokens_per_s
+            for d in depths
+        }
+        best = max(scores, key=scores.get)
+        out[n] = (best, scores[best])
+    return out
+
+
+def load_score(
+    sim: ServerReplay,
+    make_controller: Callable[[], Controller | None],
+    concurrencies: Sequence[int],
+    reference: Mapping[int, float],
+) -> float:
+    """Mean over the concurrencies of the system tokens/s with ``make_controller`` for every request, each
+    over ``reference[n]`` (autoregressive decoding's): one number for a controller across load levels."""
+    ratios = [
+        sim.run(closed_loop(n, len(sim.traces)), make_controller).tokens_per_s / reference[n]
+        for n in concurrencies
+    ]
+    return float(np.mean(ratios))
+
+
+# ------------------------------------------------------------------------------------ training backend
+class ServerReplayBackend:
+    """Training episodes inside a server replay: one request (the episode's trace) decoded among a closed
+    loop of ``n - 1`` other clients, ``n`` drawn per episode from ``concurrencies``; the others run the
+    controller ``background(n)`` makes (the per-load static table, say), the episode's request asks its
+    questions of the environment. Its cycles carry its charge of every step (module docstring), scaled by
+    ``scale[n]`` (the background's system tokens/s at ``n`` over its tokens/s alone), so that tokens per
+    second mean the same at every load and one average-reward rho serves all of them (as ``envs.profiles``
+    rescales its profiles). The request arrives at a uniformly drawn time of the others' first requests, so
+    it meets them at every stage of their decoding. The ``Backend`` protocol of ``envs.backends``."""
+
+    kind = "replay"
+
+    def __init__(
+        self,
+        traces: Sequence[ReplayTrace],
+        profile: CostProfile,
+        background: Callable[[int], Callable[[], Controller | None]],
+        concurrencies: Sequence[int] = (1, 2, 4, 8),
+        profiles=None,
+        lookup: LookupConfig | None = None,
+        max_requests: int = 8,
+        max_rows: int = 64,
+    ):
+        if not traces:
+            raise InputError("no traces: record some with `python -m envs.record_traces`")
+        self.traces, self.profile, self.profiles, self.lookup = list(traces), profile, profiles, lookup
+        self.background, self.concurrencies = background, tuple(int(n) for n in concurrencies)
+        self.max_requests, self.max_rows = max_requests, max_rows
+        self.width = self.traces[0].width
+        self.num_episodes = len(self.traces)
+        self.sim = ServerReplay(self.traces, profile, lookup, max_requests, max_rows)
+        per_request = {}
+        self.spans: dict[int, float] = {}
+        for n in self.concurrencies:
+            run = self.sim.run(closed_loop(n, len(self.traces)), background(n))
+            recs = [rec for r in run.requests for rec in r.records]
+            per_request[n] = sum(r.emitted for r in recs) / max(sum(r.total_s for r in recs), 1e-12)
+            first = [r.finished - r.arrival for r in run.requests[: max(n - 1, 1)] if r.finished is not None]
+            self.spans[n] = float(np.mean(first)) if first else 0.0
+        alone = per_request[min(self.concurrencies)]
+        self.scale = {n: per_request[n] / alone for n in self.concurrencies}
+
+    def __deepcopy__(self, memo):
+        return self  # read-only after construction; gymnasium deep-copies make() kwargs
+
+    def sample_profile(self, rng: np.random.Generator):
+        """The cost profile of the next episode: ``profile``, or a draw from the mix."""
+        return self.profile if self.profiles is None else self.profiles.sample(rng)
+
+    def new_episode(
+        self, index: int, rng: np.random.Generator, depth_zero: bool = False, profile: Any = None
+    ) -> Generator[Message, Reply, None]:
+        n = int(self.concurrencies[int(rng.integers(len(self.concurrencies)))])
+        sim = self.sim
+        if profile is not None and profile is not self.profile:
+            sim = ServerReplay(self.traces, profile, self.lookup, self.max_requests, self.max_rows)
+        others = n - 1
+        order = [int(i) for i in rng.permutation(len(self.traces))]
+        arrival = float(rng.uniform(0.0, self.spans[n])) if others else 0.0
+        arrivals = Arrivals.closed(max(others, 1), 4 * max(others, 1), seed=int(rng.integers(2**31)))
+        make = self.background(n) if others else (lambda: None)
+        steps = sim.steps(
+            arrivals,
+            make,
+            order,
+            external=(index, arrival, depth_zero),
+            until_external=True,
+            background=others > 0,
+        )
+        return _scaled(steps, self.scale[n])
+
+    def throughput_of(self, controller: Controller | None) -> float:
+        """Decode tokens per second of ``controller`` alone over every trace (the average reward's reference
+        scale: the episodes' times are rescaled to it)."""
+        return throughput(
+            [replay_generate(rt, controller, self.profile, lookup=self.lookup) for rt in self.traces]
+        )
+
+
+def _scaled(steps: Generator[Message, Reply, ServerRun], scale: float) -> Generator[Message, Reply, None]:
+    """The external request's messages, its cycle times multiplied by ``scale``."""
+    reply: Reply = None
+    while True:
+        try:
+            kind, payload = steps.send(reply)
+        except StopIteration:
+            return
+        if kind == "cycle":
+            payload.draft_s *= scale
+            payload.verify_s *= scale
+            payload.overhead_s *= scale
+            payload.forward_s *= scale
+        reply = yield (kind, payload)

@@ -1,0 +1,147 @@
+"""Training only: the load-aware main job's pieces on the server replay (``envs.server``): the per-load static
+table, the training backend whose episodes decode among other requests, the validation score across load
+levels, every baseline measured per load level and on a Poisson run whose rate changes, and the per-load
+draft lengths a trained policy chooses (what the vLLM and SGLang export files carry).
+
+Why these baselines: autoregressive decoding; the static chain tuned alone (N=1: what a user tunes on one
+client and then serves with); the static chain tuned per load level (the table serving engines ship); the
+analytic controller given the load (``policies.analytic``: the cost model at the request's load, the best
+causal rule we know).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.control import Controller, StaticController
+from engine.costs.cost_profile import CostProfile
+from engine.lookup import LookupConfig
+from envs.replay import ReplayTrace
+from envs.server import Arrivals, ServerReplay, ServerReplayBackend, closed_loop, load_score, tune_table
+from policies.analytic import AnalyticController
+from policies.static import BatchSizeTableController
+
+MIXED_RATES = ((0.0, 0.15), (40.0, 0.8), (80.0, 0.25))
+"""The Poisson run's rate schedule (requests/s from each second on): a quiet start, a burst that fills the
+batch, a moderate end."""
+
+
+@dataclass
+class LoadSetup:
+    """The server replays of the train and validation traces and the per-load table tuned on the train ones."""
+
+    train: ServerReplay
+    val: ServerReplay
+    concurrencies: tuple[int, ...]
+    table: dict[int, tuple[int, float]]
+    """n -> (depth, system tokens/s on the train traces)."""
+    reference: dict[int, float]
+    """n -> autoregressive system tokens/s on the validation traces (the score's denominators)."""
+    plain: ServerReplay | None = None
+    """The validation replay without context lookup (plain autoregressive decoding's row), when the engine
+    trains with lookup."""
+
+    def table_controller(self) -> BatchSizeTableController:
+        return BatchSizeTableController({n: d for n, (d, _) in self.table.items()}, self.train.width)
+
+    def background(self, n: int) -> Callable[[], Controller | None]:
+        """The other requests of a training episode at load ``n``: the table's static chain."""
+        depth, width = self.table[n][0], self.train.width
+        return lambda: StaticController(depth, depth, width)
+
+    def backend(self, profile: CostProfile, profiles, lookup: LookupConfig | None, max_requests: int):
+        return ServerReplayBackend(
+            self.train.traces,
+            profile,
+            self.background,
+            self.concurrencies,
+            profiles=profiles,
+            lookup=lookup,
+            max_requests=max_requests,
+        )
+
+    def score(self, make_controller: Callable[[], Controller | None]) -> float:
+        """The validation score: mean over the load levels of system tokens/s over autoregressive's."""
+        return load_score(self.val, make_controller, self.concurrencies, self.reference)
+
+
+def load_setup(
+    train_traces: Sequence[ReplayTrace],
+    val_traces: Sequence[ReplayTrace],
+    profile: CostProfile,
+    lookup: LookupConfig | None,
+    concurrencies: Sequence[int],
+    max_requests: int = 8,
+) -> LoadSetup:
+    train = ServerReplay(train_traces, profile, lookup, max_requests)
+    val = ServerReplay(val_traces, profile, lookup, max_requests)
+    concurrencies = tuple(int(n) for n in concurrencies)
+    table = tune_table(train, concurrencies)
+    reference = {
+        n: val.run(closed_loop(n, len(val.traces)), lambda: None).tokens_per_s for n in concurrencies
+    }
+    plain = ServerReplay(val_traces, profile, None, max_requests) if lookup is not None else None
+    return LoadSetup(train, val, concurrencies, table, reference, plain)
+
+
+def load_baselines(setup: LoadSetup, profile: CostProfile, width: int, max_depth: int) -> dict[str, Callable]:
+    """name -> controller factory of every baseline (each request gets its own controller)."""
+    alone = setup.table[min(setup.concurrencies)][0]
+    table = setup.table_controller()
+    return {
+        "autoregressive": lambda: None,
+        f"static tuned at N=1 (depth {alone})": lambda: StaticController(alone, alone, width),
+        "static per load (table)": lambda: table,
+        "analytic given the load": lambda: AnalyticController(profile, width, max_depth),
+    }
+
+
+def per_load(setup: LoadSetup, factories: dict[str, Callable], mixed_requests: int = 0) -> dict[str, dict]:
+    """name -> {"N=n": system tokens/s, ..., "poisson": tokens/s, "poisson_itl_p99_ms": ..., "score": ...}
+    on the validation traces (closed loop at each load level, then the Poisson run of ``MIXED_RATES``)."""
+    out = {}
+    requests = mixed_requests or 3 * len(setup.val.traces)
+    rows = []
+    if setup.plain is not None:  # with lookup, "autoregressive" is lookup-only decoding: plain decoding too
+        rows.append(("autoregressive, no lookup", lambda: None, setup.plain))
+    for name, make in factories.items():
+        if name == "autoregressive" and setup.plain is not None:
+            name = "lookup only (no draft model)"
+        rows.append((name, make, setup.val))
+    for name, make, sim in rows:
+        row = {}
+        for n in setup.concurrencies:
+            run = sim.run(closed_loop(n, len(sim.traces)), make)
+            row[f"N={n}"] = run.tokens_per_s
+            row[f"N={n} depth"] = run.summary()["mean_depth"]
+        mixed = sim.run(Arrivals.poisson(MIXED_RATES, requests, seed=1), make).summary()
+        row["poisson"] = mixed["tokens_per_s"]
+        row["poisson_itl_p99_ms"] = mixed["itl_p99_ms"]
+        row["score"] = float(np.mean([row[f"N={n}"] / setup.reference[n] for n in setup.concurrencies]))
+        out[name] = row
+    return out
+
+
+def chosen_depths(setup: LoadSetup, make_controller: Callable[[], Controller | None]) -> dict[int, int]:
+    """The draft length a controller chooses at each load level, as one integer per level (what a
+    per-batch-size table can carry): its mean drafted depth over every cycle it decided there (autoregressive
+    steps count 0), rounded, on the validation traces."""
+    out = {}
+    for n in setup.concurrencies:
+        run = setup.val.run(closed_loop(n, len(setup.val.traces)), make_controller)
+        out[n] = int(round(run.summary()["mean_depth"]))
+    return out
+
+
+def table_ranges(depths: dict[int, int]) -> dict[tuple[int, int], int]:
+    """Per-level draft lengths as inclusive batch-size ranges: each level from its batch size up to the next
+    level's minus one, the last one open-ended (to 256)."""
+    levels = sorted(depths)
+    ranges = {}
+    for i, n in enumerate(levels):
+        last = levels[i + 1] - 1 if i + 1 < len(levels) else 256
+        ranges[(1 if i == 0 else n, last)] = depths[n]
+    return ranges

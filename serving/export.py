@@ -1,0 +1,87 @@
+"""A trained policy's per-load draft lengths in the files other serving engines read.
+
+* vLLM: ``speculative_config.num_speculative_tokens_per_batch_size``, a JSON list of ``[first, last, k]``
+  (``serving.vllm_peer.write_batch_size_table``, checked as vLLM 0.32.0 checks it).
+* SGLang: the adaptive speculative decoding config (``--speculative-adaptive-config FILE``): a JSON object
+  whose keys are batch-size lower bounds (``"1"``, ``"8"``: batch sizes 1-7 use the first entry, 8 and up the
+  second), each entry holding the tier settings SGLang reads (``candidate_steps``, ``ema_alpha``,
+  ``update_interval``, ``warmup_batches``, ``down_hysteresis``, ``up_hysteresis``). One candidate step per
+  range pins the draft steps to the policy's choice there. SGLang always drafts at least one step, so a
+  range where the policy does not draft carries 1.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+from engine.backends.files import atomic_write
+from serving.vllm_peer import batch_size_table, write_batch_size_table
+
+SGLANG_KEYS = (
+    "candidate_steps",
+    "ema_alpha",
+    "update_interval",
+    "warmup_batches",
+    "down_hysteresis",
+    "up_hysteresis",
+)
+"""The settings an entry of SGLang's adaptive config may hold."""
+
+
+def sglang_adaptive_config(table: Mapping[tuple[int, int], int]) -> dict[str, dict]:
+    """``{(first, last): k}`` (as ``batch_size_table`` takes it) as SGLang's per-batch-size adaptive config:
+    each range's lower bound -> ``{"candidate_steps": [max(k, 1)]}``."""
+    rows = (
+        batch_size_table(table)
+        if any(k for k in table.values())
+        else sorted([*key, k] for key, k in table.items())
+    )
+    return {str(first): {"candidate_steps": [max(int(k), 1)]} for first, _, k in rows}
+
+
+def check_sglang_adaptive_config(config: object) -> None:
+    """ValueError unless ``config`` has the documented shape: an object keyed by increasing batch-size lower
+    bounds (decimal strings, the first "1"), each value an object of SGLang's tier settings whose
+    ``candidate_steps`` is a non-empty increasing list of integers >= 1."""
+    if not isinstance(config, dict) or not config:
+        raise ValueError("the SGLang adaptive config must be a non-empty JSON object")
+    bounds = []
+    for key, entry in config.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) >= 1):
+            raise ValueError(f"key {key!r} is not a batch-size lower bound (a decimal integer >= 1)")
+        bounds.append(int(key))
+        if not isinstance(entry, dict) or set(entry) - set(SGLANG_KEYS):
+            raise ValueError(f"entry {key!r} must be an object of {SGLANG_KEYS}, got {entry!r}")
+        steps = entry.get("candidate_steps")
+        if steps is not None and (
+            not isinstance(steps, list)
+            or not steps
+            or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in steps)
+            or steps != sorted(set(steps))
+        ):
+            raise ValueError(
+                f"entry {key!r}: candidate_steps must be increasing integers >= 1, got {steps!r}"
+            )
+    if bounds != sorted(set(bounds)) or bounds[0] != 1:
+        raise ValueError(f"batch-size lower bounds must increase from 1, got {bounds}")
+
+
+def write_exports(table: Mapping[tuple[int, int], int], directory: str | Path) -> dict[str, str]:
+    """Write ``vllm_batch_size_table.json`` (when the policy drafts anywhere: vLLM refuses an all-zero table)
+    and ``sglang_adaptive_config.json`` into ``directory``; returns what was written (name -> path, or a
+    reason)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    out = {}
+    if any(table.values()):
+        out["vllm"] = str(write_batch_size_table(table, directory / "vllm_batch_size_table.json"))
+    else:
+        out["vllm"] = "not written: the policy drafts at no load level (run vLLM without speculation)"
+    config = sglang_adaptive_config(table)
+    check_sglang_adaptive_config(config)
+    path = directory / "sglang_adaptive_config.json"
+    atomic_write(path, json.dumps(config, indent=1) + "\n")
+    out["sglang"] = str(path)
+    return out

@@ -1,0 +1,171 @@
+"""The server replay (envs.server): the batched engine's steps over recorded requests, exact trajectories,
+step times from the batch axis split among the requests, arrivals, the row cap; its training backend; the
+per-load table controller and the export files."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from engine.control import StaticController
+from engine.costs.cost_profile import ProfileError
+from engine.errors import InputError
+from envs.environments import DepthEnv, EnvConfig
+from envs.replay import ReplayTrace, replay_generate
+from envs.server import Arrivals, ServerReplay, ServerReplayBackend, tune_table
+from policies import AnalyticController, BatchSizeTableController
+from serving.export import check_sglang_adaptive_config, sglang_adaptive_config, write_exports
+from serving.vllm_peer import read_batch_size_table
+from tests_envs_helpers import batched_profile, make_synthetic_trace
+
+
+@pytest.fixture
+def traces():
+    return [ReplayTrace(make_synthetic_trace(seed, length=40, width=1, max_depth=4)) for seed in range(4)]
+
+
+def _key(rec):
+    return (rec.depth, rec.num_verified, rec.accepted, rec.emitted, rec.lookup)
+
+
+@pytest.mark.parametrize("make", [lambda p: StaticController(2, 2), lambda p: AnalyticController(p, 1, 4)])
+def test_alone_every_cycle_is_the_single_request_replay(traces, make):
+    profile = batched_profile()
+    sim = ServerReplay(traces, profile)
+    run = sim.run(Arrivals.closed(1, len(traces)), lambda: make(profile))
+    assert [r.trace for r in run.requests] == traces
+    for req in run.requests:
+        alone = replay_generate(req.trace, make(profile), profile)
+        assert [_key(r) for r in req.records] == [_key(r) for r in alone]
+        assert len(req.token_times) == len(req.trace.trace.tokens)  # every token, the first one included
+    assert max(s[1] for s in run.steps) == 1
+
+
+def test_under_load_trajectories_are_exact_and_the_charges_add_up_to_the_steps(traces):
+    profile = batched_profile()
+    sim = ServerReplay(traces, profile, max_requests=3)
+    run = sim.run(Arrivals.closed(4, 8), lambda: StaticController(2, 2))
+    assert len(run.requests) == 8 and max(s[1] for s in run.steps) == 3  # one client waits
+    assert run.tokens == sum(len(r.trace.trace.tokens) for r in run.requests)
+    charged = sum(rec.total_s for r in run.requests for rec in r.records)
+    assert charged == pytest.approx(sum(s[0] for s in run.steps), rel=1e-9)
+    assert run.end > run.start and run.tokens_per_s > 0
+    summary = run.summary()
+    assert summary["mean_depth"] == pytest.approx(2.0, abs=0.3) and summary["itl_p99_ms"] > 0
+
+
+def test_extra_rows_cost_more_under_load_so_drafting_pays_less(traces):
+    """Where every row of a forward costs as much as a whole step (no weight sharing), drafting loses under
+    load; the same drafting alone still pays: the replay sees the load."""
+    profile = batched_profile(row_s=0.03)
+    sim = ServerReplay(traces, profile)
+    ratio = {}
+    for n in (1, 4):
+        arrivals = Arrivals.closed(n, 2 * n)
+        ratio[n] = (
+            sim.run(arrivals, lambda: StaticController(3, 3)).tokens_per_s
+            / sim.run(arrivals, lambda: None).tokens_per_s
+        )
+    assert ratio[4] < ratio[1]
+    table = tune_table(sim, (1, 4), depths=(0, 1, 3))
+    assert table[4][0] <= table[1][0]
+
+
+def test_the_row_cap_cuts_verifications_not_tokens(traces):
+    sim = ServerReplay(traces, batched_profile(), max_requests=2, max_rows=2)
+    run = sim.run(Arrivals.closed(2, 4), lambda: StaticController(3, 3))
+    two_at_once = [rec for r in run.requests for rec in r.records if rec.depth > 0]
+    assert two_at_once and min(rec.num_verified for rec in two_at_once) == 0  # no row left for nodes
+    assert run.tokens == sum(len(r.trace.trace.tokens) for r in run.requests)
+    with pytest.raises(InputError, match="max_rows"):
+        ServerReplay(traces, batched_profile(), max_requests=4, max_rows=2)
+
+
+def test_poisson_arrivals_follow_their_rate_schedule():
+    arrivals = Arrivals.poisson([(0, 1.0), (100, 10.0)], requests=400, seed=3)
+    times = np.asarray(arrivals.poisson_times())
+    assert len(times) == 400 and np.all(np.diff(times) > 0)
+    assert 70 < np.sum(times < 100) < 130  # about 100 in the first 100 s at 1/s
+    late = times[times >= 100]
+    assert 7 < len(late) / (late[-1] - 100) < 13  # then about 10/s
+    with pytest.raises(InputError):
+        Arrivals(concurrency=2, rates=((0, 1.0),))
+    with pytest.raises(InputError):
+        Arrivals.poisson([(5, 1.0)], 3)
+
+
+def test_a_poisson_run_queues_past_the_batch(traces):
+    sim = ServerReplay(traces, batched_profile(), max_requests=2)
+    run = sim.run(Arrivals.poisson([(0, 50.0)], 6, seed=0), lambda: None)
+    assert len(run.requests) == 6 and max(s[1] for s in run.steps) == 2
+    assert max(run.ttft()) > min(run.ttft())  # the later ones waited
+
+
+def test_the_server_replay_needs_a_batch_axis(traces):
+    from engine.costs.cost_profile import CostProfile
+
+    plain = CostProfile(**{**batched_profile().to_dict(), "batched": {}})
+    with pytest.raises(ProfileError, match="batch axis"):
+        ServerReplay(traces, plain)
+
+
+def test_training_episodes_decode_among_other_requests(traces):
+    profile = batched_profile(row_s=0.03)
+    backend = ServerReplayBackend(
+        traces, profile, lambda n: lambda: StaticController(1, 1), concurrencies=(1, 4)
+    )
+    assert backend.scale[1] == pytest.approx(1.0) and backend.scale[4] > 1.0
+    env = DepthEnv(backend, StaticController(2, 2), EnvConfig(rho=20.0, depth_zero=True))
+    loads, rewards = set(), []
+    for seed in range(6):
+        env.reset(seed=seed)
+        done = False
+        while not done:
+            state = env.decision_state
+            loads.add(state.load.requests if state.load is not None else 1)
+            _, reward, done, _, info = env.step(1)
+            rewards.append(reward)
+        assert info["episode_tokens"] == len(traces[env.episode_index].trace.tokens) - 1
+    assert loads >= {1, 4} and np.all(np.isfinite(rewards))
+
+
+def test_the_batch_size_table_controller_reads_the_load():
+    from engine.control import DraftState
+    from engine.load import LoadState
+
+    ctrl = BatchSizeTableController({1: 3, 4: 1, 8: 0})
+    assert [ctrl.depth_for(n) for n in (1, 3, 4, 7, 8, 16)] == [3, 3, 1, 1, 0, 0]
+    alone = DraftState.before_drafting(100, 8, [])
+    busy = DraftState.before_drafting(100, 8, [], load=LoadState(requests=9))
+    assert ctrl.should_continue(alone) and not ctrl.should_continue(busy)
+    for bad in ({}, {2: 1}, {1: -1}, {0: 1}):
+        with pytest.raises(InputError):
+            BatchSizeTableController(bad)
+
+
+def test_exports_have_the_formats_vllm_and_sglang_read(tmp_path):
+    table = {(1, 1): 3, (2, 3): 1, (4, 256): 0}
+    written = write_exports(table, tmp_path)
+    assert read_batch_size_table(written["vllm"]) == [[1, 1, 3], [2, 3, 1], [4, 256, 0]]
+    config = json.loads((tmp_path / "sglang_adaptive_config.json").read_text())
+    assert config == {
+        "1": {"candidate_steps": [3]},
+        "2": {"candidate_steps": [1]},
+        "4": {"candidate_steps": [1]},
+    }
+    check_sglang_adaptive_config(config)
+    assert sglang_adaptive_config({(1, 8): 2}) == {"1": {"candidate_steps": [2]}}
+    for bad in (
+        {},
+        {"2": {"candidate_steps": [1]}},
+        {"1": {"candidate_steps": [0]}},
+        {"1": {"candidate_steps": [3, 1]}},
+        {"1": {"steps": [1]}},
+        {"1": {}, "x": {}},
+    ):
+        with pytest.raises(ValueError):
+            check_sglang_adaptive_config(bad)
+    none = write_exports({(1, 256): 0}, tmp_path / "none")
+    assert none["vllm"].startswith("not written")
