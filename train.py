@@ -557,32 +557,8 @@ def summary_text(metrics: dict) -> str:
     lines += [f"  {label:<{width}}  {value:8.3f}  {ratio}".rstrip() for label, value, ratio in rows]
     lines.append(f"verdict: {metrics['verdict']}")
     if metrics.get("load"):
-        lines += load_summary(metrics["load"])
+        lines += load_training.load_summary(metrics["load"])
     return "\n".join(lines)
-
-
-def load_summary(load: dict) -> list[str]:
-    """The per-load comparison (server replay, validation traces): system tokens/s at each closed-loop load
-    level and on the Poisson run, and the mean ratio over autoregressive decoding."""
-    levels = [f"N={n}" for n in load["concurrencies"]]
-    rows = load["rows"]
-    width = max(len(name) for name in rows)
-    head = "  ".join(f"{c:>7}" for c in levels + ["poisson", "p99 ms", "score"])
-    lines = [
-        "",
-        "server replay (validation traces, system tokens/s; score: mean over N of / autoregressive):",
-    ]
-    lines.append(f"  {'controller':<{width}}  {head}")
-    for name, row in rows.items():
-        cells = [row[c] for c in levels] + [row["poisson"], row["poisson_itl_p99_ms"], row["score"]]
-        lines.append(f"  {name:<{width}}  " + "  ".join(f"{v:7.2f}" for v in cells))
-    lines.append(
-        "learned draft length per load level: "
-        + ", ".join(f"N={n} {d}" for n, d in load["learned_depths"].items())
-    )
-    for name, where in (load.get("exports") or {}).items():
-        lines.append(f"{name} export: {where}")
-    return lines
 
 
 def run_directory(config: TrainConfig) -> Path:
