@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.batch import BatchConfig
+from engine.batch import BatchConfig, BatchedEngine, format_bytes
 from engine.cli import (
     CLI_ERRORS,
     ArgumentParser,
@@ -77,6 +78,12 @@ class ServeConfig(ModelConfig):
     """Requests waiting for a slot at most; past it a request gets HTTP 429."""
     max_context: int = 4096
     """Prompt plus generated tokens of one request at most (a longer request gets HTTP 400)."""
+    kv_memory: str = "auto"
+    """KV cache memory the requests in flight may reserve together, as a size (2GiB, 512MiB, 1e9: bytes);
+    each request reserves what prompt + max_tokens can reach at admission, one that does not fit waits for
+    memory, one past the whole budget gets HTTP 400. "auto": half the memory available once the pair has
+    loaded (so the weights are already out of it): MemAvailable of /proc/meminfo (psutil's available where
+    there is no /proc), on CUDA half the device's free memory; "off": no bound."""
     log_level: str = "info"
     """uvicorn's log level (critical, error, warning, info, debug)."""
 
@@ -110,9 +117,60 @@ def controller_factory(config: ServeConfig, pair):
     return (lambda: copy.deepcopy(static)), repr(static), None
 
 
+SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9}
+SIZE_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12})
+
+
+def parse_size(text: str, flag: str = "--kv-memory") -> int:
+    """Bytes of a size such as ``2GiB``, ``512MiB``, ``1.5G``, ``1e9`` (a bare number: bytes)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in SIZE_UNITS or float(match.group(1)) * SIZE_UNITS[unit] < 1:
+        raise InputError(
+            f"{flag} must be a size such as 2GiB, 512MiB or 1e9 (bytes), auto or off; got {text!r}"
+        )
+    return int(float(match.group(1)) * SIZE_UNITS[unit])
+
+
+def available_memory(device) -> int | None:
+    """Bytes free for new allocations on ``device`` now (CUDA: the device's free memory; else MemAvailable
+    of /proc/meminfo, or psutil's available), None when it cannot be told."""
+    if getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return int(psutil.virtual_memory().available)
+
+
+def kv_budget(config: ServeConfig, pair) -> int | None:
+    """``--kv-memory`` in bytes (None: "off", or "auto" where the free memory cannot be told)."""
+    value = config.kv_memory.strip().lower()
+    if value == "off":
+        return None
+    if value != "auto":
+        return parse_size(config.kv_memory)
+    free = available_memory(pair.device)
+    if free is None:
+        warn("--kv-memory auto: the free memory cannot be told here; the KV cache is not bounded")
+        return None
+    return max(free // 2, 1)
+
+
 def build_state(config: ServeConfig, pair=None):
     """The server's state for ``config`` (loads the pair unless given): worker not started yet."""
     from serving.app import ServerState
+    from serving.faults import FAULTS_ENV, faulty_engine_factory
     from serving.metrics import ServerMetrics
     from serving.worker import EngineWorker
 
@@ -124,9 +182,16 @@ def build_state(config: ServeConfig, pair=None):
         max_rows=config.max_rows,
         max_prefill_tokens=config.max_prefill_tokens,
         engine=EngineConfig(draft_mode=config.draft_mode, lookup=lookup),
+        max_kv_bytes=kv_budget(config, pair),
     )
     metrics = ServerMetrics()
-    worker = EngineWorker(pair, batch, max_waiting=config.max_waiting, on_step=metrics.on_step)
+    factory = BatchedEngine
+    if os.environ.get(FAULTS_ENV):  # the tests' fault injection (serving/faults.py), never set otherwise
+        factory = faulty_engine_factory(os.environ[FAULTS_ENV])
+        warn(f"{FAULTS_ENV} is set: injecting faults into marked requests (a test facility)")
+    worker = EngineWorker(
+        pair, batch, max_waiting=config.max_waiting, on_step=metrics.on_step, engine_factory=factory
+    )
     names = tuple(dict.fromkeys([config.served_model_name, pair.name]))
     description = {
         "model": config.served_model_name,
@@ -139,6 +204,7 @@ def build_state(config: ServeConfig, pair=None):
         "max_rows": config.max_rows,
         "max_prefill_tokens": config.max_prefill_tokens,
         "max_context": config.max_context,
+        "kv_budget_bytes": batch.max_kv_bytes,
     }
     return ServerState(
         pair, worker, metrics, names, make, min(config.max_context, pair.max_context), description
@@ -165,6 +231,8 @@ def check(config: ServeConfig) -> ServeConfig:
         raise InputError(
             f"--log-level must be critical, error, warning, info or debug, got {config.log_level!r}"
         )
+    if config.kv_memory.strip().lower() not in ("auto", "off"):
+        parse_size(config.kv_memory)
     if config.policy not in ("auto", "none") and not os.path.isfile(config.policy):
         raise InputError(f"--policy: no file {config.policy}")
     resolve_lookup(config.lookup)
@@ -206,9 +274,11 @@ def main(argv: list[str] | None = None) -> int:
         app, host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=120
     )
     d = state.description
+    batch_budget = d["kv_budget_bytes"]
     print(
         f"serving {d['model']} ({d['pair']}, {d['weights']}, {d['device']}) on http://{config.host}:{config.port}/v1 "
-        f"controller={d['controller']} lookup={d['lookup']} max_requests={config.max_requests}",
+        f"controller={d['controller']} lookup={d['lookup']} max_requests={config.max_requests} "
+        f"kv_memory={'unbounded' if batch_budget is None else format_bytes(batch_budget)}",
         flush=True,
     )
     Server(uv).run()

@@ -31,6 +31,24 @@ Batch invariance: every forward through ``engine.batch_forward`` gives each requ
 forward alone would give them (bitwise on the integer formats; see there for float32), so a greedy request's
 tokens are those of ``generate`` of that request alone, whoever else is in the batch.
 
+Fault isolation. Every piece of one request's work (its prefill, each advance of its cycle: controller calls,
+sampling, acceptance and commit; its result) runs inside ``_guard``: any exception there ends that request
+alone (finish reason "error"; ``result`` raises a ``DraftpilotError``, a ``RequestFailed`` wrapping anything
+else, the original as its ``__cause__``). A shared forward that raises is retried request by request (each
+item alone, on its cache as it was before the failed forward): the requests whose forward alone fails end with
+that error, the others continue with the logits of their forward alone, which batch invariance makes the
+logits the batch would have given them. Only when every request of a shared forward of several also fails
+alone does ``step`` raise ``EngineFailed`` (the engine, not a request, is broken: build a new one).
+
+Memory. Each request reserves, at ``add``, the KV memory it can reach: its target cache (and its draft cache,
+when it drafts) hold at most ``kv_entries`` positions (prompt + ``max_new_tokens``, capped by the context, plus
+the drafted rows a verification may append beyond them), each position ``kv_bytes_per_entry`` bytes (layers x
+kv heads x head dim x 2 x element size). The caches are made with exactly that capacity (allocated at their
+first append, never doubled past it: ``engine.backends.kvcache.CacheFull``), so the bytes the slots hold never
+exceed ``kv_reserved``. With ``BatchConfig.max_kv_bytes`` set, a request whose reservation does not fit next to
+the others is refused with ``MemoryFull`` (a ``CapacityError``: retry when one finishes), one that exceeds the
+whole budget with ``InputError``.
+
 One thread drives it (a server's loop): ``add``, ``cancel``, ``step`` and ``result`` between steps.
 """
 
@@ -42,6 +60,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.backends.kvcache import cache_bytes, kv_bytes_per_entry
 from engine.backends.pair import ModelPair
 from engine.batch_forward import Rows, forward_rows
 from engine.control import Controller
@@ -58,6 +77,28 @@ class CapacityError(DraftpilotError):
     """A request was refused because the batch holds ``BatchConfig.max_requests`` requests already."""
 
 
+class MemoryFull(CapacityError):
+    """A request's KV reservation does not fit next to those of the admitted requests
+    (``BatchConfig.max_kv_bytes``): retry when one finishes."""
+
+
+class RequestFailed(DraftpilotError):
+    """One request failed alone on an error that is not one of the project's own (a bug in its controller, an
+    allocation failure in its forward); the original exception is the ``__cause__``."""
+
+
+class EngineFailed(DraftpilotError):
+    """A forward shared by several requests failed, and so did each one's forward alone: the engine, not one
+    request, is broken (``step`` raises it; build a new ``BatchedEngine``)."""
+
+
+def one_line(err: BaseException, limit: int = 300) -> str:
+    """``Type: message`` of an exception on one line, cut to ``limit`` characters."""
+    text = " ".join(str(err).split()) or "(no message)"
+    text = f"{type(err).__name__}: {text}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 @dataclass(frozen=True)
 class BatchConfig:
     max_requests: int = 8
@@ -72,12 +113,19 @@ class BatchConfig:
     prompts fit (at least one a step, whatever its length), the others at the next steps. A prefill runs
     alone, so a burst of arrivals would otherwise hold every running request's next tokens for all their
     prefills at once."""
+    max_kv_bytes: int | None = None
+    """KV cache bytes the admitted requests may reserve together (module docstring, "Memory"); None: no
+    bound (each request still reserves, and its caches never outgrow, what it can reach)."""
 
     def __post_init__(self) -> None:
         for name in ("max_requests", "max_rows", "max_prefill_tokens"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise InputError(f"BatchConfig.{name} must be an integer >= 1, got {short_repr(value)}")
+        if self.max_kv_bytes is not None and (not is_int(self.max_kv_bytes) or self.max_kv_bytes < 1):
+            raise InputError(
+                f"BatchConfig.max_kv_bytes must be an integer >= 1 or None, got {short_repr(self.max_kv_bytes)}"
+            )
         if self.max_rows < self.max_requests:
             raise InputError(
                 f"BatchConfig.max_rows ({self.max_rows}) must be >= max_requests ({self.max_requests}): every "
@@ -128,6 +176,10 @@ class _Slot:
     sampling: SamplingConfig
     stop_ids: frozenset[int]
     tree_cap: int
+    entries: tuple[int, int] = (0, 0)
+    """(target, draft) KV positions reserved (draft 0: the request never drafts)."""
+    kv_bytes: int = 0
+    """Bytes of the reservation (``entries`` at each model's bytes per position)."""
     req: _Request | None = None
     index: NgramIndex | None = None
     prefill_s: float = 0.0
@@ -161,12 +213,16 @@ class BatchedEngine:
         self._arrivals = LoadTracker()
         self._last_rows = 0  # target rows of the last step, all requests
         self._last_drafting = 0  # requests that ran the draft in the last step
+        self._entry_bytes = (kv_bytes_per_entry(pair.target), kv_bytes_per_entry(pair.draft))
+        self.kv_reserved = 0
+        """Bytes of KV cache the admitted requests have reserved (module docstring, "Memory")."""
 
     # ----------------------------------------------------------------------------------------------- API
     def add(self, request: BatchRequest) -> int:
-        """Admit ``request``; returns its id. Bad input raises ``InputError`` (``ControllerError``), a full batch
-        ``CapacityError``; either way nothing runs and no other request is touched. It is prefilled at the
-        next ``step``."""
+        """Admit ``request``; returns its id. Bad input raises ``InputError`` (``ControllerError``; so does a
+        request whose KV reservation exceeds ``max_kv_bytes`` on its own), a full batch ``CapacityError``
+        (``MemoryFull``: its reservation does not fit next to the others' now); either way nothing runs and
+        no other request is touched. It is prefilled at the next ``step``."""
         if not isinstance(request, BatchRequest):
             raise InputError(f"request must be an engine.batch.BatchRequest, got {short_repr(request)}")
         if not isinstance(request.sampling, SamplingConfig):
@@ -189,16 +245,30 @@ class BatchedEngine:
             raise InputError(
                 "this controller instance already serves a request in the batch: give each its own"
             )
+        tree_cap = (
+            0 if controller is None else depth_limit(controller.tree_width, self.config.engine.max_tree_nodes)
+        )
+        entries = self.kv_entries(len(prompt_ids), max_new, controller, tree_cap)
+        need = entries[0] * self._entry_bytes[0] + entries[1] * self._entry_bytes[1]
+        budget = self.config.max_kv_bytes
+        if budget is not None and need > budget:
+            raise InputError(
+                f"the request needs {format_bytes(need)} of KV cache ({len(prompt_ids)} prompt tokens + "
+                f"{max_new} to generate: {entries[0]} target and {entries[1]} draft positions), more than the "
+                f"whole budget of {format_bytes(budget)} (BatchConfig.max_kv_bytes): ask for fewer tokens"
+            )
         if len(self._slots) >= self.config.max_requests:
             raise CapacityError(
                 f"the batch is full ({self.config.max_requests} requests, BatchConfig.max_requests): retry when "
                 "one finishes"
             )
+        if budget is not None and self.kv_reserved + need > budget:
+            raise MemoryFull(
+                f"the request needs {format_bytes(need)} of KV cache and {format_bytes(budget - self.kv_reserved)}"
+                f" of the {format_bytes(budget)} budget is free (BatchConfig.max_kv_bytes): retry when one finishes"
+            )
         rid = self._next_rid
         self._next_rid += 1
-        tree_cap = (
-            0 if controller is None else depth_limit(controller.tree_width, self.config.engine.max_tree_nodes)
-        )
         self._slots[rid] = _Slot(
             rid,
             prompt_ids,
@@ -209,14 +279,44 @@ class BatchedEngine:
             (frozenset() if request.ignore_eos else self.pair.eos_token_ids)
             | frozenset(int(t) for t in stop),
             tree_cap,
+            entries,
+            need,
         )
+        self.kv_reserved += need
         self._arrivals.arrived(time.monotonic())
         return rid
+
+    def kv_entries(
+        self, prompt_len: int, max_new_tokens: int, controller: Controller | None, tree_cap: int
+    ) -> tuple[int, int]:
+        """(target, draft) cache positions a request can reach: its caches hold at most the committed tokens
+        but the last (prompt + ``max_new_tokens``, capped by the context, minus one), plus, in a cycle's
+        forwards, the rows beyond the committed ones a cycle of ``cap`` drafted levels may append (a tree's
+        verified nodes can outnumber its depth by ``max_verify - 1``; a width-W tree's draft steps append W
+        rows a level, ``(cap - 1)(W - 1)`` more than a chain). Draft 0: the request never drafts."""
+        last = min(prompt_len + max_new_tokens, self.pair.max_context) - 1
+        if controller is None:
+            return last, 0
+        width, cfg = controller.tree_width, self.config.engine
+        cap = min(tree_cap, cfg.max_depth)
+        wide = width > 1 and cap >= 1
+        target = last + (min(cfg.max_verify, cfg.max_tree_nodes) - 1 if wide else 0)
+        draft = last + (max(cap - 1, 0) * (width - 1) if wide else 0)
+        return target, draft
+
+    def kv_allocated(self) -> int:
+        """Bytes the slots' KV buffers hold now (at most ``kv_reserved``: a draft cache is allocated at the
+        request's first drafting cycle)."""
+        total = 0
+        for slot in self._slots.values():
+            if slot.req is not None:
+                total += cache_bytes(slot.req.target_cache) + cache_bytes(slot.req.draft_cache)
+        return total
 
     def cancel(self, rid: int) -> None:
         """Drop request ``rid`` (running, waiting for its prefill, or finished and not yet collected): its
         slot and caches are freed at once."""
-        if self._slots.pop(rid, None) is None and self._done.pop(rid, None) is None:
+        if self._release(rid) is None and self._done.pop(rid, None) is None:
             raise InputError(f"no request {short_repr(rid)} in the batch")
 
     @property
@@ -295,7 +395,12 @@ class BatchedEngine:
         generator = torch.Generator(device=self.device).manual_seed(slot.seed)
         t0 = engine.clock()
         slot.req = engine._prefill_request(
-            slot.prompt_ids, generator, slot.controller is not None, slot.sampling, slot.stop_ids
+            slot.prompt_ids,
+            generator,
+            slot.controller is not None,
+            slot.sampling,
+            slot.stop_ids,
+            capacity=slot.entries,
         )
         slot.prefill_s = engine.clock() - t0
         if slot.controller is not None:
@@ -303,15 +408,33 @@ class BatchedEngine:
         lookup = self.config.engine.lookup
         slot.index = NgramIndex(lookup) if lookup is not None else None
 
-    def _guard(self, slot: _Slot, fn: Callable[..., object], *args: object) -> None:
-        """Run one request's own work; an error there (a controller's bad answer, non-finite logits) ends that
-        request alone."""
+    def _guard(self, slot: _Slot, fn: Callable[..., object], *args: object) -> bool:
+        """Run one request's own work; any error there (a controller's bad answer or bug, non-finite logits,
+        an allocation failure) ends that request alone. True when it ran through."""
         try:
             fn(*args)
-        except DraftpilotError as err:
-            self._slots.pop(slot.rid, None)
-            slot.steps = slot.waiting = None
-            self._done[slot.rid] = err
+        except Exception as err:  # noqa: BLE001 - the request's own failure, whatever it is, is its alone
+            self._fail(slot, err)
+            return False
+        return True
+
+    def _fail(self, slot: _Slot, err: Exception) -> None:
+        """End ``slot`` on ``err``: its slot, caches and reservation are freed, ``result`` raises the error (a
+        ``RequestFailed`` with a one-line reason when it is not a ``DraftpilotError``)."""
+        if not isinstance(err, DraftpilotError):
+            wrapped = RequestFailed(f"the request failed: {one_line(err)}")
+            wrapped.__cause__ = err
+            err = wrapped
+        self._release(slot.rid)
+        slot.steps = slot.waiting = None
+        self._done[slot.rid] = err
+
+    def _release(self, rid: int) -> _Slot | None:
+        """Remove request ``rid``'s slot (its caches go with it) and its KV reservation; the slot or None."""
+        slot = self._slots.pop(rid, None)
+        if slot is not None:
+            self.kv_reserved -= slot.kv_bytes
+        return slot
 
     def _advance(self, slot: _Slot, answer: object) -> None:
         def send():
@@ -349,22 +472,61 @@ class BatchedEngine:
         rows = 0
         for slot in slots + [None]:
             if chunk and (slot is None or rows + slot.waiting.rows > self.config.max_rows):
-                items = []
-                for s in chunk:
-                    call = s.waiting
-                    positions = call.positions or range(call.start, call.start + len(call.ids))
-                    items.append(Rows(call.ids, positions, call.cache, call.mask, call.keep))
-                for s in chunk:
+                for s in chunk:  # the load the others see next step
                     if model is self.pair.target:
                         s.target_rows += s.waiting.rows
                     else:
                         s.drafted = True
-                for s, logits in zip(chunk, forward_rows(model, items, self.device)):
-                    self._advance(s, logits)
+                self._shared_forward(model, chunk)
                 chunk, rows = [], 0
             if slot is not None:
                 chunk.append(slot)
                 rows += slot.waiting.rows
+
+    def _shared_forward(self, model: torch.nn.Module, chunk: list[_Slot]) -> None:
+        """One forward of every request of ``chunk``; on an error, each request's forward alone (module
+        docstring, "Fault isolation")."""
+        items = []
+        for s in chunk:
+            call = s.waiting
+            positions = call.positions or range(call.start, call.start + len(call.ids))
+            items.append(Rows(call.ids, positions, call.cache, call.mask, call.keep))
+        if len(chunk) == 1:  # the request's own forward: its failure is its own
+            out: list[torch.Tensor] = []
+            if self._guard(chunk[0], self._forward_into, model, items, out):
+                self._advance(chunk[0], out[0])
+            return
+        saved = [_snapshot(it.cache) for it in items]
+        try:
+            logits = forward_rows(model, items, self.device)
+        except Exception as err:  # noqa: BLE001 - attributed below, request by request
+            logits = self._retry_alone(model, chunk, items, saved, err)
+        for s, row in zip(chunk, logits):
+            if row is not None:
+                self._advance(s, row)
+
+    def _forward_into(self, model: torch.nn.Module, items: list[Rows], out: list[torch.Tensor]) -> None:
+        out.extend(forward_rows(model, items, self.device))
+
+    def _retry_alone(
+        self, model: torch.nn.Module, chunk: list[_Slot], items: list[Rows], saved: list, err: Exception
+    ) -> list[torch.Tensor | None]:
+        """After the shared forward of ``chunk`` raised ``err``: every cache back to its state before it, then
+        each request's forward alone; a request whose forward alone fails ends with its error (None in the
+        list), the others get the logits of their forward alone. Raises ``EngineFailed`` when all fail."""
+        for item, state in zip(items, saved):
+            _restore(item.cache, state)
+        out: list[torch.Tensor | None] = []
+        for slot, item in zip(chunk, items):
+            got: list[torch.Tensor] = []
+            ok = self._guard(slot, self._forward_into, model, [item], got)
+            out.append(got[0] if ok else None)
+        if all(row is None for row in out):
+            raise EngineFailed(
+                f"a forward shared by {len(chunk)} requests failed ({one_line(err)}), and so did each "
+                "request's forward alone"
+            ) from err
+        return out
 
     def _finish(self, slot: _Slot) -> str | None:
         return self.engine._finish_reason(slot.req, len(slot.prompt_ids), slot.max_new_tokens)
@@ -374,11 +536,42 @@ class BatchedEngine:
         if slot is None:  # failed this step
             return StepEvent(rid, (), True, "error", None)
         finish = self._finish(slot)
-        event = StepEvent(rid, tuple(slot.req.tokens[start:]), finish is not None, finish, slot.record)
-        if finish is not None:
-            del self._slots[rid]  # its caches go with it
-            self._done[rid] = self.engine._result(slot.req, len(slot.prompt_ids), finish, slot.prefill_s)
-        return event
+        if finish is not None and not self._guard(slot, self._finish_slot, slot, finish):
+            return StepEvent(rid, (), True, "error", None)
+        return StepEvent(rid, tuple(slot.req.tokens[start:]), finish is not None, finish, slot.record)
+
+    def _finish_slot(self, slot: _Slot, finish: str) -> None:
+        """Build the result of a finished request, then free its slot (its caches go with it)."""
+        result = self.engine._result(slot.req, len(slot.prompt_ids), finish, slot.prefill_s)
+        self._release(slot.rid)
+        self._done[slot.rid] = result
+
+
+def _snapshot(cache: object) -> list[tuple[object, dict]] | None:
+    """The state of each layer of a cache (its attributes: the key/value views, buffers, flags), for
+    ``_restore`` after a failed forward; a forward only writes past the views, so the views stay valid."""
+    if cache is None:
+        return None
+    return [(layer, dict(vars(layer))) for layer in cache.layers]
+
+
+def _restore(cache: object, state: list[tuple[object, dict]] | None) -> None:
+    if cache is None or state is None:
+        return
+    cache.layers = [layer for layer, _ in state]
+    for layer, attrs in state:
+        vars(layer).clear()
+        vars(layer).update(attrs)
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in binary units (``12.5 MiB``)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
 
 
 def grant_rows(wants: list[int], budget: int) -> list[int]:

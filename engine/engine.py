@@ -326,16 +326,20 @@ class SpeculativeEngine:
         with_draft: bool,
         sampling: SamplingConfig,
         stop_ids: frozenset[int],
+        capacity: tuple[int, int] | None = None,
     ) -> _Request:
-        """The target's prefill (one forward of the prompt) and the first token, drawn with ``sampling``."""
-        target_cache = new_cache(self.pair.target)
+        """The target's prefill (one forward of the prompt) and the first token, drawn with ``sampling``.
+        ``capacity``: the (target, draft) cache entries reserved for the request (``engine.backends.kvcache.
+        new_cache``; ``engine.batch``), None: caches that grow as needed."""
+        target_cap, draft_cap = capacity if capacity is not None else (None, None)
+        target_cache = new_cache(self.pair.target, target_cap)
         logits = self._forward(self.pair.target, prompt_ids, 0, target_cache, keep=1)  # [1, V]
         if self.config.check_finite:
             check_finite(logits, "target")
         first = make_target_drawer(logits, sampling, generator)(0)
         # the draft's prefill waits for the first drafting cycle (``_draft``): a request a controller
         # decodes autoregressively never pays for it
-        draft_cache = new_cache(self.pair.draft) if with_draft else None
+        draft_cache = new_cache(self.pair.draft, draft_cap) if with_draft else None
         return _Request(
             prompt_ids + [first],
             target_cache,

@@ -77,7 +77,13 @@ def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         drop_sorted = (cum - sorted_logits.softmax(-1)) >= cfg.top_p
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(-1)
+    probs = logits.softmax(-1)
+    if not bool(torch.isfinite(probs).all()):  # finite logits over a tiny temperature overflow to inf
+        raise NonFiniteLogitsError(
+            f"the sampling distribution at temperature {cfg.temperature!r} is not finite (NaN or inf): the "
+            "scaled logits overflow; the request was stopped rather than drawing a wrong token"
+        )
+    return probs
 
 
 def score_logprobs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:

@@ -162,6 +162,7 @@ def create_app(state: ServerState) -> FastAPI:
         worker = state.worker
         body = {"status": "ok" if worker.state == "running" else worker.state}
         body.update(running=worker.running, waiting=worker.waiting, **state.description)
+        body.update(kv_reserved_bytes=worker.kv_reserved, kv_allocated_bytes=worker.kv_allocated)
         return JSONResponse(body, status_code=200 if worker.state == "running" else 503)
 
     @app.get("/v1/models")
@@ -180,6 +181,9 @@ def create_app(state: ServerState) -> FastAPI:
     async def metrics():
         state.metrics.running.set(state.worker.running)
         state.metrics.waiting.set(state.worker.waiting)
+        state.metrics.kv_reserved.set(state.worker.kv_reserved)
+        state.metrics.kv_allocated.set(state.worker.kv_allocated)
+        state.metrics.kv_budget.set(state.worker.config.max_kv_bytes or 0)
         return Response(state.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/chat/completions")

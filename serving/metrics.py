@@ -65,6 +65,17 @@ class ServerMetrics:
         )
         self.running = Gauge(p + "requests_running", "Requests in the batch", registry=r)
         self.waiting = Gauge(p + "requests_waiting", "Requests waiting for a slot", registry=r)
+        self.kv_reserved = Gauge(
+            p + "kv_cache_reserved_bytes", "KV cache bytes the admitted requests reserve", registry=r
+        )
+        self.kv_allocated = Gauge(
+            p + "kv_cache_allocated_bytes", "KV cache bytes the admitted requests' caches hold", registry=r
+        )
+        self.kv_budget = Gauge(
+            p + "kv_cache_budget_bytes",
+            "KV cache bytes the requests may reserve (--kv-memory; 0: no bound)",
+            registry=r,
+        )
 
     def on_step(self, requests: int, seconds: float, events: list) -> None:
         """Engine-thread hook of ``EngineWorker``: one batched step."""

@@ -9,14 +9,21 @@ are freed before the next step.
 
 Refusals are immediate, never a hang: more than ``max_waiting`` jobs waiting for a slot raises ``Overloaded``
 (HTTP 429), a worker that drains or has stopped raises ``Unavailable`` (HTTP 503). A request the engine
-refuses (``InputError``) ends that job alone with its message (HTTP 400). An error inside a step that is not
-one request's own (the engine's ``_guard`` ends those alone) fails the jobs in flight with a 500 and the
-worker goes on with a fresh engine: one bad step never takes the server down.
+refuses (``InputError``, a KV reservation past the whole ``BatchConfig.max_kv_bytes`` included) ends that job
+alone with its message (HTTP 400); one whose reservation does not fit next to the running ones' now
+(``MemoryFull``) stays at the head of the line until memory frees.
+
+The thread survives every exception. A request's own failure ends that job alone with a 500 and a one-line
+reason (the engine's ``_guard``; so does an error admitting it or posting its output); an error in the step
+hook (``on_step``) is reported on stderr (each distinct one once) and affects no job. Only a step that raises (``EngineFailed``: a
+shared forward failed for every request, alone too; or a bug outside any request's work) fails the jobs in
+flight with a 500, and the worker goes on with a fresh engine: one bad step never takes the server down.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from collections import deque
@@ -24,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.backends.pair import ModelPair
-from engine.batch import BatchConfig, BatchedEngine, BatchRequest
+from engine.batch import BatchConfig, BatchedEngine, BatchRequest, CapacityError, one_line
 from engine.control import Controller
 from engine.errors import DraftpilotError, InputError
 from engine.results import CycleRecord, GenerationResult
@@ -97,11 +104,19 @@ class EngineWorker:
         config: BatchConfig,
         max_waiting: int = 64,
         on_step: Callable[[int, float, list], None] | None = None,
+        engine_factory: Callable[[ModelPair, BatchConfig], BatchedEngine] = BatchedEngine,
     ):
         self.pair, self.config, self.max_waiting = pair, config, max_waiting
-        self.engine = BatchedEngine(pair, config)
+        self.engine_factory = engine_factory
+        """Builds the engine (at start and after a failed step); ``serving.faults`` swaps in its test engine."""
+        self.engine = engine_factory(pair, config)
         self.on_step = on_step
         """Called on the engine thread after each step with (requests in the step, seconds, events)."""
+        self.kv_reserved = 0
+        """KV bytes the admitted requests reserve, as of the last round (``BatchedEngine.kv_reserved``)."""
+        self.kv_allocated = 0
+        """KV bytes their caches hold, as of the last round (``BatchedEngine.kv_allocated``)."""
+        self._hook_errors: set[str] = set()
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._cancels: list[Job] = []
@@ -170,8 +185,12 @@ class EngineWorker:
     # ---------------------------------------------------------------------------------- engine thread
     def _loop(self) -> None:
         try:
-            while self._turn():
-                pass
+            while True:
+                try:
+                    if not self._turn():
+                        break
+                except Exception as err:  # noqa: BLE001 - a bug of the worker's own: fail the jobs, go on
+                    self._fail_all(f"internal error in the engine thread: {one_line(err)}")
         finally:
             with self._cond:
                 self._state = "stopped"
@@ -197,17 +216,21 @@ class EngineWorker:
         now = time.perf_counter()
         for job in cancels:
             if job.rid is not None and self._jobs.pop(job.rid, None) is job:
-                self.engine.cancel(job.rid)
-                job.push(Finished("cancelled", None, now))
-        for job in admit:
-            self._admit(job, now)
+                self._drop(job.rid)
+                _push(job, Finished("cancelled", None, now))
+        for i, job in enumerate(admit):
+            if not self._admit(job, now):  # its KV reservation does not fit now: it and those after it wait
+                with self._cond:
+                    self._waiting.extendleft(reversed(admit[i:]))
+                break
         if not self._jobs:
+            self._account()
             return True
         started = time.perf_counter()
         try:
             events = self.engine.step()
-        except Exception as err:  # not one request's own error: fail the batch, start a fresh engine
-            self._fail_all(f"internal error in a batched step: {type(err).__name__}: {err}")
+        except Exception as err:  # noqa: BLE001 - not one request's own error: fail the batch, fresh engine
+            self._fail_all(f"internal error in a batched step: {one_line(err)}")
             return True
         took = time.perf_counter() - started
         now = time.perf_counter()
@@ -215,24 +238,55 @@ class EngineWorker:
             job = self._jobs.get(event.rid)
             if job is None:
                 continue
-            if event.tokens:
-                job.push(Tokens(event.tokens, now, event.record))
-            if event.finished:
-                del self._jobs[event.rid]
-                try:
-                    result = self.engine.result(event.rid)
-                except DraftpilotError as err:
-                    job.push(Failed(500, f"the request failed: {err}", now))
-                else:
-                    job.push(Finished(event.finish_reason, result, now))
+            try:
+                self._post(job, event, now)
+            except Exception as err:  # noqa: BLE001 - this job's output could not be posted: it ends alone
+                self._jobs.pop(event.rid, None)
+                self._drop(event.rid)
+                _push(job, Failed(500, f"internal error posting the request's output: {one_line(err)}", now))
+        self._account()
         if self.on_step is not None:
-            self.on_step(len(events), took, events)
+            try:
+                self.on_step(len(events), took, events)
+            except Exception as err:  # noqa: BLE001 - the hook's failure is no request's
+                message = one_line(err)
+                if message not in self._hook_errors:  # each distinct failure once, not once a step
+                    self._hook_errors.add(message)
+                    print(f"draftpilot: the step hook failed: {message}", file=sys.stderr, flush=True)
         return True
 
-    def _admit(self, job: Job, now: float) -> None:
+    def _post(self, job: Job, event, now: float) -> None:
+        """Hand ``job`` what one step did for it: its tokens, and its end."""
+        if event.tokens:
+            job.push(Tokens(event.tokens, now, event.record))
+        if event.finished:
+            del self._jobs[event.rid]
+            try:
+                result = self.engine.result(event.rid)
+            except DraftpilotError as err:
+                reason = " ".join(str(err).split())
+                if not reason.startswith("the request failed"):
+                    reason = f"the request failed: {reason}"
+                job.push(Failed(500, reason, now))
+            else:
+                job.push(Finished(event.finish_reason, result, now))
+
+    def _drop(self, rid: int) -> None:
+        """Free request ``rid`` in the engine (running, or finished and not collected), if it is there."""
+        try:
+            self.engine.cancel(rid)
+        except InputError:
+            pass
+
+    def _account(self) -> None:
+        self.kv_reserved, self.kv_allocated = self.engine.kv_reserved, self.engine.kv_allocated()
+
+    def _admit(self, job: Job, now: float) -> bool:
+        """Add ``job`` to the engine, or end it (cancelled, refused, failed); False: it does not fit now
+        (``MemoryFull``, a full batch) and goes back to the line."""
         if job.cancelled:
-            job.push(Finished("cancelled", None, now))
-            return
+            _push(job, Finished("cancelled", None, now))
+            return True
         try:
             rid = self.engine.add(
                 BatchRequest(
@@ -245,15 +299,40 @@ class EngineWorker:
                     ignore_eos=job.ignore_eos,
                 )
             )
+        except CapacityError as err:
+            if self._jobs:
+                return False
+            # nothing runs, so nothing will free: not a wait but an inconsistency, reported, never a hang
+            _push(job, Failed(500, f"the request cannot be admitted: {one_line(err)}", now))
+            return True
         except InputError as err:
-            job.push(Failed(400, str(err), now))
-            return
+            _push(job, Failed(400, str(err), now))
+            return True
+        except Exception as err:  # noqa: BLE001 - this job's admission failed: it ends alone
+            _push(job, Failed(500, f"the request could not be admitted: {one_line(err)}", now))
+            return True
         job.rid, job.admitted = rid, now
         self._jobs[rid] = job
+        return True
 
     def _fail_all(self, message: str) -> None:
+        """Fail every job in flight with ``message`` (HTTP 500) and go on with a fresh engine."""
         now = time.perf_counter()
         for job in self._jobs.values():
-            job.push(Failed(500, message, now))
+            _push(job, Failed(500, message, now))
         self._jobs.clear()
-        self.engine = BatchedEngine(self.pair, self.config)
+        try:
+            self.engine = self.engine_factory(self.pair, self.config)
+        except Exception as err:  # noqa: BLE001 - keep the old one: its slots were for the jobs just failed
+            print(f"draftpilot: could not rebuild the engine: {one_line(err)}", file=sys.stderr, flush=True)
+            for rid in list(self.engine._slots):
+                self._drop(rid)
+        self._account()
+
+
+def _push(job: Job, item: Tokens | Finished | Failed) -> None:
+    """``job.push`` that never raises (a job whose queue cannot take items any more is gone)."""
+    try:
+        job.push(item)
+    except Exception:  # noqa: BLE001, S110 - nobody can be told
+        pass

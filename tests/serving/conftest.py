@@ -24,13 +24,14 @@ def served_pair():
 
 @pytest.fixture(scope="module")
 def launch_server(tmp_path_factory):
-    """``launch_server(*flags)``: a ``serve.py`` subprocess started (not yet ready: ``.wait_ready()``),
+    """``launch_server(*flags, env=None)``: a ``serve.py`` subprocess (``env``: variables added to its
+    environment) started (not yet ready: ``.wait_ready()``),
     stopped at the end of the module whatever happened."""
     servers: list[ServerProcess] = []
 
-    def launch(*flags: str) -> ServerProcess:
+    def launch(*flags: str, env: dict[str, str] | None = None) -> ServerProcess:
         log = tmp_path_factory.mktemp("server") / "server.log"
-        server = ServerProcess(flags, log).start()
+        server = ServerProcess(flags, log, env).start()
         servers.append(server)
         return server
 

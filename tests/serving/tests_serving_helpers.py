@@ -45,9 +45,11 @@ class ServerProcess:
     """One ``serve.py`` subprocess: ``start`` launches it (without waiting), ``wait_ready`` polls /health
     until 200, ``stop`` terminates it (kills it past ``STOP_S``). Output goes to ``log_path``."""
 
-    def __init__(self, flags: Sequence[str], log_path: Path):
+    def __init__(self, flags: Sequence[str], log_path: Path, env: dict[str, str] | None = None):
         self.flags = list(flags)
         self.log_path = log_path
+        self.env = dict(env or {})
+        """Variables added to the server's environment."""
         self.proc: subprocess.Popen | None = None
         self.port = 0
         self._attempts = 0
@@ -56,7 +58,7 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         self.port = free_port()
         self._attempts += 1
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         cmd = [sys.executable, "serve.py", *SERVER_FLAGS, "--port", str(self.port), *self.flags]
         with open(self.log_path, "ab") as log:
             log.write(f"$ {' '.join(cmd)}\n".encode())

@@ -1,0 +1,96 @@
+"""Fault injection for the server's tests (not a user feature): with the environment variable
+``DRAFTPILOT_FAULTS`` set, ``serve.py`` runs a ``FaultyEngine`` that makes the requests whose prompt (decoded
+to text) contains a marker fail in a chosen way, so a test can check, on a real server process, that such a
+request ends alone with a 500 and the others are untouched. Unset (always, outside tests) nothing changes.
+
+``DRAFTPILOT_FAULTS`` is a comma-separated list of ``kind=marker``:
+
+* ``controller``: the request's controller raises ``RuntimeError`` in ``should_continue`` at its eighth call
+  (a bug in a controller);
+* ``alloc``: every append to the request's target KV cache after its prefill raises ``MemoryError`` (an
+  allocation failure inside the shared batched forward);
+* ``nan``: the request samples at temperature 1e-40, whose probabilities overflow to NaN.
+
+For example ``DRAFTPILOT_FAULTS="controller=@@ctl@@,alloc=@@oom@@,nan=@@nan@@"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from engine.backends.pair import ModelPair
+from engine.batch import BatchConfig, BatchedEngine, BatchRequest
+from engine.control import StaticController
+from engine.errors import InputError
+from engine.sampling import SamplingConfig
+
+FAULTS_ENV = "DRAFTPILOT_FAULTS"
+KINDS = ("controller", "alloc", "nan")
+
+
+class FailingController(StaticController):
+    """A static depth-3 chain controller whose ``should_continue`` raises at its eighth call (after two or three cycles)."""
+
+    def __init__(self) -> None:
+        super().__init__(3)
+        self.calls = 0
+
+    def should_continue(self, state) -> bool:
+        self.calls += 1
+        if self.calls >= 8:
+            raise RuntimeError("injected fault: the controller failed")
+        return super().should_continue(state)
+
+
+def parse_faults(spec: str) -> dict[str, str]:
+    """``kind=marker,...`` -> {marker: kind}; an ``InputError`` naming the bad part."""
+    faults = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        kind, sep, marker = part.partition("=")
+        if not sep or kind not in KINDS or not marker:
+            raise InputError(f"{FAULTS_ENV}: {part!r} is not KIND=MARKER with KIND one of {', '.join(KINDS)}")
+        faults[marker] = kind
+    return faults
+
+
+def faulty_engine_factory(spec: str) -> Callable[[ModelPair, BatchConfig], BatchedEngine]:
+    """An ``EngineWorker.engine_factory`` building ``FaultyEngine``s for ``spec`` (``DRAFTPILOT_FAULTS``)."""
+    faults = parse_faults(spec)
+    return lambda pair, config: FaultyEngine(pair, config, faults)
+
+
+class FaultyEngine(BatchedEngine):
+    """A ``BatchedEngine`` that injects the faults of the module docstring into the marked requests."""
+
+    def __init__(self, pair: ModelPair, config: BatchConfig, faults: dict[str, str]):
+        super().__init__(pair, config)
+        self.faults = faults
+        self._alloc: set[int] = set()
+
+    def add(self, request: BatchRequest) -> int:
+        prompt = request.prompt
+        text = prompt if isinstance(prompt, str) else self.pair.tokenizer.decode(list(prompt))
+        kinds = {kind for marker, kind in self.faults.items() if marker in text}
+        if "controller" in kinds:
+            request = dataclasses.replace(request, controller=FailingController())
+        if "nan" in kinds:
+            request = dataclasses.replace(request, sampling=SamplingConfig(temperature=1e-40))
+        rid = super().add(request)
+        if "alloc" in kinds:
+            self._alloc.add(rid)
+        return rid
+
+    def _prefill(self, slot) -> None:
+        super()._prefill(slot)
+        if slot.rid in self._alloc:
+            for layer in slot.req.target_cache.layers:
+                layer.reserve = _fail_allocation
+
+    def _release(self, rid: int):
+        self._alloc.discard(rid)
+        return super()._release(rid)
+
+
+def _fail_allocation(*args, **kwargs):
+    raise MemoryError("injected fault: the KV buffer could not be allocated")
