@@ -81,6 +81,8 @@ class ServeConfig(ModelConfig):
     """Requests waiting for a slot at most; past it a request gets HTTP 429."""
     max_context: int = 4096
     """Prompt plus generated tokens of one request at most (a longer request gets HTTP 400)."""
+    max_body_bytes: int = 4 * 1024 * 1024
+    """Request body size at most, in bytes; a larger body gets HTTP 413 before it is parsed."""
     log_level: str = "info"
     """uvicorn's log level (critical, error, warning, info, debug)."""
 
@@ -145,7 +147,14 @@ def build_state(config: ServeConfig, pair=None):
         "max_context": config.max_context,
     }
     return ServerState(
-        pair, worker, metrics, names, make, min(config.max_context, pair.max_context), description
+        pair,
+        worker,
+        metrics,
+        names,
+        make,
+        min(config.max_context, pair.max_context),
+        description,
+        max_body_bytes=config.max_body_bytes,
     )
 
 
@@ -158,6 +167,7 @@ def check(config: ServeConfig) -> ServeConfig:
         max_prefill_tokens=config.max_prefill_tokens,
         max_waiting=config.max_waiting,
         max_context=config.max_context,
+        max_body_bytes=config.max_body_bytes,
         depth=config.depth,
         tree_width=config.tree_width,
     )
