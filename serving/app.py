@@ -639,7 +639,8 @@ async def _sse(
             yield chunk(None, None, role=True)
         item = first
         while True:
-            if isinstance(item, Failed):
+            if isinstance(item, Failed):  # after the 200: an error event, counted as any error
+                stream.state.metrics.errors.labels(str(item.status)).inc()
                 error = {"message": item.message, "type": "server_error", "param": None, "code": None}
                 yield {"data": json.dumps({"error": error})}
                 break
