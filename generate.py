@@ -71,7 +71,7 @@ class GenerateConfig(ModelConfig):
     MAX down to MIN) occurred before, verify the K tokens that followed it without running the draft, and J
     tokens where its last L tokens did (with --autoregressive: lookup cycles and autoregressive steps only)."""
     temperature: float = 0.0
-    """0: greedy; > 0: sampled at this temperature."""
+    """0: greedy; > 0: sampled at this temperature (below engine.sampling.MIN_TEMPERATURE: greedy)."""
     top_k: int = 0
     """Keep only the k most likely tokens (0: no limit)."""
     top_p: float = 1.0

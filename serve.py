@@ -7,8 +7,8 @@ python serve.py --policy runs/main/policy.pt --lookup on   # a trained policy, c
 
 Every request decodes in one shared batch (``engine.batch.BatchedEngine``); a greedy request's tokens are
 those of the same request decoded alone, whoever else is in the batch. Routes, parameters and errors:
-docs/serving.md. The server listens on loopback unless --host says otherwise; Ctrl-C (SIGINT/SIGTERM) stops
-accepting requests and finishes the ones in flight.
+docs/serving.md. The server listens on loopback unless --host says otherwise; Ctrl-C (SIGINT/SIGTERM) drains
+it: new requests get 503 while the ones in flight finish, then it exits (a second Ctrl-C: at once).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,9 @@ from engine.engine import EngineConfig
 from engine.errors import InputError
 from engine.lookup import describe_lookup, resolve_lookup
 
+GRACE_S = 120
+"""After a signal, how long the server waits for the requests in flight to finish, then for their responses to
+be sent (each wait at most this long)."""
 DEFAULT_POLICY = Path("runs/main/policy.pt")
 """Where ``train.py`` exports the main job's policy; ``--policy auto`` uses it when it exists."""
 
@@ -84,6 +88,8 @@ class ServeConfig(ModelConfig):
     memory, one past the whole budget gets HTTP 400. "auto": half the memory available once the pair has
     loaded (so the weights are already out of it): MemAvailable of /proc/meminfo (psutil's available where
     there is no /proc), on CUDA half the device's free memory; "off": no bound."""
+    max_body_bytes: int = 4 * 1024 * 1024
+    """Request body size at most, in bytes; a larger body gets HTTP 413 before it is parsed."""
     log_level: str = "info"
     """uvicorn's log level (critical, error, warning, info, debug)."""
 
@@ -207,7 +213,14 @@ def build_state(config: ServeConfig, pair=None):
         "kv_budget_bytes": batch.max_kv_bytes,
     }
     return ServerState(
-        pair, worker, metrics, names, make, min(config.max_context, pair.max_context), description
+        pair,
+        worker,
+        metrics,
+        names,
+        make,
+        min(config.max_context, pair.max_context),
+        description,
+        max_body_bytes=config.max_body_bytes,
     )
 
 
@@ -220,6 +233,7 @@ def check(config: ServeConfig) -> ServeConfig:
         max_prefill_tokens=config.max_prefill_tokens,
         max_waiting=config.max_waiting,
         max_context=config.max_context,
+        max_body_bytes=config.max_body_bytes,
         depth=config.depth,
         tree_width=config.tree_width,
     )
@@ -260,18 +274,31 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(state)
 
     class Server(uvicorn.Server):
+        """uvicorn's server, drained at a signal: it keeps listening (``/health`` and new requests answer
+        503) until the engine thread has finished every request in flight and no response is still being
+        sent, then shuts down as uvicorn does (it stops listening, closes the idle connections)."""
+
+        draining_since: float | None = None
+
         def handle_exit(self, sig, frame):
-            state.worker.drain()  # new requests get 503 at once; those in flight finish
             # uvicorn.Server.handle_exit, less its record of the signal: uvicorn re-raises a recorded signal once
             # it has shut down, so a drained server would die of its SIGTERM (exit -15) or end on a
             # KeyboardInterrupt traceback; the drain is the shutdown the signal asked for, so main returns 0
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True  # a second Ctrl-C: stop waiting for the requests in flight
-            else:
-                self.should_exit = True
+            if self.draining_since is None:
+                state.worker.drain()  # new requests get 503 at once; those in flight finish
+                self.draining_since = time.monotonic()
+            elif sig == signal.SIGINT:  # a second Ctrl-C: stop waiting for the requests in flight
+                self.should_exit = self.force_exit = True
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.draining_since is not None:
+                drained = state.worker.join(0) and not self.server_state.tasks  # no request being served
+                if drained or time.monotonic() - self.draining_since > GRACE_S:
+                    self.should_exit = True
+            return await super().on_tick(counter)
 
     uv = uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=120
+        app, host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=GRACE_S
     )
     d = state.description
     batch_budget = d["kv_budget_bytes"]

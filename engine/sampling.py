@@ -23,6 +23,13 @@ import torch
 
 from engine.errors import DraftpilotError, InputError
 
+MIN_TEMPERATURE = 1e-6
+"""The smallest temperature that samples; a positive temperature below it is greedy (``SamplingConfig``
+normalises it to 0). Sampling divides float32 logits by the temperature: above this threshold the quotient
+stays finite for any logit below 3e32 in magnitude, so the law is a proper distribution; far below it (1e-40,
+a subnormal) the quotient overflows to inf and softmax gives NaN. The law at such a temperature is the
+argmax's up to ties closer than the logits' rounding, so greedy is what it means."""
+
 
 class NonFiniteLogitsError(DraftpilotError, FloatingPointError):
     """A model produced NaN or inf logits; the request was stopped instead of emitting a wrong token."""
@@ -33,7 +40,9 @@ class SamplingConfig:
     """How next tokens are drawn; applied identically to target and draft distributions."""
 
     temperature: float = 0.0
-    """0 means greedy (argmax); otherwise logits are divided by it before softmax."""
+    """0 means greedy (argmax); otherwise logits are divided by it before softmax. A temperature below
+    ``MIN_TEMPERATURE`` is stored as 0 (greedy): the one place where that rule lives, so ``generate`` and
+    the server agree."""
     top_k: int = 0
     """Keep only the k most likely tokens (0 = no limit)."""
     top_p: float = 1.0
@@ -46,6 +55,8 @@ class SamplingConfig:
                 raise InputError(f"{name} must be a number, got {value!r}")
         if not (0.0 <= self.temperature < float("inf")):
             raise InputError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature < MIN_TEMPERATURE:  # greedy: logits / temperature would overflow float32
+            object.__setattr__(self, "temperature", 0.0)
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise InputError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):

@@ -2,28 +2,38 @@
 Prometheus metrics.
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming or not), ``GET /v1/models``,
-``GET /health``, ``GET /metrics``. Errors have OpenAI's shape, ``{"error": {"message", "type", "param",
-"code"}}``: 400 for bad input (malformed JSON included), 404 for an unknown model, 429 when the waiting line
-is full, 503 while draining, 500 for an engine failure. Every check that can be made before the engine sees a
-request is made here, so a bad request never reaches the batch and never disturbs the others.
+``GET /health``, ``GET /metrics``. Every error, whatever raised it (a check here, the body parser, the
+router, an unexpected exception), has OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
+and is counted in ``/metrics`` by status: 400 for bad input (malformed JSON, invalid Unicode included), 404
+for an unknown model or route, 413 for a body over ``max_body_bytes`` (refused before it is parsed), 429 when
+the waiting line is full, 503 while draining, 500 for an engine failure or a bug. Every check that can be
+made before the engine sees a request is made here, so a bad request never reaches the batch and never
+disturbs the others.
 
-Accepted parameters: ``model``, ``messages`` / ``prompt`` (a string, or token ids for completions),
-``max_tokens`` (``max_completion_tokens``), ``temperature`` (default 1, as OpenAI's), ``top_p``, ``top_k``
-(an extension, as vLLM's), ``seed``, ``stop`` (up to 4 strings), ``stop_token_ids`` (an extension),
-``stream``, ``stream_options`` (``include_usage``, and ``continuous_usage_stats``: usage in every chunk, as
-vLLM's), ``n`` = 1, ``user``. Parameters the engine cannot honour (``n`` > 1, ``logprobs``, penalties,
-``logit_bias``, ``echo``, ``suffix``, ``best_of`` > 1, tools) are refused with a 400 naming them, never
-ignored silently.
+Accepted parameters (``CHAT_FIELDS``, ``COMPLETION_FIELDS``): ``model``, ``messages`` / ``prompt`` (a
+string, or token ids for completions), ``max_tokens`` (``max_completion_tokens``), ``temperature`` (default
+1, as OpenAI's; below ``engine.sampling.MIN_TEMPERATURE`` greedy), ``top_p``, ``top_k`` (an extension, as
+vLLM's: 0 or -1 for no limit), ``seed``, ``stop`` (up to 4 strings), ``stop_token_ids``, ``ignore_eos``,
+``return_token_ids`` (extensions), ``stream``, ``stream_options`` (``include_usage``, and
+``continuous_usage_stats``: usage in every chunk, as vLLM's), ``n`` = 1, ``user``. OpenAI parameters the
+engine does not implement are accepted at the value that means "not used" (``NO_OPS``: ``logprobs`` false,
+penalties 0, ...) and refused otherwise; any other field is refused. A refusal is a 400 naming the
+parameter: nothing is ignored silently.
+
+Prompts are checked and tokenized on a thread of their own (``TOKENIZE_THREADS``), not on the event loop, so
+a long prompt never holds up the other streams or ``/health``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +44,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
 from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.backends.pair import ModelPair
 from engine.control import Controller
@@ -46,6 +58,14 @@ from serving.worker import EngineWorker, Failed, Finished, Job, Overloaded, Toke
 
 DISCONNECT_POLL_S = 0.5
 """How often a non-streaming request checks that its client is still there."""
+MAX_BODY_BYTES = 4 * 1024 * 1024
+"""Request bodies larger than this are refused (413) unless ``ServerState.max_body_bytes`` says otherwise."""
+TOKENIZE_THREADS = 1
+"""Threads that check and tokenize prompts off the event loop. One: prompts are tokenized in arrival order,
+and a tokenizer (a Hugging Face fast tokenizer among them) is never called from two threads at once."""
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+"""A lone UTF-16 surrogate: JSON can carry one (``"\\ud800"``), UTF-8 cannot encode it."""
 
 
 class ApiError(Exception):
@@ -53,16 +73,54 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
-    def response(self) -> JSONResponse:
-        kind = {
-            400: "invalid_request_error",
-            404: "invalid_request_error",
-            429: "rate_limit_error",
-            503: "server_unavailable",
-        }.get(self.status, "server_error")
+    def response(self) -> Response:
+        if self.status == 429:
+            kind = "rate_limit_error"
+        elif self.status == 503:
+            kind = "server_unavailable"
+        else:
+            kind = "invalid_request_error" if self.status < 500 else "server_error"
         body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
         headers = {"Retry-After": "1"} if self.status in (429, 503) else None
-        return JSONResponse(body, status_code=self.status, headers=headers)
+        # ASCII JSON: a message quoting client text can never fail to encode
+        return Response(json.dumps(body), self.status, headers, media_type="application/json")
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` is refused with a 413 before anything parses it, at
+    once when its Content-Length says so, else (a chunked body) as soon as the bytes received pass the limit.
+    ``on_refuse(status)`` counts each refusal."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, on_refuse: Callable[[int], None]):
+        self.app, self.max_bytes, self.on_refuse = app, max_bytes, on_refuse
+
+    def _too_large(self, size: str) -> ApiError:
+        return ApiError(
+            413, f"the request body is {size}, over this server's limit of {self.max_bytes} bytes "
+            "(--max-body-bytes)", None, "request_too_large",
+        )  # fmt: skip
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            self.on_refuse(413)
+            await self._too_large(f"{int(length)} bytes").response()(scope, receive, send)
+            return
+        received = 0
+
+        async def limited() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:  # raised into the body parser: the 413 handler answers
+                    raise HTTPException(413, self._too_large(f"at least {received} bytes").message)
+            return message
+
+        await self.app(scope, limited, send)
 
 
 @dataclass
@@ -81,6 +139,8 @@ class ServerState:
     description: dict = field(default_factory=dict)
     """Shown by ``/health`` (pair, weights, controller, batch limits)."""
     created: int = field(default_factory=lambda: int(time.time()))
+    max_body_bytes: int = MAX_BODY_BYTES
+    """Request bodies larger than this are refused with a 413 before they are parsed."""
 
 
 class _Body(BaseModel):
@@ -111,12 +171,18 @@ class CompletionBody(_Body):
     prompt: str | list[int] | list[str]
 
 
-UNSUPPORTED = {
-    # parameter: value that means "not used"
+COMMON_FIELDS = frozenset(_Body.model_fields)
+CHAT_FIELDS = COMMON_FIELDS | {"messages"}
+"""The chat parameters the server implements."""
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+"""The completion parameters the server implements."""
+
+NO_OPS = {
+    # OpenAI parameter the engine does not implement: the values that mean "not used", accepted as such
     "logprobs": (None, False, 0),
     "top_logprobs": (None, 0),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
     "logit_bias": (None, {}),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -124,11 +190,21 @@ UNSUPPORTED = {
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
+    "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
 }
+CHAT_NO_OPS = ("logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "tools",
+               "tool_choice", "functions", "function_call", "response_format")  # fmt: skip
+COMPLETION_NO_OPS = ("logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "echo", "suffix",
+                     "best_of")  # fmt: skip
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
+MESSAGE_FIELDS = ("role", "content")
+"""The fields of a message the server uses; any other must be null (as a client echoing a response sends)."""
 
 
 def create_app(state: ServerState) -> FastAPI:
+    tokenize = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="draftpilot-tokenize")
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if state.worker.state == "new":
@@ -136,13 +212,19 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         state.worker.drain()
         await asyncio.to_thread(state.worker.join, 30.0)
+        tokenize.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="draftpilot", lifespan=lifespan)
     app.state.server = state
 
+    def count(status: int) -> None:
+        state.metrics.errors.labels(str(status)).inc()
+
+    app.add_middleware(BodyLimit, max_bytes=state.max_body_bytes, on_refuse=count)
+
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, err: ApiError):
-        state.metrics.errors.labels(str(err.status)).inc()
+        count(err.status)
         return err.response()
 
     @app.exception_handler(RequestValidationError)
@@ -151,11 +233,29 @@ def create_app(state: ServerState) -> FastAPI:
         for e in err.errors():
             where = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
             problems.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
-        state.metrics.errors.labels("400").inc()
         message = "; ".join(problems) or "invalid request"
         if any(e.get("type") == "json_invalid" for e in err.errors()):
             message = f"the request body is not valid JSON ({message})"
-        return ApiError(400, message).response()
+        return await _api_error(request, ApiError(400, message))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, err: HTTPException):
+        """The router's and the body parser's errors (404, 405, a body that is not UTF-8, a 413)."""
+        message = err.detail if isinstance(err.detail, str) else json.dumps(err.detail)
+        if err.status_code == 400:
+            message = "the request body could not be parsed (it must be a UTF-8 JSON object)"
+        elif err.status_code == 404:
+            message = f"no route {request.url.path} (the API is under /v1)"
+        elif err.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        code = "request_too_large" if err.status_code == 413 else None
+        return await _api_error(request, ApiError(err.status_code, message, None, code))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, err: Exception):
+        """A bug: a 500 in OpenAI's shape (Starlette still logs the traceback)."""
+        message = f"internal server error ({type(err).__name__}); the server's log has the details"
+        return await _api_error(request, ApiError(500, message))
 
     @app.get("/health")
     async def health():
@@ -186,14 +286,17 @@ def create_app(state: ServerState) -> FastAPI:
         state.metrics.kv_budget.set(state.worker.config.max_kv_bytes or 0)
         return Response(state.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
+    async def off_loop(fn, body):
+        return await asyncio.get_running_loop().run_in_executor(tokenize, fn, state, body)
+
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
-        prompt_ids = _chat_prompt(state, body)
+        prompt_ids = await off_loop(_chat_prompt, body)
         return await _serve(state, request, body, prompt_ids, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
-        prompt_ids = _completion_prompt(state, body)
+        prompt_ids = await off_loop(_completion_prompt, body)
         return await _serve(state, request, body, prompt_ids, chat=False)
 
     return app
@@ -205,16 +308,56 @@ def _stops(body: _Body) -> list[str]:
     return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
 
 
-def _check_common(state: ServerState, body: _Body) -> None:
+def _check_text(text: str, where: str) -> None:
+    """A 400 for a string UTF-8 cannot encode (a lone surrogate, which JSON's ``\\uXXXX`` escapes allow)."""
+    found = _SURROGATE.search(text)
+    if found:
+        raise ApiError(
+            400, f"{where} is not valid Unicode: it holds a lone surrogate (U+{ord(found.group()):04X}) at "
+            f"character {found.start()}", where.split("[")[0].split(".")[0],
+        )  # fmt: skip
+
+
+def _check_fields(body: _Body, no_ops: tuple[str, ...]) -> None:
+    """A 400 naming every parameter the request gives that the server does not implement: a field outside
+    the body's model, an OpenAI parameter of ``no_ops`` at a value other than its "not used" ones, an
+    unknown ``stream_options`` key."""
+    unknown, used = [], []
+    for name, value in (body.model_extra or {}).items():
+        if name not in no_ops:
+            unknown.append(name)
+        elif not any(type(value) is not bool and value == v or value is v for v in NO_OPS[name]):
+            used.append(name)
+    if unknown:
+        unknown.sort()
+        several = len(unknown) > 1
+        raise ApiError(
+            400, f"unsupported parameter{'s' if several else ''}: {', '.join(unknown)} (this server does not "
+            f"implement {'them' if several else 'it'}; docs/serving.md lists what it does)",
+            unknown[0], "unsupported_parameter",
+        )  # fmt: skip
+    if used:
+        name = used[0]
+        allowed = " or ".join(json.dumps(v) for v in NO_OPS[name])
+        raise ApiError(
+            400, f"{name} is not supported by this server (accepted only as {allowed}, which means unused)",
+            name, "unsupported_parameter",
+        )  # fmt: skip
+    options = [k for k in body.stream_options or {} if k not in STREAM_OPTIONS]
+    if options:
+        raise ApiError(
+            400, f"stream_options: unsupported key{'s' if len(options) > 1 else ''} {', '.join(sorted(options))} "
+            f"(supported: {', '.join(STREAM_OPTIONS)})", "stream_options", "unsupported_parameter",
+        )  # fmt: skip
+
+
+def _check_common(state: ServerState, body: _Body, no_ops: tuple[str, ...]) -> None:
     if body.model not in state.model_names:
         raise ApiError(
             404, f"the model {body.model!r} does not exist; this server serves {state.model_names[0]!r}",
             "model", "model_not_found",
         )  # fmt: skip
-    extra = body.model_extra or {}
-    for name, unused in UNSUPPORTED.items():
-        if name in extra and extra[name] not in unused:
-            raise ApiError(400, f"{name} is not supported by this server", name, "unsupported_parameter")
+    _check_fields(body, no_ops)
     if body.n != 1:
         raise ApiError(400, f"n must be 1 (one choice a request), got {body.n}", "n")
     if not 0.0 <= body.temperature <= 2.0:
@@ -226,17 +369,30 @@ def _check_common(state: ServerState, body: _Body) -> None:
         raise ApiError(
             400, "stop must be a non-empty string or a list of at most 4 non-empty strings", "stop"
         )
+    for i, stop in enumerate(stops):
+        _check_text(stop, f"stop[{i}]")
+    if body.top_k < -1:
+        raise ApiError(
+            400, f"top_k must be -1 or 0 (no limit) or a positive integer, got {body.top_k}", "top_k"
+        )
     vocab = state.pair.vocab_size
     if any(not 0 <= t < vocab for t in body.stop_token_ids or []):
         raise ApiError(400, f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
 
 
 def _chat_prompt(state: ServerState, body: ChatBody) -> list[int]:
-    _check_common(state, body)
+    """The checked request's prompt ids: the chat template applied to its messages, tokenized."""
+    _check_common(state, body, CHAT_NO_OPS)
     if not body.messages:
         raise ApiError(400, "messages must hold at least one message", "messages")
     messages = []
     for i, message in enumerate(body.messages):
+        others = sorted(k for k, v in message.items() if k not in MESSAGE_FIELDS and v not in (None, [], ""))
+        if others:
+            raise ApiError(
+                400, f"messages[{i}]: unsupported field{'s' if len(others) > 1 else ''} {', '.join(others)} "
+                "(a message has a role and a content)", "messages", "unsupported_parameter",
+            )  # fmt: skip
         role, content = message.get("role"), message.get("content")
         if role not in ("system", "user", "assistant"):
             raise ApiError(
@@ -248,6 +404,7 @@ def _chat_prompt(state: ServerState, body: ChatBody) -> list[int]:
             content = "".join(str(p.get("text", "")) for p in content)
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string", "messages")
+        _check_text(content, f"messages[{i}].content")
         messages.append({"role": role, "content": content})
     ids = state.pair.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
@@ -256,13 +413,15 @@ def _chat_prompt(state: ServerState, body: ChatBody) -> list[int]:
 
 
 def _completion_prompt(state: ServerState, body: CompletionBody) -> list[int]:
-    _check_common(state, body)
+    """The checked request's prompt ids: its string tokenized, or its token ids."""
+    _check_common(state, body, COMPLETION_NO_OPS)
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         if len(prompt) != 1:
             raise ApiError(400, "prompt: one prompt a request (a list of several is not supported)", "prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
+        _check_text(prompt, "prompt")
         ids = list(state.pair.tokenizer.encode(prompt)) if prompt else []
     else:
         ids = [int(t) for t in prompt]
@@ -295,10 +454,10 @@ def _max_tokens(state: ServerState, body: _Body, prompt_len: int) -> int:
 
 async def _serve(state: ServerState, request: Request, body: _Body, prompt_ids: list[int], chat: bool):
     max_new = _max_tokens(state, body, len(prompt_ids))
-    try:
-        sampling = SamplingConfig(body.temperature, body.top_k, body.top_p)
+    try:  # top_k -1 is vLLM's "no limit", the engine's 0; a temperature below MIN_TEMPERATURE is greedy
+        sampling = SamplingConfig(body.temperature, max(body.top_k, 0), body.top_p)
     except InputError as err:
-        raise ApiError(400, str(err)) from None
+        raise ApiError(400, str(err), str(err).split()[0]) from None
     stops = _stops(body)
     job = Job(
         prompt_ids,
@@ -367,6 +526,8 @@ class _Stream:
         self.stops = StopMatcher(stops)
         self.tokens = 0
         self.ids: list[int] = []
+        self.step_ids: tuple[int, ...] = ()
+        """The ids of the last ``Tokens`` consumed that count (up to the stop string's, when one hit)."""
         self.last: float | None = None
         self.done = False
         self._check_at = time.monotonic() + DISCONNECT_POLL_S  # next check of the client (next_item)
@@ -392,11 +553,27 @@ class _Stream:
             self.done = True
             self.state.worker.cancel(self.job)
 
+    def _text(self, ids: tuple[int, ...]) -> tuple[str, int]:
+        """(the text of ``ids`` through the detokenizer and the stop strings, how many of ``ids`` count).
+
+        With stop strings the ids go one at a time, as a decoder committing one token a step would give
+        them: a stop string completed by the k-th id of a step counts k ids, not the ones the step committed
+        after it (the usage, ``token_ids`` and the metrics count the tokens the text came from)."""
+        if not self.stops.stops:
+            return self.stops.feed(self.detok.feed(ids)), len(ids)
+        text = []
+        for k, token in enumerate(ids, 1):
+            text.append(self.stops.feed(self.detok.feed((token,))))
+            if self.stops.stopped:
+                return "".join(text), k
+        return "".join(text), len(ids)
+
     def consume(self, item: Tokens | Finished) -> tuple[str, str | None]:
         """(text to send, finish reason or None)."""
         m = self.state.metrics
         if isinstance(item, Tokens):
-            n = len(item.ids)
+            text, n = self._text(item.ids)
+            self.step_ids = item.ids[:n]
             if self.last is None:
                 m.ttft.observe(item.at - self.job.submitted)
                 if self.job.admitted is not None:
@@ -408,9 +585,8 @@ class _Stream:
                     m.itl.observe(gap)
             self.last = item.at
             self.tokens += n
-            self.ids.extend(item.ids)
+            self.ids.extend(self.step_ids)
             m.generation_tokens.inc(n)
-            text = self.stops.feed(self.detok.feed(item.ids))
             if self.stops.stopped:
                 self._end("stop", item.at)
                 self.state.worker.cancel(self.job)  # frees the slot before the next step
@@ -467,12 +643,13 @@ async def _sse(
             yield chunk(None, None, role=True)
         item = first
         while True:
-            if isinstance(item, Failed):
+            if isinstance(item, Failed):  # after the 200: an error event, counted as any error
+                stream.state.metrics.errors.labels(str(item.status)).inc()
                 error = {"message": item.message, "type": "server_error", "param": None, "code": None}
                 yield {"data": json.dumps({"error": error})}
                 break
             delta, reason = stream.consume(item)
-            ids = item.ids if isinstance(item, Tokens) else ()
+            ids = stream.step_ids if isinstance(item, Tokens) else ()
             if delta or (ids and (token_ids or continuous)):
                 yield chunk(delta, None, ids=ids)
             if reason is not None:

@@ -9,7 +9,8 @@ request ends alone with a 500 and the others are untouched. Unset (always, outsi
   (a bug in a controller);
 * ``alloc``: every append to the request's target KV cache after its prefill raises ``MemoryError`` (an
   allocation failure inside the shared batched forward);
-* ``nan``: the request samples at temperature 1e-40, whose probabilities overflow to NaN.
+* ``nan``: the request samples at temperature 1e-40 (set past ``SamplingConfig``'s rule that makes it
+  greedy, as a sampler bug would), whose probabilities overflow to NaN.
 
 For example ``DRAFTPILOT_FAULTS="controller=@@ctl@@,alloc=@@oom@@,nan=@@nan@@"``.
 """
@@ -74,8 +75,10 @@ class FaultyEngine(BatchedEngine):
         kinds = {kind for marker, kind in self.faults.items() if marker in text}
         if "controller" in kinds:
             request = dataclasses.replace(request, controller=FailingController())
-        if "nan" in kinds:
-            request = dataclasses.replace(request, sampling=SamplingConfig(temperature=1e-40))
+        if "nan" in kinds:  # past SamplingConfig's rule that makes such temperatures greedy: a sampler bug
+            sampling = SamplingConfig(temperature=1.0)
+            object.__setattr__(sampling, "temperature", 1e-40)
+            request = dataclasses.replace(request, sampling=sampling)
         rid = super().add(request)
         if "alloc" in kinds:
             self._alloc.add(rid)

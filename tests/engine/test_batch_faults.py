@@ -105,12 +105,20 @@ def _arm_result(batch, rid):
     batch.engine._result = result
 
 
+def _overflowing() -> SamplingConfig:
+    """A sampler at temperature 1e-40, set past ``SamplingConfig``'s rule that makes such temperatures greedy
+    (as a sampler bug would): its probabilities overflow to NaN."""
+    sampling = SamplingConfig(temperature=1.0)
+    object.__setattr__(sampling, "temperature", 1e-40)
+    return sampling
+
+
 FAULTS = {
     # name: (the culprit's request, arm, the error result raises, its cause)
     "controller": (lambda: BatchRequest(CULPRIT, N, Bomb(after=3)), None, RequestFailed, RuntimeError),
     "forward-alloc": (lambda: BatchRequest(CULPRIT, N, StaticController(3)), _arm_forward_alloc, RequestFailed, MemoryError),
     "non-finite": (
-        lambda: BatchRequest(CULPRIT, N, StaticController(2), sampling=SamplingConfig(temperature=1e-40)),
+        lambda: BatchRequest(CULPRIT, N, StaticController(2), sampling=_overflowing()),
         None,
         NonFiniteLogitsError,
         None,

@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine.sampling import SamplingConfig, logits_to_probs, verify_chain, verify_tree
+from engine.sampling import (
+    MIN_TEMPERATURE,
+    SamplingConfig,
+    logits_to_probs,
+    make_target_drawer,
+    verify_chain,
+    verify_tree,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -364,3 +371,25 @@ def test_sampling_config_accepts_edges():
     assert SamplingConfig().greedy
     assert not SamplingConfig(temperature=1e-3, top_k=1, top_p=1.0).greedy
     SamplingConfig(temperature=5, top_k=0, top_p=1e-9)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 5e-324, 1e-12, MIN_TEMPERATURE / 2])
+def test_a_temperature_below_the_threshold_is_greedy(temperature):
+    """The config stores 0, so every sampler sees greedy (dividing float32 logits by 1e-40 overflows: the
+    negative control shows the raw division would give NaN probabilities)."""
+    cfg = SamplingConfig(temperature=temperature, top_k=5, top_p=0.9)
+    assert cfg.greedy and cfg.temperature == 0.0
+    logits = torch.tensor([[1.0, 3.0, 2.0, -4.0]])
+    assert logits_to_probs(logits, cfg).tolist() == [[0.0, 1.0, 0.0, 0.0]]
+    assert make_target_drawer(logits, cfg, None)(0) == 1
+    if temperature == 1e-40:  # the raw division overflows to inf, and softmax gives NaN
+        assert torch.isnan((logits / temperature).softmax(-1)).any()
+
+
+def test_the_threshold_itself_samples_a_finite_law():
+    cfg = SamplingConfig(temperature=MIN_TEMPERATURE)
+    assert not cfg.greedy and cfg.temperature == MIN_TEMPERATURE
+    logits = 30 * torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    probs = logits_to_probs(logits, cfg)
+    assert torch.isfinite(probs).all()
+    np.testing.assert_allclose(probs.sum(-1).numpy(), 1.0, rtol=0, atol=1e-6)

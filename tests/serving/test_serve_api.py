@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from engine import SamplingConfig
+from serving.text import Detokenizer, StopMatcher
 from tests_serving_helpers import (
     DEFAULT_CONTROLLER,
     MODEL,
@@ -519,6 +520,32 @@ def _bad_cases(ids_of):
         ("top-p-0", comp, {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p", None),
         ("token-id-out-of-range", comp, {"model": MODEL, "prompt": [1, 99999]}, 400, "token ids", None),
         ("five-stops", comp, {"model": MODEL, "prompt": "x", "stop": list("abcde")}, 400, "stop", None),
+        (
+            "unimplemented-parameter",
+            chat,
+            {"model": MODEL, "messages": hi, "min_p": 0.1},
+            400,
+            "min_p",
+            "unsupported_parameter",
+        ),
+        (
+            "penalty-not-at-its-default",
+            comp,
+            {"model": MODEL, "prompt": "x", "presence_penalty": 0.5},
+            400,
+            "presence_penalty",
+            "unsupported_parameter",
+        ),
+        (
+            "lone-surrogate",
+            chat,
+            b'{"model": "draftpilot", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+            400,
+            "surrogate",
+            None,
+        ),
+        ("not-utf-8", comp, b'{"model": "draftpilot", "prompt": "\xff\xfe"}', 400, "UTF-8", None),
+        ("top-k-minus-2", comp, {"model": MODEL, "prompt": "x", "top_k": -2}, 400, "top_k", None),
     ]
 
 
@@ -631,3 +658,244 @@ def test_a_non_streamed_request_whose_client_leaves_frees_its_slot(server, clien
     assert cycles_now - cycles < whole
     out = client.completions.create(model=MODEL, prompt="x", max_tokens=3, **GREEDY)
     assert out.usage.completion_tokens == 3
+
+
+# ------------------------------------------------------------------------------------- an honest API
+def test_unimplemented_parameters_are_refused_by_name(client, server):
+    """Any field the server does not implement is a 400 naming it (all of them, when several), never
+    ignored; OpenAI parameters at the value that means "unused" are accepted and change nothing."""
+    for extra, names in (
+        ({"repetition_penalty": 1.1}, ["repetition_penalty"]),
+        ({"min_tokens": 3, "min_p": 0.05}, ["min_p", "min_tokens"]),
+        ({"frequency_penalty": 0.3}, ["frequency_penalty"]),
+        ({"stream_options": {"include_usage": True, "bogus": 1}}, ["bogus"]),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body=extra)
+        assert err.value.code == "unsupported_parameter", extra
+        assert all(name in err.value.message for name in names), err.value.message
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x", "name": "bob"}], max_tokens=2
+        )
+    assert "name" in err.value.message
+    # the negative control: the no-op values pass and give the plain request's output
+    plain = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "no-ops"}], max_tokens=8, **GREEDY
+    )
+    no_ops = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "no-ops", "name": None}],
+        max_tokens=8,
+        presence_penalty=0,
+        frequency_penalty=0.0,
+        logprobs=False,
+        n=1,
+        **GREEDY,
+    )
+    assert token_ids(no_ops.choices[0]) == token_ids(plain.choices[0])
+    echo = client.completions.create(model=MODEL, prompt="x", max_tokens=3, echo=False, best_of=1, **GREEDY)
+    assert echo.usage.completion_tokens == 3
+
+
+def _error_count(server, status: int) -> float:
+    return server.metrics().get(f'draftpilot_request_errors_total{{status="{status}"}}', 0.0)
+
+
+def test_every_error_is_openai_shaped_and_counted(server):
+    """From the body parser to the router: each error is {"error": {message, type, param, code}} in JSON,
+    and counted under its status in /metrics (a lone surrogate was a plain-text 500 before)."""
+    chat = server.url("/v1/chat/completions")
+    json_header = {"content-type": "application/json"}
+    surrogate = b'{"model": "draftpilot", "messages": [{"role": "user", "content": "a\\ud800b"}]}'
+    cases = [
+        ("post", chat, surrogate, 400, "surrogate"),
+        ("post", chat, b'{"model": "draftpilot", "messages": [', 400, "JSON"),
+        ("post", chat, b'{"model": "draftpilot", "messages": "\xff"}', 400, "UTF-8"),
+        ("post", chat, b"[1, 2]", 400, ""),
+        ("post", server.url("/v1/no-such-route"), b"{}", 404, "no route"),
+        ("get", chat, None, 405, "GET"),
+    ]
+    statuses = {status for *_, status, _ in cases}
+    before = {status: _error_count(server, status) for status in statuses}
+    with httpx.Client(timeout=30) as http:
+        for method, url, body, status, fragment in cases:
+            response = http.request(method.upper(), url, content=body, headers=json_header)
+            assert response.status_code == status, (url, body, response.text)
+            assert response.headers["content-type"] == "application/json"
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}, error
+            assert fragment.lower() in error["message"].lower(), error
+            assert error["type"] == "invalid_request_error"
+    for status in statuses:
+        expected = sum(1 for *_, s, _ in cases if s == status)
+        assert _error_count(server, status) - before[status] == expected, status
+    assert "Traceback" not in server.log()
+    assert server.health()["status"] == "ok"
+
+
+def _long_stream(server, served_pair, ids_of, prompt: str):
+    """The prompt ids of a long greedy stream and its reference tokens."""
+    ids = ids_of(prompt)
+    return ids, reference(served_pair, ids, LONG).tokens
+
+
+def test_a_body_over_the_limit_is_refused_at_once_and_a_stream_goes_on(server, served_pair, ids_of):
+    server.wait_idle()
+    prompt, ref = _long_stream(server, served_pair, ids_of, "body limit")
+    huge = {"model": MODEL, "messages": [{"role": "user", "content": "z" * 10_000_000}]}
+    before = _error_count(server, 413)
+    with streamed(server, "/v1/completions", completion_body(prompt, LONG, stream=True)) as r:
+        events = sse_events(r)
+        first = next(events)
+        with httpx.Client(timeout=30) as http:
+            started = time.monotonic()
+            sized = http.post(server.url("/v1/chat/completions"), json=huge)  # with its Content-Length
+            sized_in = time.monotonic() - started
+
+            def chunks():  # no Content-Length: the limit counts the bytes as they arrive
+                yield b'{"model": "draftpilot", "prompt": "'
+                for _ in range(100):
+                    yield b"z" * 100_000
+                yield b'"}'
+
+            chunked = http.post(server.url("/v1/completions"), content=chunks())
+        assert server.health()["running"] == 1  # the refusals did meet the stream in flight
+        got = collect_stream(iter([first, *events]))
+    for response in (sized, chunked):
+        assert response.status_code == 413, response.text
+        error = response.json()["error"]
+        assert error["code"] == "request_too_large" and str(4 * 1024 * 1024) in error["message"]
+    assert sized_in < 5.0
+    assert _error_count(server, 413) - before == 2
+    assert got["done"] and got["finish_reason"] == "length"
+    assert_matches_reference(got["token_ids"], ref, LONG, served_pair.eos_token_ids)
+
+
+def test_health_answers_while_long_prompts_are_tokenized(server):
+    """Prompts are tokenized off the event loop: /health answers promptly while four prompts of 3.5 MB
+    (under the body limit, far past the context) are checked and tokenized; each gets its 400 on the token
+    count."""
+    server.wait_idle()
+    content = "y" * 3_500_000
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    gaps: list[float] = []
+    done = threading.Event()
+
+    def poll():
+        with httpx.Client(timeout=30) as http:
+            while not done.is_set():
+                started = time.monotonic()
+                assert http.get(server.url("/health")).status_code == 200
+                gaps.append(time.monotonic() - started)
+                time.sleep(0.01)
+
+    def send(_):
+        with httpx.Client(timeout=60) as http:
+            return http.post(server.url("/v1/chat/completions"), json=body)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            responses = list(pool.map(send, range(4)))
+    finally:
+        done.set()
+        poller.join(30)
+    for response in responses:
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["code"] == "context_length_exceeded"
+        assert "maximum context length" in error["message"]
+    assert len(gaps) > 5
+    assert max(gaps) < 0.5, sorted(gaps)[-5:]
+
+
+def test_a_vanishing_temperature_is_greedy_and_disturbs_no_one(server, client, served_pair, ids_of):
+    """temperature 1e-40 would overflow logits / T (NaN probabilities, a failed step for the whole batch):
+    it is greedy; a stream running beside it keeps its exact output. top_k -1 is "no limit", as 0."""
+    server.wait_idle()
+    prompt, ref = _long_stream(server, served_pair, ids_of, "vanishing")
+    small, n = ids_of("tiny temperature"), 24
+    with streamed(server, "/v1/completions", completion_body(prompt, LONG, stream=True)) as r:
+        events = sse_events(r)
+        first = next(events)
+        out = client.completions.create(
+            model=MODEL,
+            prompt=small,
+            max_tokens=n,
+            temperature=1e-40,
+            seed=5,
+            extra_body=GREEDY["extra_body"],
+        )
+        got = collect_stream(iter([first, *events]))
+    greedy = reference(served_pair, small, n).tokens
+    assert_matches_reference(token_ids(out.choices[0]), greedy, n, served_pair.eos_token_ids)
+    assert got["done"] and got["finish_reason"] == "length"
+    assert_matches_reference(got["token_ids"], ref, LONG, served_pair.eos_token_ids)
+    sampled = {"model": MODEL, "prompt": small, "max_tokens": n, "seed": 11, **SAMPLED}
+    off = client.completions.create(**{**sampled, "extra_body": {**SAMPLED["extra_body"], "top_k": -1}})
+    zero = client.completions.create(**{**sampled, "extra_body": {**SAMPLED["extra_body"], "top_k": 0}})
+    assert token_ids(off.choices[0]) == token_ids(zero.choices[0])
+
+
+def _steps_of(server, prompt, n) -> list[list[int]]:
+    """The token ids of each step of a greedy stream (one chunk a step with return_token_ids)."""
+    with streamed(server, "/v1/completions", completion_body(prompt, n, stream=True)) as r:
+        steps = [
+            list(e["choices"][0]["token_ids"])
+            for e in sse_events(r)
+            if e != "[DONE]" and e["choices"] and e["choices"][0].get("token_ids")
+        ]
+    return steps
+
+
+def _one_token_at_a_time(tokenizer, ids, stop) -> tuple[int, str] | None:
+    """(tokens, text) where a decoder committing one token a step meets ``stop`` (None if never)."""
+    detok, matcher, text = Detokenizer(tokenizer), StopMatcher([stop]), ""
+    for k, token in enumerate(ids, 1):
+        text += matcher.feed(detok.feed([token]))
+        if matcher.stopped:
+            return k, text
+    return None
+
+
+def test_a_stop_string_counts_the_tokens_up_to_it(server, client, served_pair, ids_of):
+    """A stop string completed by the first token of a step that commits several: usage and token_ids
+    count the tokens up to that one, not the ones the step committed after it (which they did before)."""
+    tokenizer = served_pair.tokenizer
+    n, found = 64, None
+    for text in PROMPTS:
+        prompt = ids_of(text)
+        steps = _steps_of(server, prompt, n)
+        ids = [t for step in steps for t in step]
+        full = tokenizer.decode(ids)
+        starts, at = set(), 0  # where a step of several tokens begins, past the first step
+        for step in steps:
+            if len(step) >= 2 and at > 0:
+                starts.add(at)
+            at += len(step)
+        for i in range(len(full) - 2):
+            stop = full[i : i + 2]
+            if "\ufffd" in stop or not stop.strip():
+                continue
+            met = _one_token_at_a_time(tokenizer, ids, stop)
+            if met is not None and met[0] - 1 in starts:
+                found = prompt, ids, met[0], met[1], stop
+                break
+        if found:
+            break
+    if found is None:
+        pytest.skip("no stop string completed mid-step in the candidate outputs")
+    prompt, ids, count, expected, stop = found
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, stop=stop, **GREEDY)
+    (choice,) = out.choices
+    assert choice.finish_reason == "stop" and choice.text == expected
+    assert token_ids(choice) == ids[:count]
+    assert out.usage.completion_tokens == count
+    body = completion_body(prompt, n, stop=[stop], stream=True, stream_options={"include_usage": True})
+    with streamed(server, "/v1/completions", body) as r:
+        got = collect_stream(sse_events(r))
+    assert got["done"] and got["finish_reason"] == "stop" and got["text"] == expected
+    assert got["token_ids"] == ids[:count]
+    assert got["usage"]["completion_tokens"] == count

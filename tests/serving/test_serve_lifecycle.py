@@ -1,6 +1,7 @@
 """The server under pressure and at its end, as a user meets it: a one-slot server (``--max-requests 1
 --max-waiting 1``) refuses a third request at once with 429 while it decodes one and holds one, and then
-finishes both; SIGTERM drains it (the stream in flight completes, new requests are refused) and it exits 0.
+finishes both; SIGTERM drains it (the stream in flight completes while the server still listens and answers
+503 to /health and to new requests) and it exits 0.
 The shutdown test ends this module's server, so it comes last."""
 
 from __future__ import annotations
@@ -124,47 +125,65 @@ def test_a_waiting_request_whose_client_leaves_leaves_the_line(server):
     assert server.metrics()["draftpilot_prompt_tokens_total"] - before == len("busy")
 
 
-def _wait_not_ok(server, timeout_s: float = 10.0) -> None:
-    """Poll /health until it is no longer 200 (503 while draining, or no connection)."""
+def _wait_draining(server, timeout_s: float = 10.0) -> httpx.Response:
+    """Poll /health on new connections until it is no longer 200; that answer (it must be one: the server
+    keeps listening while it drains)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if httpx.get(server.url("/health"), timeout=2).status_code != 200:
-                return
-        except httpx.TransportError:
-            return
+            response = httpx.get(server.url("/health"), timeout=2)
+        except httpx.TransportError as err:
+            pytest.fail(f"/health refused a connection while the server drained: {err!r}")
+        if response.status_code != 200:
+            return response
         time.sleep(0.02)
     pytest.fail(f"/health still answered 200 {timeout_s} s after SIGTERM")
 
 
 def test_sigterm_drains_the_stream_in_flight_refuses_new_requests_and_exits_0(server, served_pair):
+    """The server keeps listening while it drains (/health and new requests: 503 on new connections), the
+    stream in flight and the request waiting behind it (which keeps the engine busy longer than the
+    checks take) both complete, then it exits 0."""
     server.wait_idle()
     prompt = served_pair.tokenizer.encode("until the end")
     ref = reference(served_pair, prompt, LONG).tokens
     body = completion_body(prompt, LONG, stream=True, stream_options={"include_usage": True})
+    waiting: dict = {}
+
+    def wait_in_line():
+        with httpx.Client(timeout=120) as http:
+            waiting["response"] = http.post(server.url("/v1/completions"), json=completion_body("next", LONG))
+
     with streamed(server, "/v1/completions", body) as r:
         assert r.status_code == 200
         events = sse_events(r)
         head = [next(events)]
+        waiter = threading.Thread(target=wait_in_line, daemon=True)
+        waiter.start()
+        server.wait_health(lambda h: h["waiting"] == 1 or h["running"] == 0, timeout_s=20)
         server.proc.send_signal(signal.SIGTERM)
-        _wait_not_ok(server)  # the signal has been handled
-        # a new request is refused, never left hanging: 503 while the server drains, or no connection at all
+        health = _wait_draining(server)  # the signal has been handled
+        # a new request, on a new connection, is refused at once with 503, never left hanging
         started = time.monotonic()
         try:
             with httpx.Client(timeout=10) as late:
                 refused = late.post(server.url("/v1/completions"), json=completion_body("too late", 4))
         except httpx.TimeoutException:
             pytest.fail("a request sent after SIGTERM hung")
-        except httpx.TransportError:
-            refused = None  # the listening socket is closed
         refused_in = time.monotonic() - started
+        still_draining = httpx.get(server.url("/health"), timeout=5)
         got = collect_stream(iter([*head, *events]))
+    assert health.status_code == 503, health.text
+    assert health.json()["status"] in ("draining", "stopped")  # stopped: the engine is done, the stream not
     assert refused_in < 5.0
-    if refused is not None:
-        assert refused.status_code == 503, refused.text
-        assert refused.json()["error"]["code"] == "unavailable"
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "unavailable"
+    assert still_draining.status_code == 503
     assert got["done"] and got["finish_reason"] == "length"
     assert got["usage"]["completion_tokens"] == LONG
+    waiter.join(120)
+    assert waiting["response"].status_code == 200, waiting["response"].text
+    assert waiting["response"].json()["usage"]["completion_tokens"] == LONG
     assert_matches_reference(got["token_ids"], ref, LONG, served_pair.eos_token_ids)
     try:
         code = server.proc.wait(EXIT_S)
