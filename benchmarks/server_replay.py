@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tune-split", default="tune", help="split the per-load table is tuned on")
     ap.add_argument("--tune-prompts-per-language", type=int, default=4)
     ap.add_argument("--max-requests", type=int, default=8, help="requests the server decodes at once")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="trace length (default: the policy's)")
     ap.add_argument("--cache-dir", default="runs/cache")
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         policy = load_policy(args.policy)
         profile, measured, tune = workspace.replay_inputs(
             policy, None, args.cache_dir, args.split, args.prompts_per_language, args.tune_split,
-            args.tune_prompts_per_language,
+            args.tune_prompts_per_language, max_new_tokens=args.max_new_tokens,
         )  # fmt: skip
         lookup = trained_lookup(policy.meta)
         setup = load_training.load_setup(tune, measured, profile, lookup, args.concurrency, args.max_requests)

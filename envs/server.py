@@ -312,7 +312,7 @@ class ServerReplay:
             for req, granted in zip(asking, grant_rows([r.want for r in asking], budget)):
                 kind, rec = req.loop.send(granted)
                 req.record = rec
-            step_s += shared + self._charge(running, shared)
+            step_s += shared + (self._charge(running, shared) if running else 0.0)  # prefills alone
             now += step_s
             steps.append((step_s, len(running), sum(r.target_rows for r in running)))
             last_rows = sum(r.target_rows for r in running)
@@ -536,7 +536,10 @@ class ServerReplayBackend:
             first = [r.finished - r.arrival for r in run.requests[: max(n - 1, 1)] if r.finished is not None]
             self.spans[n] = float(np.mean(first)) if first else 0.0
         alone = per_request[min(self.concurrencies)]
-        self.scale = {n: per_request[n] / alone for n in self.concurrencies}
+        # no decoded token to measure by (traces that end at their first token): no rescaling
+        self.scale = {
+            n: per_request[n] / alone if alone > 0 and per_request[n] > 0 else 1.0 for n in self.concurrencies
+        }
 
     def __deepcopy__(self, memo):
         return self  # read-only after construction; gymnasium deep-copies make() kwargs

@@ -169,3 +169,15 @@ def test_exports_have_the_formats_vllm_and_sglang_read(tmp_path):
             check_sglang_adaptive_config(bad)
     none = write_exports({(1, 256): 0}, tmp_path / "none")
     assert none["vllm"].startswith("not written")
+
+
+def test_a_request_its_first_token_ends_costs_its_prefill_only():
+    short = [
+        ReplayTrace(make_synthetic_trace(s, length=1, width=1, max_depth=2, max_new_tokens=1))
+        for s in range(2)
+    ]
+    run = ServerReplay(short, batched_profile()).run(Arrivals.closed(2, 2), lambda: StaticController(1, 1))
+    assert run.tokens == 2 and all(r.records == [] for r in run.requests)
+    assert sum(s[0] for s in run.steps) == pytest.approx(
+        2 * batched_profile().prefill_s(10, with_draft=False)
+    )
