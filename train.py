@@ -149,6 +149,11 @@ class TrainConfig(ModelConfig):
     """Closed-loop load levels (concurrent clients) of the load-aware episodes, validation and reports."""
     max_requests: int = 8
     """Requests the replayed server decodes at once (serve.py --max-requests); more clients wait."""
+    step_overhead_ms: float = 16.0
+    """Milliseconds a live server's decoding step costs beyond the profile's forwards and per-cycle overheads
+    (its event loop and the step's Python, sharing the cores with the forwards), added to every replayed
+    step: measure it as serve.py's one-client inter-token latency of autoregressive decoding minus the
+    profile's autoregressive step (docs/architecture.md, "Why the defaults are what they are")."""
     reward: str = "average"
     """average (emitted - rho * time, dense) or throughput (LTD's per-cycle emitted / time)."""
     rounds: int = 3
@@ -209,6 +214,10 @@ class TrainConfig(ModelConfig):
         self.concurrencies = tuple(int(n) for n in self.concurrencies)  # a list when read from JSON
         if self.backend == "live":
             self.load_aware = False  # one request at a time: no load to train for (stored resolved)
+        if not (math.isfinite(self.step_overhead_ms) and 0 <= self.step_overhead_ms <= 1000):
+            raise ValueError(
+                f"step_overhead_ms (--step-overhead-ms) must be in [0, 1000], got {self.step_overhead_ms}"
+            )
         if not self.concurrencies or any(n < 1 for n in self.concurrencies) or self.max_requests < 1:
             raise ValueError(
                 f"concurrencies (--concurrencies) must be integers >= 1 and max_requests >= 1, got "
@@ -675,8 +684,9 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
     setup, loads, evaluate = None, None, validation(val_traces, profile, mix, lookup)
     if config.load_aware:
         setup = load_training.load_setup(
-            train_traces, val_traces, profile, lookup, config.concurrencies, config.max_requests
-        )
+            train_traces, val_traces, profile, lookup, config.concurrencies, config.max_requests,
+            step_overhead_s=config.step_overhead_ms / 1e3,
+        )  # fmt: skip
         print(
             "static chain tuned per load level (server replay, train traces; depth: system tokens/s): "
             + ", ".join(f"N={n} {d}: {tps:.1f}" for n, (d, tps) in setup.table.items()),

@@ -35,6 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tune-split", default="tune", help="split the per-load table is tuned on")
     ap.add_argument("--tune-prompts-per-language", type=int, default=4)
     ap.add_argument("--max-requests", type=int, default=8, help="requests the server decodes at once")
+    ap.add_argument(
+        "--step-overhead-ms",
+        type=float,
+        default=None,
+        help="a server step's cost beyond the profile's (default: the policy's training setting)",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=None, help="trace length (default: the policy's)")
     ap.add_argument("--cache-dir", default="runs/cache")
     ap.add_argument("--json", default=None, help="write the rows here")
@@ -46,7 +52,18 @@ def main(argv: list[str] | None = None) -> int:
             args.tune_prompts_per_language, max_new_tokens=args.max_new_tokens,
         )  # fmt: skip
         lookup = trained_lookup(policy.meta)
-        setup = load_training.load_setup(tune, measured, profile, lookup, args.concurrency, args.max_requests)
+        overhead = args.step_overhead_ms
+        if overhead is None:
+            overhead = float(policy.meta["train_config"].get("step_overhead_ms", 0.0))
+        setup = load_training.load_setup(
+            tune,
+            measured,
+            profile,
+            lookup,
+            args.concurrency,
+            args.max_requests,
+            step_overhead_s=overhead / 1e3,
+        )
     except (InputError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

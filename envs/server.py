@@ -182,7 +182,7 @@ class ServerRun:
 class ServerReplay:
     """The batched engine's steps over recorded requests (module docstring). ``profile``: a cost profile
     with a batch axis (``CostProfile.batched``); the single-sequence tables give the context terms, the
-    overhead and the prefills."""
+    overhead and the prefills. ``step_overhead_s``: what a live server's step costs beyond them."""
 
     def __init__(
         self,
@@ -192,6 +192,7 @@ class ServerReplay:
         max_requests: int = 8,
         max_rows: int = 64,
         max_prefill_tokens: int = 128,
+        step_overhead_s: float = 0.0,
     ):
         if not traces:
             raise InputError("a server replay needs traces")
@@ -205,6 +206,10 @@ class ServerReplay:
             raise InputError(f"max_rows ({max_rows}) must be >= max_requests ({max_requests})")
         self.traces, self.profile, self.lookup = list(traces), profile, lookup
         self.max_requests, self.max_rows, self.max_prefill_tokens = max_requests, max_rows, max_prefill_tokens
+        self.step_overhead_s = float(step_overhead_s)
+        """Seconds every decoding step costs beyond its forwards and the per-cycle overheads of the profile (the
+        server's own work a step: its event loop, the step's Python), split equally among the step's
+        requests."""
         self.width = self.traces[0].width
         self.context = int(self.table.batched["context"])
 
@@ -433,7 +438,8 @@ class ServerReplay:
             running[i].drafted = rec.depth > 0
         for rec in recs:
             rec.forward_s = rec.draft_s + rec.verify_s
-        return total
+            rec.overhead_s += self.step_overhead_s / len(recs)
+        return total + self.step_overhead_s
 
     def _commit(self, req: _Request, rec: CycleRecord, now: float) -> None:
         t0 = req.t
@@ -518,15 +524,18 @@ class ServerReplayBackend:
         lookup: LookupConfig | None = None,
         max_requests: int = 8,
         max_rows: int = 64,
+        step_overhead_s: float = 0.0,
     ):
         if not traces:
             raise InputError("no traces: record some with `python -m envs.record_traces`")
         self.traces, self.profile, self.profiles, self.lookup = list(traces), profile, profiles, lookup
         self.background, self.concurrencies = background, tuple(int(n) for n in concurrencies)
-        self.max_requests, self.max_rows = max_requests, max_rows
+        self.max_requests, self.max_rows, self.step_overhead_s = max_requests, max_rows, step_overhead_s
         self.width = self.traces[0].width
         self.num_episodes = len(self.traces)
-        self.sim = ServerReplay(self.traces, profile, lookup, max_requests, max_rows)
+        self.sim = ServerReplay(
+            self.traces, profile, lookup, max_requests, max_rows, step_overhead_s=step_overhead_s
+        )
         per_request = {}
         self.spans: dict[int, float] = {}
         for n in self.concurrencies:
@@ -554,7 +563,14 @@ class ServerReplayBackend:
         n = int(self.concurrencies[int(rng.integers(len(self.concurrencies)))])
         sim = self.sim
         if profile is not None and profile is not self.profile:
-            sim = ServerReplay(self.traces, profile, self.lookup, self.max_requests, self.max_rows)
+            sim = ServerReplay(
+                self.traces,
+                profile,
+                self.lookup,
+                self.max_requests,
+                self.max_rows,
+                step_overhead_s=self.step_overhead_s,
+            )
         others = n - 1
         order = [int(i) for i in rng.permutation(len(self.traces))]
         arrival = float(rng.uniform(0.0, self.spans[n])) if others else 0.0

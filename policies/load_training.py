@@ -61,6 +61,7 @@ class LoadSetup:
             profiles=profiles,
             lookup=lookup,
             max_requests=max_requests,
+            step_overhead_s=self.train.step_overhead_s,
         )
 
     def score(self, make_controller: Callable[[], Controller | None]) -> float:
@@ -75,15 +76,20 @@ def load_setup(
     lookup: LookupConfig | None,
     concurrencies: Sequence[int],
     max_requests: int = 8,
+    step_overhead_s: float = 0.0,
 ) -> LoadSetup:
-    train = ServerReplay(train_traces, profile, lookup, max_requests)
-    val = ServerReplay(val_traces, profile, lookup, max_requests)
+    train = ServerReplay(train_traces, profile, lookup, max_requests, step_overhead_s=step_overhead_s)
+    val = ServerReplay(val_traces, profile, lookup, max_requests, step_overhead_s=step_overhead_s)
     concurrencies = tuple(int(n) for n in concurrencies)
     table = tune_table(train, concurrencies)
     reference = {
         n: val.run(closed_loop(n, len(val.traces)), lambda: None).tokens_per_s for n in concurrencies
     }
-    plain = ServerReplay(val_traces, profile, None, max_requests) if lookup is not None else None
+    plain = (
+        ServerReplay(val_traces, profile, None, max_requests, step_overhead_s=step_overhead_s)
+        if lookup is not None
+        else None
+    )
     return LoadSetup(train, val, concurrencies, table, reference, plain)
 
 

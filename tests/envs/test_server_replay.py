@@ -52,6 +52,16 @@ def test_under_load_trajectories_are_exact_and_the_charges_add_up_to_the_steps(t
     charged = sum(rec.total_s for r in run.requests for rec in r.records)
     assert charged == pytest.approx(sum(s[0] for s in run.steps), rel=1e-9)
     assert run.end > run.start and run.tokens_per_s > 0
+    slower = ServerReplay(traces, profile, max_requests=3, step_overhead_s=0.01)
+    again = slower.run(Arrivals.closed(4, 8), lambda: StaticController(2, 2))
+    assert [_key(r) for q in again.requests for r in q.records] == [
+        _key(r) for q in run.requests for r in q.records
+    ]
+    decoding = [a[0] - b[0] for a, b in zip(again.steps, run.steps) if b[1] > 0]
+    assert decoding and np.allclose(decoding, 0.01)  # the server's own work, once a step
+    assert sum(rec.total_s for q in again.requests for rec in q.records) == pytest.approx(
+        sum(s[0] for s in again.steps)
+    )
     summary = run.summary()
     assert summary["mean_depth"] == pytest.approx(2.0, abs=0.3) and summary["itl_p99_ms"] > 0
 
