@@ -788,12 +788,13 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
         learned = trainer.controller(depth_actor, size_actor)
         factories = load_training.load_baselines(setup, profile, config.tree_width, config.max_depth)
         factories["learned (exported)"] = lambda: learned
-        depths = load_training.chosen_depths(setup, lambda: learned)
+        rows = load_training.per_load(setup, factories)
+        depths = load_training.chosen_depths(rows["learned (exported)"], setup.concurrencies)
         metrics["load"] = {
             "concurrencies": list(setup.concurrencies),
             "table": {str(n): list(v) for n, v in setup.table.items()},
             "reference_autoregressive": {str(n): v for n, v in setup.reference.items()},
-            "rows": load_training.per_load(setup, factories),
+            "rows": rows,
             "learned_depths": {str(n): d for n, d in depths.items()},
             "table_ranges": [[a, b, k] for (a, b), k in load_training.table_ranges(depths).items()],
         }

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     factories = load_training.load_baselines(setup, profile, policy.tree_width, policy.max_depth)
     factories["learned"] = lambda: policy
     rows = load_training.per_load(setup, factories)
-    depths = load_training.chosen_depths(setup, lambda: policy)
+    depths = load_training.chosen_depths(rows["learned"], setup.concurrencies)
     load = {
         "concurrencies": list(setup.concurrencies),
         "rows": rows,

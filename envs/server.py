@@ -39,7 +39,8 @@ from engine.errors import InputError
 from engine.load import LoadState, LoadTracker
 from engine.lookup import LookupConfig
 from engine.results import CycleRecord
-from envs.replay import Message, ReplayTrace, Reply, replay_cycles, replay_generate, throughput
+from envs.backends import ReplayBackend
+from envs.replay import Message, ReplayTrace, Reply, replay_cycles
 
 
 @dataclass(frozen=True)
@@ -589,9 +590,7 @@ class ServerReplayBackend:
     def throughput_of(self, controller: Controller | None) -> float:
         """Decode tokens per second of ``controller`` alone over every trace (the average reward's reference
         scale: the episodes' times are rescaled to it)."""
-        return throughput(
-            [replay_generate(rt, controller, self.profile, lookup=self.lookup) for rt in self.traces]
-        )
+        return ReplayBackend(self.traces, self.profile, lookup=self.lookup).throughput_of(controller)
 
 
 def _scaled(steps: Generator[Message, Reply, ServerRun], scale: float) -> Generator[Message, Reply, None]:

@@ -131,15 +131,11 @@ def per_load(setup: LoadSetup, factories: dict[str, Callable], mixed_requests: i
     return out
 
 
-def chosen_depths(setup: LoadSetup, make_controller: Callable[[], Controller | None]) -> dict[int, int]:
-    """The draft length a controller chooses at each load level, as one integer per level (what a
+def chosen_depths(row: dict, concurrencies: Sequence[int]) -> dict[int, int]:
+    """The draft length a controller chose at each load level, as one integer per level (what a
     per-batch-size table can carry): its mean drafted depth over every cycle it decided there (autoregressive
-    steps count 0), rounded, on the validation traces."""
-    out = {}
-    for n in setup.concurrencies:
-        run = setup.val.run(closed_loop(n, len(setup.val.traces)), make_controller)
-        out[n] = int(round(run.summary()["mean_depth"]))
-    return out
+    steps count 0), rounded, from its ``per_load`` row."""
+    return {n: int(round(row[f"N={n} depth"])) for n in concurrencies}
 
 
 def table_ranges(depths: dict[int, int]) -> dict[tuple[int, int], int]:

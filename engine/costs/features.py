@@ -16,7 +16,7 @@ import numpy as np
 
 from engine.control import DraftState
 from engine.costs.cost_profile import CostProfile
-from engine.costs.load_model import LoadedProfiles
+from engine.costs.load_model import LoadedProfiles, per_load
 from engine.results import CycleRecord
 
 FEATURE_VERSION = 6
@@ -278,10 +278,6 @@ class DeviceAtLoad:
     def at(self, load) -> np.ndarray:
         if load is None or not self.available or load.alone:
             return self.alone
-        key = load.key()
-        feats = self._cache.get(key)
-        if feats is None:
-            if len(self._cache) >= self.size:
-                self._cache.clear()
-            feats = self._cache[key] = device_features(self.profiles.at(load), self.tree_width)
-        return feats
+        return per_load(
+            self._cache, load, self.size, lambda: device_features(self.profiles.at(load), self.tree_width)
+        )

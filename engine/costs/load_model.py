@@ -19,7 +19,7 @@ dependence stays the base profile's, and a perturbed profile (``envs.profiles``)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -163,10 +163,16 @@ class LoadedProfiles:
         """The profile a request sees at ``load`` (the base itself alone or without a batch axis)."""
         if load is None or self.table is None or load.alone:
             return self.base
-        key = load.key()
-        out = self._cache.get(key)
-        if out is None:
-            if len(self._cache) >= self.size:
-                self._cache.clear()
-            out = self._cache[key] = LoadedProfile(self.base, load, self.table)
-        return out
+        return per_load(self._cache, load, self.size, lambda: LoadedProfile(self.base, load, self.table))
+
+
+def per_load(cache: dict, load: LoadState, size: int, make: Callable[[], Any]) -> Any:
+    """``cache[load.key()]``, made by ``make()`` the first time; the cache is emptied when it holds ``size``
+    entries (the controllers ask every decision, the loads seen are few)."""
+    key = load.key()
+    out = cache.get(key)
+    if out is None:
+        if len(cache) >= size:
+            cache.clear()
+        out = cache[key] = make()
+    return out
