@@ -37,6 +37,7 @@ from engine.control import StaticController
 from engine.engine import EngineConfig
 from engine.errors import InputError
 from engine.lookup import describe_lookup, resolve_lookup
+from serving.worker import off_main_thread
 
 GRACE_S = 120
 """After a signal, how long the server waits for the requests in flight to finish, then for their responses to
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         config = check(from_args(ServeConfig, args))
         if config.host not in ("127.0.0.1", "localhost", "::1"):
             warn(f"listening on {config.host}: the server has no authentication")
-        state = build_state(config)
+        state = off_main_thread(build_state, config)  # the main thread forks no OpenMP team
     except CLI_ERRORS as err:
         return report_error(err)
     import uvicorn

@@ -5,9 +5,13 @@ decode it alone.
 ``engine.backends.kvcache``), its controller, its context-lookup index, its sampler (a ``torch.Generator`` seeded by the
 request, its own ``SamplingConfig``) and stop tokens. ``step()`` runs one cycle of every request in flight:
 
-1. requests added since the last step are prefilled, each alone (one target forward of its prompt: the same
-   forward ``generate`` runs), and get their first token; in admission order, up to
-   ``BatchConfig.max_prefill_tokens`` prompt tokens a step (at least one request), the rest at the next steps;
+1. requests added since the last step are prefilled in chunks: in admission order, up to
+   ``BatchConfig.max_prefill_tokens`` prompt tokens a step (at most ``MAX_ROWWISE_ROWS`` of one prompt), each
+   chunk rows of the step's target forward (step 4) next to the running requests' rows; the chunk that ends
+   a prompt gives its first token. The native decoder computes every row alone, so a prompt's cache and first
+   token are bitwise what ``generate``'s prefill gives, whatever the chunk boundaries and batch mates
+   (``engine.engine.chunked_prefill``). Where it does not apply (the torch path) a prompt is prefilled whole,
+   in the step's forwards, at least one prompt a step;
 2. every request starts its cycle: the very cycle code ``generate`` runs (``SpeculativeEngine._cycle``, a
    generator of the forwards it needs): lookup, depth-0 decision, draft steps, verification size;
 3. draft steps: while any request waits on a draft forward, one draft forward carries the rows of every
@@ -60,11 +64,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.backends.kvcache import cache_bytes, kv_bytes_per_entry
+from engine.backends.attention import MAX_ROWWISE_ROWS
+from engine.backends.kvcache import cache_bytes, kv_bytes_per_entry, new_cache
 from engine.backends.pair import ModelPair
 from engine.batch_forward import Rows, forward_rows
 from engine.control import Controller
-from engine.engine import EngineConfig, Forward, SpeculativeEngine, VerifyRows, _Request
+from engine.engine import EngineConfig, Forward, SpeculativeEngine, VerifyRows, _Request, chunked_prefill
 from engine.errors import DraftpilotError, InputError, is_int, short_repr
 from engine.load import LoadState, LoadTracker
 from engine.lookup import NgramIndex
@@ -108,11 +113,11 @@ class BatchConfig:
     docstring) and of one draft forward; at least ``max_requests``."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Caps, draft mode and lookup, as for ``SpeculativeEngine`` (every request shares them)."""
-    max_prefill_tokens: int = 128
-    """Prompt tokens prefilled in one step: waiting requests are prefilled in admission order while their
-    prompts fit (at least one a step, whatever its length), the others at the next steps. A prefill runs
-    alone, so a burst of arrivals would otherwise hold every running request's next tokens for all their
-    prefills at once."""
+    max_prefill_tokens: int = 32
+    """Prompt tokens prefilled in one step (the module docstring, step 1): chunks of the waiting prompts, in
+    admission order, ride in the step's target forward, so a long prompt or a burst of arrivals costs every
+    running request a bounded delay a step instead of a stall for all the prefills. Without chunks (the
+    torch path) whole prompts while they fit, at least one a step."""
     max_kv_bytes: int | None = None
     """KV cache bytes the admitted requests may reserve together (module docstring, "Memory"); None: no
     bound (each request still reserves, and its caches never outgrow, what it can reach)."""
@@ -183,6 +188,12 @@ class _Slot:
     req: _Request | None = None
     index: NgramIndex | None = None
     prefill_s: float = 0.0
+    """Seconds from its prefill's first chunk to its first token."""
+    cache: object = None
+    """The target cache while the prompt is prefilled (then ``req.target_cache``)."""
+    filled: int = 0
+    """Prompt tokens in ``cache`` so far."""
+    prefill_t0: float = 0.0
     steps: object = None
     """The cycle in progress (a generator of ``Forward`` / ``VerifyRows``), None between cycles."""
     waiting: Forward | VerifyRows | None = None
@@ -216,6 +227,8 @@ class BatchedEngine:
         self._entry_bytes = (kv_bytes_per_entry(pair.target), kv_bytes_per_entry(pair.draft))
         self.kv_reserved = 0
         """Bytes of KV cache the admitted requests have reserved (module docstring, "Memory")."""
+        self._chunked = chunked_prefill(pair.target, new_cache(pair.target, 1))
+        """Whether prompts are prefilled in chunks (module docstring, step 1)."""
 
     # ----------------------------------------------------------------------------------------------- API
     def add(self, request: BatchRequest) -> int:
@@ -311,6 +324,8 @@ class BatchedEngine:
         for slot in self._slots.values():
             if slot.req is not None:
                 total += cache_bytes(slot.req.target_cache) + cache_bytes(slot.req.draft_cache)
+            elif slot.cache is not None:
+                total += cache_bytes(slot.cache)
         return total
 
     def cancel(self, rid: int) -> None:
@@ -326,7 +341,7 @@ class BatchedEngine:
 
     @property
     def pending(self) -> list[int]:
-        """Ids of the requests added and not yet prefilled (at the next steps: ``max_prefill_tokens``)."""
+        """Ids of the requests added and not yet prefilled, or prefilled in part (``max_prefill_tokens``)."""
         return [rid for rid, s in self._slots.items() if s.req is None]
 
     def result(self, rid: int) -> GenerationResult:
@@ -345,17 +360,10 @@ class BatchedEngine:
 
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
-        """Prefill waiting requests (up to ``max_prefill_tokens`` prompt tokens, at least one request), then
-        run one cycle of every request in flight; one event a request that took part."""
+        """Prefill chunks of the waiting prompts (up to ``max_prefill_tokens`` tokens) and one cycle of every
+        request in flight, in shared forwards; one event a request that decoded or got its first token."""
         new_tokens: dict[int, int] = {}  # rid -> committed tokens before this step
-        prefilled = 0
-        for slot in list(self._slots.values()):
-            if slot.req is None:
-                if new_tokens and prefilled + len(slot.prompt_ids) > self.config.max_prefill_tokens:
-                    break  # admission order: a later, shorter prompt does not overtake this one
-                new_tokens[slot.rid] = len(slot.prompt_ids)
-                prefilled += len(slot.prompt_ids)
-                self._guard(slot, self._prefill, slot)
+        prefilling = self._schedule_prefills()
         running = [s for s in self._slots.values() if s.req is not None and self._finish(s) is None]
         waiting = sum(s.req is None for s in self._slots.values()) + max(int(self.waiting_outside), 0)
         rate = self._arrivals.rate(time.monotonic())
@@ -382,6 +390,9 @@ class BatchedEngine:
         self._run_cycles()
         self._last_rows = sum(s.target_rows for s in running)
         self._last_drafting = sum(s.drafted for s in running)
+        for slot in prefilling:  # a prompt whose last chunk ran: its first token is this step's
+            if slot.rid not in self._slots or slot.req is not None:
+                new_tokens[slot.rid] = len(slot.prompt_ids)
         return [self._event(rid, start) for rid, start in new_tokens.items()]
 
     def load_of(self, rid: int) -> LoadState | None:
@@ -390,19 +401,49 @@ class BatchedEngine:
         return None if slot is None or slot.req is None else slot.req.load
 
     # ------------------------------------------------------------------------------------------ internals
-    def _prefill(self, slot: _Slot) -> None:
+    def _schedule_prefills(self) -> list[_Slot]:
+        """Start this step's prefill chunks (module docstring, step 1); the slots that got one."""
+        waiting = [slot for slot in self._slots.values() if slot.req is None]
+        takes = plan_prefills(
+            [len(slot.prompt_ids) - slot.filled for slot in waiting],
+            self.config.max_prefill_tokens,
+            self._chunked,
+        )
+        for slot, take in zip(waiting, takes):
+            slot.steps = self._prefill_chunk(slot, take)
+            self._advance(slot, None)
+        return waiting[: len(takes)]
+
+    def _prefill_chunk(self, slot: _Slot, count: int):
+        """The next ``count`` prompt tokens of ``slot`` as rows of the step's target forward; after the last
+        chunk, its first token (``_prefilled``)."""
+        engine, start = self.engine, slot.filled
+        if slot.cache is None:
+            slot.prefill_t0 = engine.clock()
+            slot.cache = new_cache(self.pair.target, slot.entries[0])
+        logits = yield Forward(
+            self.pair.target, slot.prompt_ids[start : start + count], start, slot.cache, keep=1
+        )
+        slot.filled += count
+        if slot.filled == len(slot.prompt_ids):
+            self._prefilled(slot, logits)
+
+    def _prefilled(self, slot: _Slot, logits: torch.Tensor) -> None:
+        """``slot``'s prompt is in its cache: its request, first token drawn from ``logits``."""
         engine = self.engine
         generator = torch.Generator(device=self.device).manual_seed(slot.seed)
-        t0 = engine.clock()
-        slot.req = engine._prefill_request(
+        slot.req = engine._prefilled_request(
             slot.prompt_ids,
+            logits,
+            slot.cache,
             generator,
             slot.controller is not None,
             slot.sampling,
             slot.stop_ids,
-            capacity=slot.entries,
+            slot.entries[1],
         )
-        slot.prefill_s = engine.clock() - t0
+        slot.cache = None
+        slot.prefill_s = engine.clock() - slot.prefill_t0
         if slot.controller is not None:
             slot.controller.reset()
         lookup = self.config.engine.lookup
@@ -457,8 +498,8 @@ class BatchedEngine:
                 self._forward(draft, drafting)
                 continue
             asking = [s for s in waiting if isinstance(s.waiting, VerifyRows)]
-            if asking:
-                fixed = sum(s.waiting.rows for s in waiting if isinstance(s.waiting, Forward))
+            if asking:  # the row cap is the decoding rows' (prefill chunks have their own budget)
+                fixed = sum(s.waiting.rows for s in waiting if isinstance(s.waiting, Forward) and s.req)
                 budget = self.config.max_rows - fixed - len(asking)
                 for slot, granted in zip(asking, grant_rows([s.waiting.want for s in asking], budget)):
                     self._advance(slot, granted)
@@ -471,6 +512,9 @@ class BatchedEngine:
         chunk: list[_Slot] = []
         rows = 0
         for slot in slots + [None]:
+            if slot is not None and slot.req is None:  # a prefill chunk: outside the row cap
+                chunk.append(slot)
+                continue
             if chunk and (slot is None or rows + slot.waiting.rows > self.config.max_rows):
                 for s in chunk:  # the load the others see next step
                     if model is self.pair.target:
@@ -572,6 +616,26 @@ def format_bytes(n: int) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.1f} TiB"
+
+
+def plan_prefills(left: list[int], budget: int, chunked: bool) -> list[int]:
+    """Prompt tokens each waiting request (in admission order, ``left`` of its prompt still to prefill) gets this
+    step, under ``budget`` tokens (module docstring, step 1): chunked, at most ``MAX_ROWWISE_ROWS`` of one prompt
+    and nothing for a prompt until the one ahead of it is in; else whole prompts while they fit, at least one.
+    Only the requests that get tokens are listed (a prefix of ``left``)."""
+    takes: list[int] = []
+    for n in left:
+        if chunked:
+            take = min(n, budget, MAX_ROWWISE_ROWS)
+        else:
+            take = n if not takes or n <= budget else 0
+        if take <= 0:
+            break
+        takes.append(take)
+        budget -= take
+        if take < n:
+            break
+    return takes
 
 
 def grant_rows(wants: list[int], budget: int) -> list[int]:

@@ -25,7 +25,7 @@ import torch
 
 from engine.backends import lean
 from engine.backends.attention import MAX_ROWWISE_ROWS, MAX_VERIFY_NODES
-from engine.backends.kvcache import cache_len, keep_entries, new_cache
+from engine.backends.kvcache import GrowingLayer, cache_len, keep_entries, new_cache
 from engine.backends.pair import ModelPair
 from engine.control import Controller, ControllerError, DraftState, decision, verify_size
 from engine.errors import InputError, is_int, short_repr
@@ -334,12 +334,29 @@ class SpeculativeEngine:
         target_cap, draft_cap = capacity if capacity is not None else (None, None)
         target_cache = new_cache(self.pair.target, target_cap)
         logits = self._forward(self.pair.target, prompt_ids, 0, target_cache, keep=1)  # [1, V]
+        return self._prefilled_request(
+            prompt_ids, logits, target_cache, generator, with_draft, sampling, stop_ids, draft_cap
+        )
+
+    def _prefilled_request(
+        self,
+        prompt_ids: list[int],
+        logits: torch.Tensor,
+        target_cache: object,
+        generator: torch.Generator,
+        with_draft: bool,
+        sampling: SamplingConfig,
+        stop_ids: frozenset[int],
+        draft_capacity: int | None = None,
+    ) -> _Request:
+        """The request once its prompt is in ``target_cache``: the first token drawn from ``logits`` (the
+        prompt's last row, [1, V]) with ``sampling``; the draft's cache made, empty."""
         if self.config.check_finite:
             check_finite(logits, "target")
         first = make_target_drawer(logits, sampling, generator)(0)
         # the draft's prefill waits for the first drafting cycle (``_draft``): a request a controller
         # decodes autoregressively never pays for it
-        draft_cache = new_cache(self.pair.draft, draft_cap) if with_draft else None
+        draft_cache = new_cache(self.pair.draft, draft_capacity) if with_draft else None
         return _Request(
             prompt_ids + [first],
             target_cache,
@@ -762,6 +779,8 @@ def forward_logits(
     position_ids = torch.as_tensor([list(positions)], device=device)
     if input_ids.shape[1] <= MAX_ROWWISE_ROWS and lean.supports(model):
         return lean.forward(model, input_ids, position_ids, cache, mask, keep)  # bitwise the call below
+    if mask is None and chunked_prefill(model, cache):
+        return _in_chunks(model, input_ids, position_ids, cache, keep)
     out = model(
         input_ids=input_ids,
         position_ids=position_ids,
@@ -771,6 +790,37 @@ def forward_logits(
         logits_to_keep=keep,
     )
     return out.logits[0]
+
+
+def chunked_prefill(model: torch.nn.Module, cache: object) -> bool:
+    """Whether a causal forward of any length on ``cache`` runs in chunks of at most ``MAX_ROWWISE_ROWS``
+    rows through the native decoder: its kernels and attention compute every row alone, so the logits and
+    the cache are bitwise the same whatever the chunk boundaries (``engine.batch`` prefills a prompt a chunk
+    a step, each chunk in the step's shared forward, and gets what ``generate`` alone gets). Elsewhere (the
+    torch path: other formats, CUDA) a long forward is transformers' forward of the whole."""
+    return (
+        cache is not None
+        and lean.NATIVE
+        and lean.supports(model)
+        and lean.native_decoder(model) is not None
+        and all(type(layer) is GrowingLayer for layer in cache.layers)
+    )
+
+
+def _in_chunks(
+    model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, cache: object, keep: int
+) -> torch.Tensor:
+    """``forward_logits`` of a long causal forward, chunk after chunk (``chunked_prefill``): the logits of
+    the kept rows (a chunk with none of them keeps one row, dropped: a row of the LM head)."""
+    total, out = ids.shape[1], []
+    first_kept = total - keep if keep else 0
+    for start in range(0, total, MAX_ROWWISE_ROWS):
+        end = min(start + MAX_ROWWISE_ROWS, total)
+        wanted = end - max(start, first_kept)
+        logits = lean.forward(model, ids[:, start:end], positions[:, start:end], cache, None, max(wanted, 1))
+        if wanted > 0:
+            out.append(logits)
+    return torch.cat(out)
 
 
 def _peak_memory(device: torch.device) -> int:

@@ -2,13 +2,17 @@
 decodes them, under an arrival process; each step's time from the cost profile's batch axis.
 
 A step here is the batched engine's step: waiting requests are admitted while the batch has room
-(``max_requests``), those not yet prefilled are prefilled in admission order up to ``max_prefill_tokens``
-prompt tokens (at least one), then every running request runs one cycle (``envs.replay.replay_cycles``,
+(``max_requests``), every request prefilled before the step runs one cycle (``envs.replay.replay_cycles``,
 each request's controller asked as the engine asks it, with the step's ``LoadState``: ``engine.load``,
 computed as the engine computes it); the verification rows are granted under ``max_rows`` by the engine's own
 ``grant_rows``; then the step's forwards are timed: each draft level one batched draft forward of every
 request still drafting (the first level its pending tokens, later levels its frontier), one batched target
-forward of every request's root and granted nodes, the prefills alone, and each request's per-cycle overhead.
+forward of every request's root and granted nodes, the step's prefill chunks, and each request's per-cycle
+overhead. Prefills as the engine schedules them: chunks of the waiting prompts in admission order, up to
+``max_prefill_tokens`` tokens a step and ``MAX_ROWWISE_ROWS`` of one prompt (``chunked``, the native decoder's
+rule; else whole prompts while they fit, at least one a step), each chunk charged the profile's prefill time of
+its tokens at its offset (``engine.batch.plan_prefills``, the engine's own rule) (``prefill_s(end) - prefill_s(start)``: the chunks of a prompt add up to its whole
+prefill); a prompt's last chunk gives its first token, and it decodes from the next step on.
 Every request's decision changes the step time of all of them.
 
 Each cycle record gets the request's *charge* of its step (``engine.costs.load_model.split_forward``: its
@@ -31,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.batch import grant_rows
+from engine.batch import BatchConfig, grant_rows, plan_prefills
 from engine.control import Controller, StaticController, decision, verify_size
 from engine.costs.cost_profile import CostProfile, ProfileError
 from engine.costs.load_model import batch_table, split_forward
@@ -112,6 +116,7 @@ class _Request:
     loop: Generator[Message, Reply, None] | None = None
     admitted: float | None = None
     prefilled: bool = False
+    filled: int = 0  # prompt tokens prefilled so far
     done: bool = False
     t: int = 0  # position in the trajectory (tokens committed after the first)
     pending: int = 1
@@ -192,8 +197,9 @@ class ServerReplay:
         lookup: LookupConfig | None = None,
         max_requests: int = 8,
         max_rows: int = 64,
-        max_prefill_tokens: int = 128,
+        max_prefill_tokens: int = BatchConfig.max_prefill_tokens,
         step_overhead_s: float = 0.0,
+        chunked: bool = True,
     ):
         if not traces:
             raise InputError("a server replay needs traces")
@@ -207,6 +213,8 @@ class ServerReplay:
             raise InputError(f"max_rows ({max_rows}) must be >= max_requests ({max_requests})")
         self.traces, self.profile, self.lookup = list(traces), profile, lookup
         self.max_requests, self.max_rows, self.max_prefill_tokens = max_requests, max_rows, max_prefill_tokens
+        self.chunked = bool(chunked)
+        """Prompts prefilled in chunks (the native decoder's engine), else whole (module docstring)."""
         self.step_overhead_s = float(step_overhead_s)
         """Seconds every decoding step costs beyond its forwards and the per-cycle overheads of the profile (the
         server's own work a step: its event loop, the step's Python), split equally among the step's
@@ -265,7 +273,7 @@ class ServerReplay:
         queue: deque[_Request] = deque()
         batch: list[_Request] = []
         tracker = LoadTracker()
-        now, last_rows, last_drafting = 0.0, 0, 0
+        now, last_rows, last_drafting, carry = 0.0, 0, 0, 0.0
         steps: list[tuple[float, int, int]] = []
         start = min([r.arrival for r in requests] + ([ext.arrival] if ext else []))
         while True:
@@ -286,20 +294,10 @@ class ServerReplay:
                     break
                 now = max(now, min(upcoming))
                 continue
-            step_s, shared = 0.0, 0.0
-            prefilled = 0
-            for req in batch:
-                if req.prefilled:
-                    continue
-                plen = req.trace.trace.prompt_len
-                if prefilled and prefilled + plen > self.max_prefill_tokens:
-                    break
-                prefilled += plen
-                req.prefilled = True
-                shared += self.profile.prefill_s(plen, with_draft=False)
-                self._start(req)
+            step_s = 0.0
             running = [r for r in batch if r.prefilled and not r.done]
             waiting = sum(not r.prefilled for r in batch) + len(queue)
+            shared = self._prefill_chunks(batch)
             rate = tracker.rate(now)
             for req in running:
                 req.load = LoadState(
@@ -318,7 +316,14 @@ class ServerReplay:
             for req, granted in zip(asking, grant_rows([r.want for r in asking], budget)):
                 kind, rec = req.loop.send(granted)
                 req.record = rec
-            step_s += shared + (self._charge(running, shared) if running else 0.0)  # prefills alone
+            step_s += shared
+            if (
+                running
+            ):  # the prefill seconds of steps nobody decoded in go to the next decoding step's records
+                step_s += self._charge(running, shared + carry)
+                carry = 0.0
+            else:
+                carry += shared
             now += step_s
             steps.append((step_s, len(running), sum(r.target_rows for r in running)))
             last_rows = sum(r.target_rows for r in running)
@@ -361,6 +366,22 @@ class ServerReplay:
         return ServerRun(arrivals, members, steps, start, end)
 
     # ---------------------------------------------------------------------------------- internals
+    def _prefill_chunks(self, batch: list[_Request]) -> float:
+        """This step's prefill chunks (module docstring): their seconds; a prompt whose last chunk ran starts."""
+        waiting = [req for req in batch if not req.prefilled]
+        left = [req.trace.trace.prompt_len - req.filled for req in waiting]
+        prefill, seconds = self.profile.prefill_s, 0.0
+        for req, take in zip(waiting, plan_prefills(left, self.max_prefill_tokens, self.chunked)):
+            end = req.filled + take
+            seconds += prefill(end, with_draft=False) - (
+                prefill(req.filled, with_draft=False) if req.filled else 0.0
+            )
+            req.filled = end
+            if end == req.trace.trace.prompt_len:
+                req.prefilled = True
+                self._start(req)
+        return seconds
+
     def _start(self, req: _Request) -> None:
         ctrl = req.controller
         speculative = req.external or ctrl is not None

@@ -84,8 +84,8 @@ class FaultyEngine(BatchedEngine):
             self._alloc.add(rid)
         return rid
 
-    def _prefill(self, slot) -> None:
-        super()._prefill(slot)
+    def _prefilled(self, slot, logits) -> None:
+        super()._prefilled(slot, logits)
         if slot.rid in self._alloc:
             for layer in slot.req.target_cache.layers:
                 layer.reserve = _fail_allocation

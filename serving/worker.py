@@ -29,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from engine.backends.pair import ModelPair
 from engine.batch import BatchConfig, BatchedEngine, BatchRequest, CapacityError, one_line
@@ -36,6 +37,35 @@ from engine.control import Controller
 from engine.errors import DraftpilotError, InputError
 from engine.results import CycleRecord, GenerationResult
 from engine.sampling import SamplingConfig
+
+T = TypeVar("T")
+
+
+def off_main_thread(fn: Callable[..., T], *args: object) -> T:
+    """``fn(*args)`` run in a thread of its own that exits when it returns (its exception re-raised here).
+
+    What loads the models for the engine thread runs here, not on the main thread: torch's CPU kernels fork
+    OpenMP teams, one per thread that runs them, and a team outlives its work while its thread lives. A main
+    thread that loaded (or warmed) the models keeps a team for good, so the engine thread's team makes the
+    process hold more OpenMP threads than cores; libgomp then stops spinning between parallel regions and
+    wakes its threads through the kernel at every one, a few hundred times a step (measured on a 2-core
+    EPYC: 40-48 ms a decoding step where the same step took 26-31 ms on a single thread,
+    docs/results/2026-12-05-serving-one-client.md). A thread that exits takes its team with it."""
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append((True, fn(*args)))
+        except BaseException as err:  # noqa: BLE001 - handed to the caller as it is
+            box.append((False, err))
+
+    thread = threading.Thread(target=run, name="draftpilot-load")
+    thread.start()
+    thread.join()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
 
 
 class Overloaded(DraftpilotError):

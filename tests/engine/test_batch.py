@@ -10,6 +10,7 @@ import torch
 
 from engine import SamplingConfig, SpeculativeEngine, StaticController, load_pair
 from engine.backends import lean
+from engine.backends.attention import MAX_ROWWISE_ROWS
 from engine.backends.kvcache import new_cache
 from engine.batch import BatchConfig, BatchedEngine, BatchRequest, CapacityError, grant_rows
 from engine.batch_forward import Rows, forward_rows
@@ -154,25 +155,113 @@ def test_caps_cancel_and_bad_input(pair):
 
 
 def test_prefills_take_a_token_budget_a_step_in_admission_order(pair):
-    """At most ``max_prefill_tokens`` prompt tokens are prefilled in a step (at least one request, whatever its
-    length); a later, shorter prompt does not overtake a waiting one; the tokens are each request's alone."""
+    """At most ``max_prefill_tokens`` prompt tokens are prefilled a step, in admission order: a prompt starts only
+    once every earlier one is in (a later, shorter prompt never overtakes), and the budget is used up while
+    prompts wait. Chunked (the native decoder): any prompt in pieces of at most ``MAX_ROWWISE_ROWS``; the torch
+    path: whole prompts while they fit, at least one a step. The tokens are each request's alone."""
     prompts = [pair.encode(text) for text in ("a" * 12, "e" * 40, "d", "b" * 5)]  # token ids
     lengths = [len(p) for p in prompts]
-    budget = lengths[0] + lengths[2]  # the 3rd would fit next to the 1st, but the 2nd waits before it
-    assert lengths[1] > budget and lengths[2] + lengths[3] <= budget  # the 2nd goes alone, over budget
+    budget = lengths[0] + lengths[2]
+    assert lengths[1] > budget  # the 2nd is over budget by itself
     batch = BatchedEngine(pair, BatchConfig(max_requests=5, max_rows=16, max_prefill_tokens=budget))
     rids = [batch.add(BatchRequest(p, 6)) for p in prompts]
-    prefilled = []
+    filled = [0] * 4
+    steps = []
     while batch.pending:
-        before = set(batch.pending)
         batch.step()
-        prefilled.append([r for r in rids if r in before and r not in batch.pending])
-    assert prefilled == [[rids[0]], [rids[1]], [rids[2], rids[3]]]
+        now = [batch._slots[r].filled if r in batch.pending else n for r, n in zip(rids, lengths)]
+        steps.append([b - a for a, b in zip(filled, now)])
+        filled = now
+        for i in range(3):  # admission order: nothing of a prompt before the one ahead of it is in
+            assert filled[i + 1] == 0 or filled[i] == lengths[i]
+    left = sum(lengths)
+    for took in steps:
+        if batch._chunked:
+            assert sum(took) == min(budget, left) and max(took) <= MAX_ROWWISE_ROWS
+        else:
+            assert all(t in (0, n) for t, n in zip(took, lengths))  # whole prompts
+            assert sum(took) <= budget or sum(t > 0 for t in took) == 1
+        left -= sum(took)
+    if not batch._chunked:
+        assert [[r for r, t in zip(rids, took) if t] for took in steps] == [
+            [rids[0]],
+            [rids[1]],
+            [rids[2], rids[3]],
+        ]
     got = _drain(batch, rids)
     for p, tokens in zip(prompts, got):
         assert tokens == _alone(pair, p, None, 6)
     with pytest.raises(InputError):
         BatchConfig(max_prefill_tokens=0)
+
+
+LONG = "Summarise this, then answer: " + " ".join(f"item {i} is {i * 7 % 13}" for i in range(40))
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(pair):
+    """A long prompt arriving among running requests: chunked, every step of its prefill still gives each running
+    request its next tokens, and the prefill takes the steps its chunks need; every request's tokens are its
+    tokens alone (greedy and a sampled seed), whatever the chunk boundaries."""
+    long_ids = pair.encode(LONG)
+    assert len(long_ids) > 2 * MAX_ROWWISE_ROWS
+    budget = 24
+    batch = BatchedEngine(pair, BatchConfig(max_requests=4, max_rows=16, max_prefill_tokens=budget))
+    sampled = SamplingConfig(temperature=0.8)
+    specs = [(PROMPTS[0], StaticController(2), SamplingConfig()), (PROMPTS[1], None, sampled)]
+    rids = [batch.add(BatchRequest(p, 120, c, seed=3, sampling=sm, ignore_eos=True)) for p, c, sm in specs]
+    while batch.pending:
+        batch.step()
+    long_rid = batch.add(BatchRequest(long_ids, 8, StaticController(1), seed=5, sampling=sampled))
+    prefill_steps = 0
+    while long_rid in batch.pending:
+        events = {ev.rid: ev for ev in batch.step()}
+        prefill_steps += 1
+        for rid in rids:  # no running request waits for the prefill
+            assert events[rid].tokens or events[rid].finished
+    expected = -(-len(long_ids) // budget) if batch._chunked else 1
+    assert prefill_steps == expected
+    got = _drain(batch, rids + [long_rid])
+    for (p, c, sm), tokens in zip(specs, got):
+        alone = BatchedEngine(pair, BatchConfig(max_requests=1, max_rows=16, max_prefill_tokens=512))
+        rid = alone.add(BatchRequest(p, 120, c, seed=3, sampling=sm, ignore_eos=True))
+        assert tokens == _drain(alone, [rid])[0]
+    assert (
+        got[2] == SpeculativeEngine(pair, sampled).generate(long_ids, 8, StaticController(1), seed=5).tokens
+    )
+
+
+@pytest.mark.skipif(not KQUANT, reason="needs the compiled kernels (a C++ compiler)")
+def test_prefill_in_chunks_is_bitwise_the_prefill_whole():
+    """On the native decoder a prompt forwarded in chunks, at any boundaries, leaves the same cache bits and
+    gives the same logits as one forward of it (which itself runs in chunks of ``MAX_ROWWISE_ROWS``), and
+    those are transformers' forward's within float error; a chunk at the wrong positions changes them
+    (negative control)."""
+    from engine.engine import forward_logits
+
+    pair = load_pair("tiny", weights="kquant", device="cpu")
+    model, device = pair.target, pair.device
+    ids = pair.encode(LONG)
+    n = len(ids)
+
+    def run(bounds, shift_at=None):
+        cache = new_cache(model)
+        cuts = [0, *bounds, n]
+        logits = None
+        for a, b in zip(cuts, cuts[1:]):
+            shift = 3 if a == shift_at else 0
+            logits = forward_logits(model, ids[a:b], range(a + shift, b + shift), cache, device, keep=1)
+        return logits, cache
+
+    whole, whole_cache = run([])
+    for bounds in ([7], [64, 65], [1, 40, 100, 101], list(range(13, n, 13))):
+        logits, cache = run(bounds)
+        assert torch.equal(logits, whole), bounds
+        for mine, ref in zip(cache.layers, whole_cache.layers):
+            assert torch.equal(mine.keys, ref.keys) and torch.equal(mine.values, ref.values)
+    shifted, _ = run([40, 100], shift_at=40)
+    assert not torch.equal(shifted, whole)
+    reference = forward_logits(model, ids, range(n), None, device, keep=1)  # transformers' forward
+    assert torch.allclose(whole, reference, atol=1e-3 * float(reference.abs().max()))
 
 
 def test_grant_rows_water_fills_in_order():
@@ -189,8 +278,19 @@ def test_the_comparison_catches_a_batch_that_mixes_up_positions(pair, monkeypatc
     real = batch_module.forward_rows
 
     def shifted(model, items, device):
+        # the decoding rows of shared target forwards (not the prompts, which ride there too: one shift for all of
+        # a sequence's rows would be invisible to the rotary embedding)
         if model is pair.target and len(items) > 1:
-            items = [Rows(it.ids, [p + 5 for p in it.positions], it.cache, it.mask, it.keep) for it in items]
+            items = [
+                Rows(
+                    it.ids,
+                    [p + 5 for p in it.positions] if it.positions[0] else it.positions,
+                    it.cache,
+                    it.mask,
+                    it.keep,
+                )
+                for it in items
+            ]
         return real(model, items, device)
 
     monkeypatch.setattr(batch_module, "forward_rows", shifted)

@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 
+from engine.batch import plan_prefills
 from engine.control import StaticController
 from engine.costs.cost_profile import ProfileError
 from engine.errors import InputError
@@ -191,3 +192,24 @@ def test_a_request_its_first_token_ends_costs_its_prefill_only():
     assert sum(s[0] for s in run.steps) == pytest.approx(
         2 * batched_profile().prefill_s(10, with_draft=False)
     )
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode():
+    """As the engine schedules it (``engine.batch.plan_prefills``): a 150-token prompt admitted behind a short
+    one is prefilled a chunk a step while the short one decodes, in ceil(tokens left / budget) steps; whole-prompt
+    prefill (``chunked=False``) waits for the next step and takes it whole."""
+    import dataclasses
+
+    short = make_synthetic_trace(0, length=60, width=1, max_depth=4)
+    long = dataclasses.replace(make_synthetic_trace(1, length=10, width=1, max_depth=4), prompt_len=150)
+    assert short.prompt_len + 150 > 64
+    for chunked, budget in ((True, 32), (True, 64), (False, 32)):
+        sim = ServerReplay([ReplayTrace(short), ReplayTrace(long)], batched_profile(), max_prefill_tokens=budget, chunked=chunked)  # fmt: skip
+        run = sim.run(Arrivals.closed(2, 2), lambda: StaticController(1, 1))
+        first, second = run.requests
+        decoded = sorted({t for t in first.token_times if first.first_token < t <= second.first_token})
+        first_chunk = min(budget - short.prompt_len, 150) if chunked else 0
+        assert len(decoded) == (-(-(150 - first_chunk) // budget) if chunked else 1), (chunked, budget)
+    assert plan_prefills([150, 10], 32, True) == [32] and plan_prefills([20, 10, 5], 32, True) == [20, 10, 2]
+    assert plan_prefills([150, 10], 32, False) == [150] and plan_prefills([20, 10, 5], 32, False) == [20, 10]
+    assert plan_prefills([200], 500, True) == [65]
