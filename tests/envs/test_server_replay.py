@@ -18,7 +18,8 @@ from envs.server import Arrivals, ServerReplay, ServerReplayBackend, tune_table
 from policies import AnalyticController, BatchSizeTableController
 from serving.export import check_sglang_adaptive_config, sglang_adaptive_config, write_exports
 from serving.vllm_peer import read_batch_size_table
-from tests_envs_helpers import batched_profile, make_synthetic_trace
+from tests_envs_helpers import make_synthetic_trace
+from tests_helpers import batched_profile
 
 
 @pytest.fixture
