@@ -57,8 +57,17 @@ class ServeConfig(ModelConfig):
     served_model_name: str = "draftpilot"
     """The model name clients send and /v1/models lists (the pair's name is accepted too)."""
     policy: str = "auto"
-    """Exported policy file for every request's controller; "auto": runs/main/policy.pt when it exists, else
-    the static setting (--depth/--verify); "none": the static setting."""
+    """Every request's controller: an exported policy file; "auto": runs/main/policy.pt when it exists, else
+    the static setting (--depth/--verify); "none": the static setting; "analytic": the analytic controller
+    given the load, costed with --profile (at --tree-width), else with the settings of the trained policy
+    runs/main/policy.pt (its cost profile, tree width, depth cap, and lookup under --lookup auto), as the
+    main job's analytic baseline ran; "analytic:FILE": with those of the policy file FILE; "table:FILE": a
+    chain of the depth a per-batch-size table FILE gives the requests in the step (vLLM's
+    num_speculative_tokens_per_batch_size JSON; train.py writes the per-load baseline's as
+    runs/NAME/tuned_batch_size_table.json)."""
+    profile: str | None = None
+    """Cost profile JSON (python -m engine.costs.measure_costs --batch-axis --out FILE) that --policy analytic
+    costs its choices with."""
     autoregressive: bool = False
     """No speculation: every request decodes autoregressively (lookup cycles only, with --lookup)."""
     depth: int = 1
@@ -101,12 +110,93 @@ def build_parser() -> ArgumentParser:
     return ap
 
 
+def policy_kind(policy: str) -> tuple[str, str | None]:
+    """What ``--policy`` names: ("auto" | "none" | "analytic" | "table" | "file", its file or None)."""
+    if policy in ("auto", "none", "analytic"):
+        return policy, None
+    kind, colon, path = policy.partition(":")
+    if kind in ("analytic", "table") and colon:
+        if not path:
+            raise InputError(f"--policy {kind}:FILE needs its file, got {policy!r}")
+        return kind, path
+    if policy == "table":
+        raise InputError("--policy table needs its file: table:FILE (a per-batch-size table JSON)")
+    return "file", policy
+
+
+def read_table(config: ServeConfig) -> dict[int, int]:
+    """``--policy table:FILE``'s table, checked as vLLM checks it (``serving.vllm_peer``'s reader): the first
+    batch size of each range -> its depth (a gap or the sizes past the last range keep the previous depth)."""
+    from serving.vllm_peer import read_batch_size_table
+
+    try:
+        rows = read_batch_size_table(policy_kind(config.policy)[1])
+    except ValueError as err:
+        raise InputError(f"--policy {config.policy}: {err}") from None
+    return {first: depth for first, _, depth in rows}
+
+
+def analytic_profile(config: ServeConfig):
+    """The cost profile ``--policy analytic`` costs its choices with: ``--profile``, else the one the policy
+    file carries (``analytic:FILE``, else runs/main/policy.pt). (profile, where it comes from, that policy
+    or None)."""
+    from engine.costs.cost_profile import load_profile_arg
+    from policies import load_policy
+    from policies.learned import stored_profile
+
+    path = policy_kind(config.policy)[1]
+    if config.profile is not None:
+        if path is not None:
+            raise InputError(f"--policy {config.policy} and --profile both give the cost profile: give one")
+        return load_profile_arg(config.profile), config.profile, None
+    if path is None:
+        if not DEFAULT_POLICY.is_file():
+            raise InputError(
+                "--policy analytic needs a cost profile: --profile FILE (python -m engine.costs.measure_costs "
+                f"--batch-axis --out FILE), --policy analytic:POLICY_FILE, or a trained {DEFAULT_POLICY}"
+            )
+        path = str(DEFAULT_POLICY)
+    try:
+        template = load_policy(path)
+    except CLI_ERRORS as err:
+        raise InputError(f"--policy {config.policy}: {err}") from None
+    profile = stored_profile(template.meta.get("profile"))
+    if profile is None:
+        raise InputError(
+            f"--policy {config.policy}: {path} carries no cost profile this code reads; give --profile FILE"
+        )
+    return profile, path, template
+
+
 def controller_factory(config: ServeConfig, pair):
     """(a callable giving each request a fresh controller, its description, the policy's trained lookup)."""
     if config.autoregressive:
         return (lambda: None), "autoregressive", None
-    auto = config.policy == "auto"
-    path = None if config.policy == "none" else (str(DEFAULT_POLICY) if auto else config.policy)
+    kind, path = policy_kind(config.policy)
+    if kind == "analytic":
+        from policies import AnalyticController
+
+        profile, source, template = analytic_profile(config)
+        options, trained = {"tree_width": config.tree_width}, None
+        if template is not None:  # the settings the policy's own analytic baseline ran with
+            options = {"tree_width": template.tree_width, "max_depth": template.max_depth}
+            trained = template.trained_lookup
+            if message := template.pair_warning(pair):
+                warn(f"--policy {config.policy}: its cost profile comes from {source}: {message}")
+        analytic = AnalyticController(profile, **options)
+        if not analytic.loads.available:
+            warn(
+                f"--policy {config.policy}: the cost profile ({source}) has no batch axis, so the analytic "
+                "controller costs every choice as alone (measure one with --batch-axis)"
+            )
+        return (lambda: AnalyticController(profile, **options)), f"{analytic!r} profile={source}", trained
+    if kind == "table":
+        from policies import BatchSizeTableController
+
+        table = BatchSizeTableController(read_table(config), tree_width=config.tree_width)
+        return (lambda: copy.deepcopy(table)), f"{table!r} from {path}", None
+    auto = kind == "auto"
+    path = str(DEFAULT_POLICY) if auto else path
     if path is not None and (not auto or DEFAULT_POLICY.is_file()):
         from policies import load_policy  # torch-only inference code (no SB3)
 
@@ -248,8 +338,17 @@ def check(config: ServeConfig) -> ServeConfig:
         )
     if config.kv_memory.strip().lower() not in ("auto", "off"):
         parse_size(config.kv_memory)
-    if config.policy not in ("auto", "none") and not os.path.isfile(config.policy):
-        raise InputError(f"--policy: no file {config.policy}")
+    kind, path = policy_kind(config.policy)
+    if kind == "file" and not os.path.isfile(path):
+        raise InputError(f"--policy: no file {path}")
+    if kind == "table":
+        read_table(config)
+    if kind == "analytic":
+        analytic_profile(config)
+    elif config.profile is not None:
+        raise InputError(
+            f"--profile is the cost profile of --policy analytic; --policy {config.policy} uses none"
+        )
     resolve_lookup(config.lookup)
     config.check()
     return config

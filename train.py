@@ -67,7 +67,7 @@ from envs.replay import replay_generate, throughput
 from policies import AnalyticController, StaticController, load_training
 from policies.learned import load_policy, save_policy
 from policies.ppo import CoTrainer, PPOConfig, has_checkpoint, verify_checkpoint
-from serving.export import write_exports
+from serving.export import EXPORTS, write_exports
 
 
 @dataclass
@@ -639,7 +639,7 @@ def _reuse(run: Path, config: TrainConfig, retrain: bool) -> dict | None:
 def _clear_outputs(run: Path) -> None:
     """Remove every output of an earlier run, so that a kill can never leave an old policy looking like this
     run's."""
-    for name in ("policy.pt", "metrics.json"):
+    for name in ("policy.pt", "metrics.json", *EXPORTS):
         (run / name).unlink(missing_ok=True)
     for name in ("checkpoint", "tb"):
         if (run / name).is_dir():
@@ -818,7 +818,8 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
     )
     if setup is not None:
         ranges = {(a, b): k for a, b, k in metrics["load"]["table_ranges"]}
-        metrics["load"]["exports"] = write_exports(ranges, run)
+        tuned = load_training.table_ranges({n: d for n, (d, _) in setup.table.items()})
+        metrics["load"]["exports"] = write_exports(ranges, run, tuned=tuned)
     atomic_write_json(run / "metrics.json", metrics)
     metrics["policy"] = str(path)
     return metrics

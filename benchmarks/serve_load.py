@@ -14,8 +14,11 @@ Every row is a server started for the row and stopped after it:
   ``serving.vllm_peer.write_batch_size_table``); the rows are skipped with one line where vLLM is absent.
 
 Each row runs the closed-loop levels (N clients, each sending its next request when the last one ended; N in
-``--concurrency``; 2N requests, at least ``--min-requests``) and the Poisson levels (requests arriving at
-``--rates`` per second, ``--poisson-requests`` of them). Requests are /v1/completions with the chat-templated
+``--concurrency``; 2N requests, at least ``--min-requests``), the Poisson levels (requests arriving at
+``--rates`` per second, ``--poisson-requests`` of them) and, with ``--rate-schedule R1:N1,R2:N2,...``, one
+Poisson level whose rate changes during the run (N1 requests arriving at R1 per second, then N2 at R2, ...;
+mode ``poisson-schedule``, its level the schedule). Poisson arrivals are seeded (the repeat's index): the
+first request at once, each next one an exponential gap later at its own rate. Requests are /v1/completions with the chat-templated
 prompt as token ids (both servers read token-id prompts, so both see the same tokens), greedy, streaming,
 ``max_tokens`` with ``ignore_eos`` (both servers honour it: every request does the same work), and
 llama-server's prompt cache off (``cache_prompt: false``: our server has no prefix cache, and the
@@ -31,6 +34,7 @@ same prompt's text at concurrency 1 in the same row (a batch-invariant server gi
     python benchmarks/serve_load.py --pair tiny --ours "ar=--autoregressive" --no-llama --concurrency 1,4 --max-tokens 16
     python benchmarks/serve_load.py --json runs/serve_load.json --plot runs/serve_load.png
     python benchmarks/serve_load.py --no-llama --ours "ar=--autoregressive" --vllm ar,draft-2,table --json runs/vllm.json
+    python benchmarks/serve_load.py --no-llama --ours "analytic=--policy analytic --lookup on" --rate-schedule 0.1:6,0.6:12,0.1:6
 
 Prints one line per row and level and, with --json, writes every figure with the machine's conditions (CPU,
 threads, load averages). Never run it while another heavy job runs: the figures would measure contention.
@@ -41,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import statistics
@@ -52,6 +57,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from engine.cli import ArgumentParser
 from engine.costs.measure_costs import device_name
 from envs.prompts import interleave_languages, load_suite
 from evaluation.llama_cpp_build import default_bin_dir, find_server
@@ -201,16 +207,54 @@ async def closed_loop(
     return outcomes, wall
 
 
-async def poisson(url: str, row: Row, prompts: list[list[int]], rate: float, requests: int, max_tokens: int, seed: int):  # fmt: skip
+def parse_schedule(text: str) -> list[tuple[float, int]]:
+    """``--rate-schedule`` "R1:N1,R2:N2,...": (requests/s, requests arriving at that rate), in order."""
+    schedule = []
+    for part in text.split(","):
+        rate, colon, count = part.strip().partition(":")
+        try:
+            r, n = float(rate), int(count)
+        except ValueError:
+            r, n = math.nan, 0
+        if not colon or not (math.isfinite(r) and r > 0) or n < 1:
+            raise ValueError(
+                "--rate-schedule: each entry is RATE:REQUESTS (requests/s > 0, an integer >= 1), "
+                f"got {part.strip()!r}"
+            )
+        schedule.append((r, n))
+    return schedule
+
+
+def schedule_label(schedule: list[tuple[float, int]]) -> str:
+    return ",".join(f"{r:g}:{n}" for r, n in schedule)
+
+
+def arrival_times(schedule: list[tuple[float, int]], seed: int) -> list[float]:
+    """Seconds from the start at which each request of a Poisson run arrives: the first at 0, each next one an
+    exponential gap later, drawn (one seeded generator) at the rate of the schedule's piece it belongs to."""
     rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=requests + 4, max_keepalive_connections=requests + 4)
+    times, now = [], 0.0
+    for i, rate in enumerate(r for r, n in schedule for _ in range(n)):
+        if i:
+            now += rng.expovariate(rate)
+        times.append(now)
+    return times
+
+
+async def poisson(url: str, row: Row, prompts: list[list[int]], schedule: list[tuple[float, int]], max_tokens: int, seed: int):  # fmt: skip
+    """A Poisson run of ``schedule`` (one rate: ``[(rate, requests)]``); (outcomes, wall time from the first
+    arrival to the last request's end)."""
+    times = arrival_times(schedule, seed)
+    limits = httpx.Limits(max_connections=len(times) + 4, max_keepalive_connections=len(times) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         tasks = []
         start = time.perf_counter()
-        for i in range(requests):
+        for i, at in enumerate(times):
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
             p = i % len(prompts)
             tasks.append(asyncio.create_task(one_request(client, url, row, p, prompts[p], max_tokens)))
-            await asyncio.sleep(rng.expovariate(rate))
         outcomes = await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
     return list(outcomes), wall
@@ -336,7 +380,7 @@ def vllm_rows(args, slots: int) -> list[Row]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python benchmarks/serve_load.py", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python benchmarks/serve_load.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", default="qwen2.5-coder")
     ap.add_argument("--ours", action="append", help=f"NAME=FLAGS of serve.py (default: {DEFAULT_OURS})")
     ap.add_argument("--no-llama", action="store_true", help="no llama-server rows")
@@ -356,6 +400,12 @@ def main(argv: list[str] | None = None) -> int:
         "--rates", default="", help="Poisson arrival rates, requests/s (comma list; none by default)"
     )
     ap.add_argument("--poisson-requests", type=int, default=12)
+    ap.add_argument(
+        "--rate-schedule",
+        default="",
+        help="one Poisson level whose rate changes: RATE:REQUESTS,... (requests/s and how many arrive at it, "
+        "in order, e.g. 0.1:6,0.6:12,0.1:6; none by default)",
+    )
     ap.add_argument("--min-requests", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompts-per-language", type=int, default=2)
@@ -368,6 +418,10 @@ def main(argv: list[str] | None = None) -> int:
     args.ours = [] if args.no_ours else (args.ours or list(DEFAULT_OURS))
     args.concurrency = [int(x) for x in args.concurrency.split(",") if x]
     args.rates = [float(x) for x in args.rates.split(",") if x]
+    try:
+        args.rate_schedule = parse_schedule(args.rate_schedule) if args.rate_schedule.strip() else []
+    except ValueError as err:
+        ap.error(str(err))
     args.llama_draft_max = [int(x) for x in args.llama_draft_max.split(",") if x]
     args.vllm = [x for x in args.vllm.split(",") if x]
     for name in args.vllm:
@@ -425,11 +479,15 @@ def main(argv: list[str] | None = None) -> int:
                     entry["loadavg"] = os.getloadavg()[0]
                     results.append(entry)
                     report(entry)
-                for rate in args.rates:
+                levels = [("poisson", rate, [(rate, args.poisson_requests)]) for rate in args.rates]
+                if args.rate_schedule:
+                    label = schedule_label(args.rate_schedule)
+                    levels.append(("poisson-schedule", label, args.rate_schedule))
+                for mode, level, schedule in levels:
                     outcomes, wall = asyncio.run(
-                        poisson(url, row, prompts, rate, args.poisson_requests, args.max_tokens, seed=repeat)
+                        poisson(url, row, prompts, schedule, args.max_tokens, seed=repeat)
                     )
-                    entry = {"row": row.name, "repeat": repeat, "mode": "poisson", "level": rate}
+                    entry = {"row": row.name, "repeat": repeat, "mode": mode, "level": level}
                     entry["weights"] = row.weights
                     entry.update(summarize(outcomes, wall, reference), peak_rss_mb=peak_rss_mb(srv.proc.pid))
                     entry["loadavg"] = os.getloadavg()[0]
@@ -458,9 +516,10 @@ def save(path: str, info: dict, args, rows: list[Row], results: list[dict]) -> N
 
 
 def report(e: dict) -> None:
-    unit = "clients" if e["mode"] == "closed" else "req/s"
+    unit = {"closed": "clients", "poisson": "req/s"}.get(e["mode"], "req/s:n")
+    level = f"{e['level']:>5g}" if isinstance(e["level"], (int, float)) else e["level"]
     print(
-        f"{e['row']:18s} {e['mode']:7s} {e['level']:>5g} {unit:7s} tok/s {e['tok_s']:7.2f} (1 req {e['decode_tok_s']:5.2f})  "
+        f"{e['row']:18s} {e['mode']:7s} {level} {unit:7s} tok/s {e['tok_s']:7.2f} (1 req {e['decode_tok_s']:5.2f})  "
         f"ttft p50 {e['ttft_p50']:6.3f} p99 {e['ttft_p99']:6.3f}  itl p50 {e['itl_p50'] * 1e3:6.1f} "
         f"p99 {e['itl_p99'] * 1e3:6.1f} ms  lat p50 {e['latency_p50']:6.2f} p99 {e['latency_p99']:6.2f}  "
         f"same {e['identical']:.0%}  err {e['errors']}  rss {e['peak_rss_mb']:.0f} MB  load {e['loadavg']:.2f}",

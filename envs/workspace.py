@@ -25,9 +25,8 @@ from engine.backends import lean
 from engine.backends.models import load_pair
 from engine.backends.native import KERNEL_NUMERICS
 from engine.backends.pair import ModelPair
-from engine.costs.cost_profile import CostProfile
+from engine.costs.cost_profile import CostProfile, load_profile_arg
 from engine.costs.measure_costs import ProfileConfig, measure_profile
-from engine.errors import DraftpilotError, InputError
 from engine.lookup import describe_lookup
 from engine.sampling import SamplingConfig
 from envs.prompts import suite_split
@@ -68,14 +67,6 @@ def pair_dir(pair: ModelPair, cache_dir: str | Path) -> Path:
     uses_kernels = any(fmt.startswith("kquant") for fmt in (pair.weights, pair.draft_weights))
     numerics = f"-n{KERNEL_NUMERICS}" if uses_kernels and KERNEL_NUMERICS > 1 else ""
     return Path(cache_dir) / name / f"{dev}-{pair.precision}{'-native' if native else ''}{numerics}"
-
-
-def load_profile_arg(path: str | Path) -> CostProfile:
-    """``CostProfile.load`` of a profile given on a command line: what is wrong with it names ``--profile``."""
-    try:
-        return CostProfile.load(path)
-    except (DraftpilotError, OSError) as err:
-        raise InputError(f"--profile: {err}") from None
 
 
 def ensure_profile(

@@ -1,4 +1,5 @@
-"""A trained policy's per-load draft lengths in the files other serving engines read.
+"""A trained policy's per-load draft lengths in the files other serving engines read, and the per-load
+baseline's table beside them.
 
 * vLLM: ``speculative_config.num_speculative_tokens_per_batch_size``, a JSON list of ``[first, last, k]``
   (``serving.vllm_peer.write_batch_size_table``, checked as vLLM 0.32.0 checks it).
@@ -8,6 +9,8 @@
   ``update_interval``, ``warmup_batches``, ``down_hysteresis``, ``up_hysteresis``). One candidate step per
   range pins the draft steps to the policy's choice there. SGLang always drafts at least one step, so a
   range where the policy does not draft carries 1.
+* The baseline: the static chain tuned per load level (``envs.server.tune_table``) in vLLM's format, as
+  ``tuned_batch_size_table.json``, so that ``serve.py --policy table:FILE`` (and vLLM) serve it live.
 """
 
 from __future__ import annotations
@@ -68,20 +71,37 @@ def check_sglang_adaptive_config(config: object) -> None:
         raise ValueError(f"batch-size lower bounds must increase from 1, got {bounds}")
 
 
-def write_exports(table: Mapping[tuple[int, int], int], directory: str | Path) -> dict[str, str]:
+VLLM_FILE = "vllm_batch_size_table.json"
+SGLANG_FILE = "sglang_adaptive_config.json"
+TUNED_FILE = "tuned_batch_size_table.json"
+EXPORTS = (VLLM_FILE, SGLANG_FILE, TUNED_FILE)
+"""The files ``write_exports`` writes into a run directory."""
+
+
+def write_exports(
+    table: Mapping[tuple[int, int], int],
+    directory: str | Path,
+    tuned: Mapping[tuple[int, int], int] | None = None,
+) -> dict[str, str]:
     """Write ``vllm_batch_size_table.json`` (when the policy drafts anywhere: vLLM refuses an all-zero table)
-    and ``sglang_adaptive_config.json`` into ``directory``; returns what was written (name -> path, or a
-    reason)."""
+    and ``sglang_adaptive_config.json`` into ``directory``, and with ``tuned`` (the per-load baseline's
+    ranges, as ``table``) ``tuned_batch_size_table.json`` (when it drafts anywhere); returns what was written
+    (name -> path, or a reason)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     out = {}
     if any(table.values()):
-        out["vllm"] = str(write_batch_size_table(table, directory / "vllm_batch_size_table.json"))
+        out["vllm"] = str(write_batch_size_table(table, directory / VLLM_FILE))
     else:
         out["vllm"] = "not written: the policy drafts at no load level (run vLLM without speculation)"
     config = sglang_adaptive_config(table)
     check_sglang_adaptive_config(config)
-    path = directory / "sglang_adaptive_config.json"
+    path = directory / SGLANG_FILE
     atomic_write(path, json.dumps(config, indent=1) + "\n")
     out["sglang"] = str(path)
+    if tuned is not None:
+        if any(tuned.values()):
+            out["tuned table"] = str(write_batch_size_table(tuned, directory / TUNED_FILE))
+        else:
+            out["tuned table"] = "not written: the static chain tuned per load level drafts at no level"
     return out

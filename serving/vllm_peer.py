@@ -21,6 +21,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from engine.backends.files import atomic_write
+from engine.errors import is_int
 from serving.launch import ServerProcess
 
 DEFAULT_VENV = Path("~/.venvs/draftpilot-vllm").expanduser()
@@ -74,7 +76,7 @@ def write_batch_size_table(table: Mapping[tuple[int, int], int], path: str | Pat
     ``num_speculative_tokens_per_batch_size``; ``speculative_config(draft, table=path)`` reads it back."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(batch_size_table(table)) + "\n")
+    atomic_write(path, json.dumps(batch_size_table(table)) + "\n")
     return path
 
 
@@ -82,10 +84,12 @@ def read_batch_size_table(path: str | Path) -> list[list[int]]:
     """The table file ``write_batch_size_table`` wrote, checked again (ValueError naming the file)."""
     try:
         rows = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{path}: not a table file ({err})") from None
-    if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) == 3 for r in rows):
-        raise ValueError(f"{path}: not a list of [first, last, k] entries")
+    if not isinstance(rows, list) or not all(
+        isinstance(r, list) and len(r) == 3 and all(is_int(x) for x in r) for r in rows
+    ):
+        raise ValueError(f"{path}: not a list of [first, last, k] integer entries")
     return batch_size_table({(r[0], r[1]): r[2] for r in rows})
 
 

@@ -58,3 +58,71 @@ def assert_greedy_identity(pair, prompts, controllers, max_new_tokens: int = 24)
         for controller in controllers:
             got = engine.generate(ids, max_new_tokens=max_new_tokens, controller=controller)
             assert got.tokens == ar.tokens, controller
+
+
+def batched_profile(row_s: float = 0.006, draft_row_s: float = 0.002):
+    """A ``CostProfile`` with a batch axis, linear everywhere: verification 30 ms + 5 ms a node, a draft step
+    10 ms, prefills 1 ms a token (draft 0.3); batched forwards 25 ms + ``row_s`` a row (target) and 8 ms +
+    ``draft_row_s`` a row (draft), whatever the sequences; context 512 for every table."""
+    from engine.costs.cost_profile import CostProfile
+
+    sizes = [0, 1, 2, 4, 8, 16, 64]
+    table = {"context": 512, "target": [], "draft": [], "target_spread": [], "draft_spread": []}
+    for s in (1, 2, 4, 8, 16):
+        for r in (1, 2, 4, 8):
+            table["target"].append([s, s * r, 0.025 + row_s * s * r])
+            table["draft"].append([s, s * r, 0.008 + draft_row_s * s * r])
+            table["target_spread"].append(0.0)
+            table["draft_spread"].append(0.0)
+    return CostProfile(
+        contexts=[128, 512],
+        widths=[1, 2],
+        draft_step_table=[[0.010, 0.010], [0.012, 0.012]],
+        sizes=sizes,
+        verify_table=[[0.030 + 0.005 * v] * 2 for v in sizes],
+        prefill_lengths=[16, 512],
+        prefill_target_s=[0.016, 0.512],
+        prefill_draft_s=[0.005, 0.154],
+        overhead_base_s=0.001,
+        ar_overhead_s=0.0005,
+        batched=table,
+    )
+
+
+def random_actor(obs_dim: int, actions: int, seed: int):
+    """A policy actor (``policies.learned.Actor``) of random weights."""
+    import torch
+
+    from policies.learned import Actor
+
+    gen = torch.Generator().manual_seed(seed)
+    spec = {
+        "weights": [torch.randn(16, obs_dim, generator=gen), torch.randn(actions, 16, generator=gen)],
+        "biases": [torch.randn(16, generator=gen), torch.randn(actions, generator=gen)],
+        "activation": "tanh",
+        "obs_mean": torch.randn(obs_dim, generator=gen),
+        "obs_var": torch.rand(obs_dim, generator=gen) + 0.5,
+        "clip_obs": 10.0,
+        "epsilon": 1e-8,
+    }
+    return Actor(spec, obs_dim, actions)
+
+
+def make_policy(path, pair: str = "tiny", profile: dict | None = None, **kw):
+    """A valid policy file of random actors at ``path`` (``save_policy``'s arguments in ``kw``)."""
+    from engine.costs.features import DEPTH_OBS_DIM, NUM_DEVICE_FEATURES, SIZE_OBS_DIM
+    from envs.replay import SIZE_LADDER
+    from policies.learned import save_policy
+
+    args = {
+        "size_ladder": SIZE_LADDER,
+        "tree_width": 2,
+        "max_depth": 4,
+        "device_feats": np.zeros(NUM_DEVICE_FEATURES),
+        "pair": pair,
+        "profile": profile,
+    }
+    args.update(kw)
+    return save_policy(
+        path, random_actor(DEPTH_OBS_DIM, 2, 0), random_actor(SIZE_OBS_DIM, len(SIZE_LADDER), 1), **args
+    )

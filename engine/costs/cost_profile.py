@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from engine.backends.files import atomic_write
-from engine.errors import DraftpilotError
+from engine.errors import DraftpilotError, InputError
 
 PROFILE_VERSION = 1
 _IQR_PER_SIGMA = 0.6744897501960817  # standard normal quartile: IQR/median of lognormal = 2 sinh(q sigma)
@@ -519,6 +519,14 @@ class CostProfile:
                     cells += f"{1e3 * table[i, j]:>11.2f} {ratio:>6}"
                 lines.append(f"{int(r):>10}{cells}")
         return lines
+
+
+def load_profile_arg(path: str | Path) -> CostProfile:
+    """``CostProfile.load`` of a profile given on a command line: what is wrong with it names ``--profile``."""
+    try:
+        return CostProfile.load(path)
+    except (DraftpilotError, OSError) as err:
+        raise InputError(f"--profile: {err}") from None
 
 
 def _plain(obj: Any) -> Any:

@@ -19,7 +19,8 @@ from envs.server import Arrivals, ServerReplay, ServerReplayBackend, tune_table
 from policies import AnalyticController, BatchSizeTableController
 from serving.export import check_sglang_adaptive_config, sglang_adaptive_config, write_exports
 from serving.vllm_peer import read_batch_size_table
-from tests_envs_helpers import batched_profile, make_synthetic_trace
+from tests_envs_helpers import make_synthetic_trace
+from tests_helpers import batched_profile
 
 
 @pytest.fixture
@@ -179,7 +180,19 @@ def test_exports_have_the_formats_vllm_and_sglang_read(tmp_path):
         with pytest.raises(ValueError):
             check_sglang_adaptive_config(bad)
     none = write_exports({(1, 256): 0}, tmp_path / "none")
-    assert none["vllm"].startswith("not written")
+    assert none["vllm"].startswith("not written") and "tuned table" not in none
+
+
+def test_the_tuned_per_load_table_is_exported_in_vllms_format(tmp_path):
+    """The per-load baseline's table (``tuned``) in vLLM's format, read back as written; not written where it
+    drafts at no level (vLLM refuses an all-zero table)."""
+    written = write_exports({(1, 256): 0}, tmp_path, tuned={(1, 1): 2, (2, 256): 1})
+    assert written["tuned table"] == str(tmp_path / "tuned_batch_size_table.json")
+    assert read_batch_size_table(written["tuned table"]) == [[1, 1, 2], [2, 256, 1]]
+    assert write_exports({(1, 256): 1}, tmp_path / "none", tuned={(1, 256): 0})["tuned table"].startswith(
+        "not written"
+    )
+    assert not (tmp_path / "none" / "tuned_batch_size_table.json").exists()
 
 
 def test_a_request_its_first_token_ends_costs_its_prefill_only():

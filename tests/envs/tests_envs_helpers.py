@@ -88,32 +88,3 @@ def make_synthetic_trace(
         np.asarray(n_sc, np.float32),
         meta,
     )
-
-
-def batched_profile(row_s: float = 0.006, draft_row_s: float = 0.002):
-    """A ``CostProfile`` with a batch axis, linear everywhere: verification 30 ms + 5 ms a node, a draft step
-    10 ms, prefills 1 ms a token (draft 0.3); batched forwards 25 ms + ``row_s`` a row (target) and 8 ms +
-    ``draft_row_s`` a row (draft), whatever the sequences; context 512 for every table."""
-    from engine.costs.cost_profile import CostProfile
-
-    sizes = [0, 1, 2, 4, 8, 16, 64]
-    table = {"context": 512, "target": [], "draft": [], "target_spread": [], "draft_spread": []}
-    for s in (1, 2, 4, 8, 16):
-        for r in (1, 2, 4, 8):
-            table["target"].append([s, s * r, 0.025 + row_s * s * r])
-            table["draft"].append([s, s * r, 0.008 + draft_row_s * s * r])
-            table["target_spread"].append(0.0)
-            table["draft_spread"].append(0.0)
-    return CostProfile(
-        contexts=[128, 512],
-        widths=[1, 2],
-        draft_step_table=[[0.010, 0.010], [0.012, 0.012]],
-        sizes=sizes,
-        verify_table=[[0.030 + 0.005 * v] * 2 for v in sizes],
-        prefill_lengths=[16, 512],
-        prefill_target_s=[0.016, 0.512],
-        prefill_draft_s=[0.005, 0.154],
-        overhead_base_s=0.001,
-        ar_overhead_s=0.0005,
-        batched=table,
-    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import sys
 from pathlib import Path
 
 CACHE = "cache"
@@ -45,7 +46,10 @@ def load_benchmark(name: str):
     import importlib.util
 
     path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
+    # registered (a dataclass's annotations are resolved through its module) under a name of its own: a
+    # script's name may be a package's (llama_cpp)
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module

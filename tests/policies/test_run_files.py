@@ -33,6 +33,7 @@ from evaluation.config import EvalConfig
 from evaluation.report import write_json
 from policies import StaticController, load_policy, load_training
 from policies.ppo import MANIFEST, CheckpointError, CoTrainer, read_trainer_state, verify_checkpoint
+from serving.export import EXPORTS, SGLANG_FILE
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -336,6 +337,7 @@ def test_reuse_trusts_the_policy_file_not_config_json(base, monkeypatch):
 
 def test_retrain_removes_stale_outputs_before_training(base, monkeypatch):
     run = copy_run(base, "retrain")
+    assert (run / SGLANG_FILE).exists()  # written by every load-aware run
     tmp = base["tmp"]
 
     def killed(*args, **kwargs):
@@ -347,6 +349,7 @@ def test_retrain_removes_stale_outputs_before_training(base, monkeypatch):
     monkeypatch.undo()
     assert not (run / "policy.pt").exists() and not (run / "metrics.json").exists()
     assert not (run / "checkpoint").exists() and not (run / "tb").exists()
+    assert not any((run / name).exists() for name in EXPORTS)  # the exported tables went with the policy
     assert json.loads((run / "config.json").read_text())["seed"] == 1
     metrics = train.train(quick_config(tmp, run_name="retrain", seed=1))  # trains: nothing left to reuse
     assert load_policy(metrics["policy"]).meta["train_config"]["seed"] == 1
@@ -592,3 +595,22 @@ def test_lookup_training_needs_the_replay_backend_and_a_valid_setting():
         train.TrainConfig(pair="tiny", backend="live", lookup="on")
     with pytest.raises(InputError, match="lookup setting"):
         train.TrainConfig(pair="tiny", lookup="3-")
+
+
+def test_the_main_job_exports_the_per_load_baseline_for_serve_py(base):
+    """Beside the policy, the static chain tuned per load level (the per-load baseline) in vLLM's table format;
+    ``serve.py --policy table:FILE`` serves it live at the tuned depth of every load level."""
+    import serve
+    from policies import BatchSizeTableController
+    from serving.export import TUNED_FILE
+
+    run = base["run"]
+    load = json.loads((run / "metrics.json").read_text())["load"]
+    tuned = {int(n): depth for n, (depth, _) in load["table"].items()}
+    if not any(tuned.values()):  # the measured tiny profile made drafting pay at no level: nothing to serve
+        assert load["exports"]["tuned table"].startswith("not written") and not (run / TUNED_FILE).exists()
+        return
+    assert load["exports"]["tuned table"] == str(run / TUNED_FILE)
+    config = serve.ServeConfig(pair="tiny", policy=f"table:{run / TUNED_FILE}")
+    controller = BatchSizeTableController(serve.read_table(config))
+    assert {n: controller.depth_for(n) for n in tuned} == tuned

@@ -1,6 +1,7 @@
-"""The server is on the inference path: importing ``serve.py`` and ``serving/*`` (and the policy loader
-``serve.py`` uses for --policy) loads no training code, checked in a fresh interpreter's ``sys.modules``
-(``tests/test_layering.py`` checks the import statements; this catches what they pull in transitively)."""
+"""The server is on the inference path: importing ``serve.py`` and ``serving/*`` (and what ``serve.py`` uses
+for --policy and --profile: the policy loader, the controllers, the profile and table readers) loads no
+training code, checked in a fresh interpreter's ``sys.modules`` (``tests/test_layering.py`` checks the import
+statements; this catches what they pull in transitively)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ import serving.app, serving.worker, serving.text, serving.metrics
 from serving.app import create_app
 serve.build_parser()
 from policies import load_policy  # what controller_factory imports for --policy
+from policies import AnalyticController, BatchSizeTableController  # --policy analytic, table:FILE
+from policies.learned import stored_profile
+from engine.costs.cost_profile import load_profile_arg  # --profile
+from serving.vllm_peer import read_batch_size_table  # the table file
 """
 CONTROL = "import envs, policies.ppo"
 

@@ -127,3 +127,10 @@ def test_a_file_that_is_no_table_is_one_error(tmp_path):
     (tmp_path / "bad.json").write_text("not json")
     with pytest.raises(ValueError, match="not a table file"):
         vllm_peer.read_batch_size_table(tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize("rows", [[[1, None, 2]], [[1, 2.5, 2]], [[1, 4, "2"]], [[True, 4, 2]]])
+def test_a_table_of_other_than_integers_is_one_error(tmp_path, rows):
+    (tmp_path / "t.json").write_text(json.dumps(rows))
+    with pytest.raises(ValueError, match="integer entries"):
+        vllm_peer.read_batch_size_table(tmp_path / "t.json")

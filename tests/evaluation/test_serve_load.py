@@ -1,0 +1,80 @@
+"""benchmarks/serve_load.py's Poisson run whose rate changes during the run (``--rate-schedule``): the schedule
+is parsed and refused in one line, its arrivals are seeded and drawn at each piece's rate (one rate: the
+arrivals of ``--rates``), and a run on the tiny pair reports it as one level with every figure of the others,
+greedy identity included, on a row of the per-load static table served live."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from serving.vllm_peer import write_batch_size_table
+from tests_evaluation_helpers import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def serve_load():
+    return load_benchmark("serve_load")
+
+
+def test_a_schedule_is_rates_and_request_counts_in_order(serve_load):
+    schedule = serve_load.parse_schedule("0.1:6, 0.6:12,0.1:6")
+    assert schedule == [(0.1, 6), (0.6, 12), (0.1, 6)]
+    assert serve_load.schedule_label(schedule) == "0.1:6,0.6:12,0.1:6"
+    for bad in ("0.1", "0:3", "-1:3", "nan:3", "inf:3", "0.5:0", "0.5:1.5", "x:2", "0.5:2,", ":"):
+        with pytest.raises(ValueError, match="--rate-schedule"):
+            serve_load.parse_schedule(bad)
+
+
+def test_arrivals_are_seeded_and_drawn_at_each_pieces_rate(serve_load):
+    schedule = [(0.5, 3), (50.0, 4), (0.5, 2)]
+    times = serve_load.arrival_times(schedule, seed=3)
+    assert len(times) == 9 and times[0] == 0.0 and times == sorted(times)
+    assert times == serve_load.arrival_times(schedule, seed=3)  # seeded
+    assert times != serve_load.arrival_times(schedule, seed=4)
+    rng = random.Random(3)  # the gap before each request: one draw of one generator at that request's rate
+    rates = [0.5] * 3 + [50.0] * 4 + [0.5] * 2
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert gaps == pytest.approx([rng.expovariate(rate) for rate in rates[1:]])
+    # one rate: the arrivals of the plain Poisson levels (--rates), request i after i gaps at that rate
+    rng = random.Random(0)
+    plain, now = [], 0.0
+    for _ in range(5):
+        plain.append(now)
+        now += rng.expovariate(2.0)
+    assert serve_load.arrival_times([(2.0, 5)], seed=0) == pytest.approx(plain)
+
+
+def test_a_bad_schedule_is_one_error_line_before_anything_loads(serve_load, capsys, monkeypatch):
+    def refuse(*args, **kwargs):
+        pytest.fail("the prompts were loaded before the arguments were checked")
+
+    monkeypatch.setattr(serve_load, "load_suite", refuse)
+    with pytest.raises(SystemExit) as exit_:
+        serve_load.main(["--pair", "tiny", "--no-llama", "--rate-schedule", "0.2:3,0.5"])
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --rate-schedule") and "'0.5'" in lines[0]
+
+
+def test_a_scheduled_poisson_run_is_one_level_with_every_figure(serve_load, tmp_path):
+    table = write_batch_size_table({(1, 1): 2, (2, 256): 0}, tmp_path / "table.json")
+    out = tmp_path / "load.json"
+    argv = ["--pair", "tiny", "--no-llama", "--threads", "1", "--concurrency", "1", "--max-tokens", "6"]
+    argv += ["--prompts-per-language", "1", "--rate-schedule", "5:2,50:3", "--json", str(out)]
+    argv += ["--ours", f"test-schedule=--policy table:{table}"]
+    assert serve_load.main(argv) == 0
+    results = json.loads(out.read_text())["results"]
+    closed, entry = results
+    assert (closed["mode"], entry["mode"]) == ("closed", "poisson-schedule")
+    assert entry["row"] == "ours test-schedule" and entry["level"] == "5:2,50:3"
+    assert set(entry) == set(closed)  # the figures of every level (the ITL percentiles among them)
+    assert entry["requests"] == 5 and entry["errors"] == 0 and entry["tokens"] == 5 * 6
+    assert entry["identical"] == 1.0  # each text is the same prompt's alone (the closed level at 1 client)
+    for key in ("tok_s", "ttft_p50", "ttft_p99", "latency_p50", "latency_p99"):
+        assert entry[key] > 0, key
+    # the tiny pair's steps are shorter than a burst (BURST_S): its tokens arrive as one, no gap to report
+    assert all(math.isnan(entry[k]) or entry[k] > 0 for k in ("itl_p50", "itl_p99"))
