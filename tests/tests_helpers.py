@@ -3,10 +3,17 @@ path for its conftest)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gguf
 import numpy as np
+import torch
 
 from engine import SpeculativeEngine
+from engine.costs.cost_profile import CostProfile
+from engine.costs.features import DEPTH_OBS_DIM, NUM_DEVICE_FEATURES, SIZE_OBS_DIM
+from envs.replay import SIZE_LADDER
+from policies.learned import Actor, save_policy
 
 
 def one_error_line(capsys, *needles: str) -> str:
@@ -58,3 +65,63 @@ def assert_greedy_identity(pair, prompts, controllers, max_new_tokens: int = 24)
         for controller in controllers:
             got = engine.generate(ids, max_new_tokens=max_new_tokens, controller=controller)
             assert got.tokens == ar.tokens, controller
+
+
+def random_actor(obs_dim: int, actions: int, seed: int) -> Actor:
+    """An actor with random weights and normaliser (a policy file's actor, as ``save_policy`` stores it)."""
+    gen = torch.Generator().manual_seed(seed)
+    spec = {
+        "weights": [torch.randn(16, obs_dim, generator=gen), torch.randn(actions, 16, generator=gen)],
+        "biases": [torch.randn(16, generator=gen), torch.randn(actions, generator=gen)],
+        "activation": "tanh",
+        "obs_mean": torch.randn(obs_dim, generator=gen),
+        "obs_var": torch.rand(obs_dim, generator=gen) + 0.5,
+        "clip_obs": 10.0,
+        "epsilon": 1e-8,
+    }
+    return Actor(spec, obs_dim, actions)
+
+
+def make_policy(path: Path, pair: str = "tiny", profile: dict | None = None, seed: int = 0, **kw) -> Path:
+    """A policy file written by ``save_policy`` (the current feature version) with random actors (depth: seeded
+    ``seed``, size: ``seed + 1``): what ``load_policy`` reads from a trained run, in milliseconds. ``kw``:
+    ``save_policy``'s other arguments."""
+    args = {
+        "size_ladder": SIZE_LADDER,
+        "tree_width": 2,
+        "max_depth": 4,
+        "device_feats": np.zeros(NUM_DEVICE_FEATURES),
+        "pair": pair,
+        "profile": profile,
+    }
+    args.update(kw)
+    return save_policy(
+        path,
+        random_actor(DEPTH_OBS_DIM, 2, seed),
+        random_actor(SIZE_OBS_DIM, len(SIZE_LADDER), seed + 1),
+        **args,
+    )
+
+
+def batched_profile(batched: bool = True) -> CostProfile:
+    """A measured-shape profile: verification 30 ms + 5 ms a node alone, a draft step 10 ms; batched
+    forwards (``batched``: with the batch axis) cost 25 ms + 6 ms a row (target) and 8 ms + 2 ms a row
+    (draft), whatever the sequences. Fixed numbers: what depends on it is the same at every run."""
+    contexts, sizes, widths = [128, 512], [0, 1, 2, 4, 8, 16, 64], [1, 2]
+    table = {}
+    if batched:
+        table = {"context": 512, "target": [], "draft": [], "target_spread": [], "draft_spread": []}
+        for s in (1, 2, 4, 8):
+            for r in (1, 2, 4, 8):
+                table["target"].append([s, s * r, 0.025 + 0.006 * s * r])
+                table["draft"].append([s, s * r, 0.008 + 0.002 * s * r])
+                table["target_spread"].append(0.0)
+                table["draft_spread"].append(0.0)
+    return CostProfile(
+        contexts=contexts,
+        widths=widths,
+        draft_step_table=[[0.010, 0.010], [0.012, 0.012]],
+        sizes=sizes,
+        verify_table=[[0.030 + 0.005 * v] * 2 for v in sizes],
+        batched=table,
+    )

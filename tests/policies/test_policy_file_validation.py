@@ -14,41 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine.costs.features import DEPTH_OBS_DIM, NUM_DEVICE_FEATURES, SIZE_OBS_DIM
+from engine.costs.features import DEPTH_OBS_DIM, SIZE_OBS_DIM
 from envs.replay import SIZE_LADDER
 from policies import PolicyFileError, load_policy
-from policies.learned import HASH_KEY, Actor, PolicyFileWarning, payload_digest, save_policy
+from policies.learned import HASH_KEY, PolicyFileWarning, payload_digest
+from tests_helpers import make_policy
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-def random_actor(obs_dim: int, actions: int, seed: int) -> Actor:
-    gen = torch.Generator().manual_seed(seed)
-    spec = {
-        "weights": [torch.randn(16, obs_dim, generator=gen), torch.randn(actions, 16, generator=gen)],
-        "biases": [torch.randn(16, generator=gen), torch.randn(actions, generator=gen)],
-        "activation": "tanh",
-        "obs_mean": torch.randn(obs_dim, generator=gen),
-        "obs_var": torch.rand(obs_dim, generator=gen) + 0.5,
-        "clip_obs": 10.0,
-        "epsilon": 1e-8,
-    }
-    return Actor(spec, obs_dim, actions)
-
-
-def make_policy(path: Path, pair: str = "tiny", profile: dict | None = None, **kw) -> Path:
-    args = {
-        "size_ladder": SIZE_LADDER,
-        "tree_width": 2,
-        "max_depth": 4,
-        "device_feats": np.zeros(NUM_DEVICE_FEATURES),
-        "pair": pair,
-        "profile": profile,
-    }
-    args.update(kw)
-    return save_policy(
-        path, random_actor(DEPTH_OBS_DIM, 2, 0), random_actor(SIZE_OBS_DIM, len(SIZE_LADDER), 1), **args
-    )
 
 
 @pytest.fixture()
