@@ -5,7 +5,8 @@ tune split (replay grid, top configurations confirmed live); transformers' +2/-1
 confidence 0.4; the analytic cost model; the learned policy; transformers' assisted generation
 (assistant_model=) with its default and its heuristic schedule; the hindsight oracle (replay, upper
 bound). Controllers are interleaved prompt by prompt; figures per language and overall, with paired
-bootstrap intervals; targets with pass/fail lines; load (--concurrency N); exactness audit.
+bootstrap intervals; targets with pass/fail lines; load (--concurrency N); the learned policy and the load
+baselines per load level in the server replay (--server-concurrencies, --no-server-replay); exactness audit.
 
     python evaluate.py                                  # full evaluation, newest runs/*/policy.pt
     python evaluate.py --quick                          # first look: 1 tune + 2 measured prompts per

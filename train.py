@@ -786,18 +786,9 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
     }
     if setup is not None:
         learned = trainer.controller(depth_actor, size_actor)
-        factories = load_training.load_baselines(setup, profile, config.tree_width, config.max_depth)
-        factories["learned (exported)"] = lambda: learned
-        rows = load_training.per_load(setup, factories)
-        depths = load_training.chosen_depths(rows["learned (exported)"], setup.concurrencies)
-        metrics["load"] = {
-            "concurrencies": list(setup.concurrencies),
-            "table": {str(n): list(v) for n, v in setup.table.items()},
-            "reference_autoregressive": {str(n): v for n, v in setup.reference.items()},
-            "rows": rows,
-            "learned_depths": {str(n): d for n, d in depths.items()},
-            "table_ranges": [[a, b, k] for (a, b), k in load_training.table_ranges(depths).items()],
-        }
+        metrics["load"] = load_training.load_report(
+            setup, profile, config.tree_width, config.max_depth, learned, "learned (exported)"
+        )
     judged = verdict(metrics)
     metrics.update(winner=judged["winner"], verdict=judged["verdict"])
     if judged["winner"] != "learned":

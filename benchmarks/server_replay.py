@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         lookup = trained_lookup(policy.meta)
         overhead = args.step_overhead_ms
         if overhead is None:
-            overhead = float(policy.meta["train_config"].get("step_overhead_ms", 0.0))
+            overhead = load_training.trained_server(policy.meta)["step_overhead_ms"]
         setup = load_training.load_setup(
             tune,
             measured,
@@ -67,20 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     except (InputError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    factories = load_training.load_baselines(setup, profile, policy.tree_width, policy.max_depth)
-    factories["learned"] = lambda: policy
-    rows = load_training.per_load(setup, factories)
-    depths = load_training.chosen_depths(rows["learned"], setup.concurrencies)
-    load = {
-        "concurrencies": list(setup.concurrencies),
-        "rows": rows,
-        "learned_depths": {str(n): d for n, d in depths.items()},
-        "table": {str(n): list(v) for n, v in setup.table.items()},
-    }
+    load = load_training.load_report(setup, profile, policy.tree_width, policy.max_depth, policy)
     print(
         f"{len(measured)} {args.split} traces, per-load table tuned on {len(tune)} {args.tune_split} traces"
     )
-    print("\n".join(load_training.load_summary(load)))  # the table train.py prints
+    note = load_training.load_awareness(policy)
+    if note:
+        print(f"note: {note}")
+    print("\n".join(load_training.load_summary(load, f"{args.split} traces")))  # the table train.py prints
     if args.json:
         Path(args.json).write_text(json.dumps(load, indent=1) + "\n")
     return 0

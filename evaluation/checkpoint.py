@@ -145,13 +145,14 @@ class Checkpoint:
 
 def differing_fields(saved: dict, current: dict) -> list[str]:
     """Config fields (other than ``IGNORED_FIELDS``) whose values differ; floats compare with a tolerance
-    (a JSON round trip keeps them, but a user may type 0.70 for 0.7), paths resolved; ``policy_sha256`` only
-    when the saved config has one (files written before it was recorded)."""
+    (a JSON round trip keeps them, but a user may type 0.70 for 0.7), tuples as the lists JSON stores them as,
+    paths resolved; ``policy_sha256`` only when the saved config has one (files written before it was
+    recorded)."""
     out = []
     for key in sorted(set(saved) | set(current)):
         if key in IGNORED_FIELDS or (key == "policy_sha256" and key not in saved):
             continue
-        a, b = saved.get(key), current.get(key)
+        a, b = (list(v) if isinstance(v, tuple) else v for v in (saved.get(key), current.get(key)))
         if (
             isinstance(a, float)
             and isinstance(b, (int, float))

@@ -98,6 +98,15 @@ class EvalConfig(ModelConfig):
     """Repetitions of every live measurement (the per-prompt median is reported)."""
     concurrency: int = 1
     """> 1: also run N requests at once (N worker threads, one engine each, shared weights)."""
+    server_replay: bool = True
+    """Report the learned policy and the load baselines (autoregressive, lookup only, static tuned at N=1, the
+    per-load static table, analytic given the load) under load in the server replay (envs.server: the batched
+    engine's steps over the measured prompts' traces, recorded when --no-replay did not): system tokens/s per
+    closed-loop load level and on a Poisson run whose rate changes (report section "Under load (server
+    replay)"). Needs a cost profile with a batch axis (the cached one has it)."""
+    server_concurrencies: tuple[int, ...] | None = None
+    """Closed-loop load levels (concurrent clients) of the server replay; none: the policy's training levels
+    (train.py --concurrencies), 1,2,4,8 without a policy or for one stored without them."""
     replay: bool = True
     """Record test-prompt traces for the hindsight oracle and the replay-vs-live comparison."""
     exactness: bool = True
@@ -159,6 +168,13 @@ class EvalConfig(ModelConfig):
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"seed (--seed) must be in [0, 2**32), got {self.seed}")
+        if self.server_concurrencies is not None:  # a list when read from JSON
+            self.server_concurrencies = tuple(int(n) for n in self.server_concurrencies)
+            if not self.server_concurrencies or min(self.server_concurrencies) < 1:
+                raise ValueError(
+                    "server_concurrencies (--server-concurrencies) must be integers >= 1 or none, got "
+                    f"{self.server_concurrencies}"
+                )
         depth, width = self.max_depth or 1, self.tree_width or 1
         if depth > MAX_TRACE_DEPTH or width * width * depth > 32767:  # the trace format
             raise ValueError(

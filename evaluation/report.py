@@ -312,6 +312,51 @@ def concurrency_md(load: dict | None, summary: dict) -> list[str]:
     )
 
 
+def server_replay_md(server: dict | None) -> list[str]:
+    """The "Under load (server replay)" section (``evaluation.under_load``)."""
+    if not server:
+        return []
+    out = ["## Under load (server replay)", ""]
+    if server.get("skipped"):
+        return out + [f"Not measured: {server['skipped']}.", ""]
+    traces, poisson = server["traces"], server["poisson"]
+    levels = [f"N={n}" for n in server["concurrencies"]]
+    rates = ", ".join(f"{rate:g}/s from {start:g} s" for start, rate in poisson["rates"])
+    lookup = f"context lookup {server['lookup']}"
+    if server["lookup"] == "off":
+        lookup += f" (the lookup-only row: {server['lookup_row']})"
+    source = "recorded for this section" if traces["recorded_here"] else "those of the replay section"
+    out += [
+        "REPLAY numbers (cost-profile times; envs.server: the batched engine's steps over recorded requests, "
+        "each step timed from the profile's batch axis). Every request runs the row's controller, on "
+        f"{traces['measured']} traces of the {traces['split']} split ({source}: the measured prompts, "
+        f"width {traces['width']}, depth {traces['max_depth']}, {traces['max_new_tokens']} tokens); the "
+        f"per-load static table is tuned on {traces['tune']} traces of the {traces['tune_split']} split "
+        f"({traces['tune_max_new_tokens']} tokens). Server: at most {server['max_requests']} requests at "
+        f"once, a step's own cost {server['step_overhead_ms']:g} ms, {lookup}.",
+        "",
+        f"System tokens/s (every token over first arrival to last finish) with N clients in a closed loop; "
+        f"Poisson: {poisson['requests']} requests arriving at {rates}, its system tokens/s and p99 "
+        "inter-token latency; score: the mean over N of tokens/s over autoregressive decoding's (the "
+        "lookup-only row when the server runs with lookup).",
+        "",
+    ]
+    rows = [
+        [name]
+        + [_f(row[c], 1) for c in levels]
+        + [_f(row["poisson"], 2), _f(row["poisson_itl_p99_ms"], 1), _f(row["score"])]
+        for name, row in server["rows"].items()
+    ]
+    out += _table(["controller", *levels, "Poisson tokens/s", "Poisson ITL p99 ms", "score"], rows)
+    table = ", ".join(f"N={n} depth {depth}" for n, (depth, _) in server["table"].items())
+    out.append(f"Per-load static table (tuned on the tune traces): {table}.")
+    if server.get("learned_depths"):
+        depths = ", ".join(f"N={n} {d}" for n, d in server["learned_depths"].items())
+        out.append(f"Learned draft length per load level (its mean drafted depth there, rounded): {depths}.")
+    out += [f"Note: {note}." for note in server.get("notes", [])]
+    return out + [""]
+
+
 def exactness_md(ex: dict) -> list[str]:
     out = ["## Exactness audit", ""]
     kind = (
@@ -468,6 +513,7 @@ def write_report(results: dict, out_dir: str | Path) -> Path:
     )
     lines += tuning_md(results.get("tuning"), results.get("best_static"))
     lines += replay_md(results.get("replay"), summary) + concurrency_md(results.get("concurrency"), summary)
+    lines += server_replay_md(results.get("server_replay"))
     lines += exactness_md(results["exactness"]) + ["## Figures", ""]
     lines += [f"![{title}]({p.name})" for title, p in figures] + [""]
     lines += [
@@ -501,6 +547,15 @@ def summary_lines(results: dict) -> list[str]:
             f"{name:24s}{_f(by['all']['tokens_per_s']):>10s}{_f(by['all']['speedup'], 2) + 'x':>9s}"
             f"{(_f(r['ratio']) if r else '–'):>11s}"
         )
+    server = results.get("server_replay") or {}
+    if server.get("rows"):
+        levels = ",".join(str(n) for n in server["concurrencies"])
+        scores = ", ".join(f"{name} {_f(row['score'], 2)}" for name, row in server["rows"].items())
+        lines.append(
+            f"under load (server replay, mean over N={levels} of tokens/s / autoregressive): {scores}"
+        )
+    elif server.get("skipped"):
+        lines.append("under load (server replay): not measured (see the report)")
     verdicts = {True: "PASS", False: "FAIL", None: "n/a "}
     lines += [f"{verdicts[t['pass']]}  {t['target']}" for t in summary["targets"]]
     if summary.get("winner"):

@@ -1,6 +1,6 @@
 """The evaluation from start to end: prompts, models, profile, static grid search on the tune split,
-controllers, interleaved live runs on the measured split, replay (oracle and replay-vs-live), load, and
-the exactness audit. Returns one results dict (``evaluation.summary`` and ``evaluation.report`` turn it
+controllers, interleaved live runs on the measured split, replay (oracle and replay-vs-live), load (threads,
+and the server replay per load level: ``evaluation.under_load``), and the exactness audit. Returns one results dict (``evaluation.summary`` and ``evaluation.report`` turn it
 into tables, targets and plots).
 """
 
@@ -39,6 +39,7 @@ from evaluation.measurements import DecisionLoggingController, run_engine
 from evaluation.peers import SCHEDULES, run_peer
 from evaluation.summary import conditions, summarize
 from evaluation.tuning import tune_static
+from evaluation.under_load import measured_traces, server_replay_section
 from policies import (
     AnalyticController,
     ConfidenceController,
@@ -235,22 +236,11 @@ def live_runs(
     return runs
 
 
-def replay_section(setup: Setup, controllers: dict[str, object]) -> dict:
-    """Hindsight oracle and replay predictions on the measured prompts' traces (width W)."""
-    config = setup.config
+def replay_section(setup: Setup, controllers: dict[str, object], traces: list | None = None) -> dict:
+    """Hindsight oracle and replay predictions on the measured prompts' traces (width W; ``traces``: those
+    traces if the caller has them)."""
     started = time.perf_counter()
-    traces = workspace.ensure_traces(
-        setup.pair,
-        setup.test_prompts,
-        config.cache_dir,
-        temperature=config.temperature,
-        tree_width=setup.width,
-        max_depth=setup.max_depth,
-        max_new_tokens=config.max_new_tokens,
-        seed=config.seed,
-        progress=config.progress,
-        tag="test traces",
-    )
+    traces = traces if traces is not None else measured_traces(setup)
     out = {"width": setup.width, "max_depth": setup.max_depth, "traces": len(traces), "predicted": {}}
     for name, ctrl in controllers.items():
         if ctrl is not None and getattr(ctrl, "tree_width", None) != setup.width:
@@ -410,14 +400,16 @@ def evaluate(config: EvalConfig, checkpoint=None, setup: Setup | None = None) ->
         done=state.runs if state is not None else (),
         on_prompt=save_progress if state is not None else None,
     )
-    replay = None
+    replay, traces = None, None
     if config.replay and (
         {"oracle", "learned", "learned+lookup", "analytic", "static_tree"} & set(setup.names)
     ):
         plain = {
             n: (c.inner if isinstance(c, DecisionLoggingController) else c) for n, c in controllers.items()
         }
-        replay = replay_section(setup, plain)
+        traces = measured_traces(setup)
+        replay = replay_section(setup, plain, traces)
+    server = server_replay_section(setup, traces) if config.server_replay else None
     load = None
     if config.concurrency > 1:
         best_static = _best_static(tuning)
@@ -453,6 +445,7 @@ def evaluate(config: EvalConfig, checkpoint=None, setup: Setup | None = None) ->
         "headline": headline_name(setup.policy_meta, measured),
         "runs": runs,
         "replay": replay,
+        "server_replay": server,
         "sittings": state.sittings if state is not None else None,
         "concurrency": load,
         "exactness": exactness,

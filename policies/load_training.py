@@ -1,7 +1,10 @@
-"""Training only: the load-aware main job's pieces on the server replay (``envs.server``): the per-load static
-table, the training backend whose episodes decode among other requests, the validation score across load
-levels, every baseline measured per load level and on a Poisson run whose rate changes, and the per-load
-draft lengths a trained policy chooses (what the vLLM and SGLang export files carry).
+"""Training only (and the reports on it): the load-aware main job's pieces on the server replay
+(``envs.server``): the per-load static table, the training backend whose episodes decode among other requests,
+the validation score across load levels, every baseline measured per load level and on a Poisson run whose
+rate changes, and the per-load draft lengths a trained policy chooses (what the vLLM and SGLang export files
+carry). ``load_report`` is the per-load report train.py stores (``metrics.json["load"]``),
+``benchmarks/server_replay.py`` prints for any policy file and ``evaluate.py`` reports ("Under load (server
+replay)"), each on its own traces.
 
 Why these baselines: autoregressive decoding; the static chain tuned alone (N=1: what a user tunes on one
 client and then serves with); the static chain tuned per load level (the table serving engines ship); the
@@ -22,6 +25,7 @@ from engine.lookup import LookupConfig
 from envs.replay import ReplayTrace
 from envs.server import Arrivals, ServerReplay, ServerReplayBackend, closed_loop, load_score, tune_table
 from policies.analytic import AnalyticController
+from policies.learned import LearnedController
 from policies.static import BatchSizeTableController
 
 MIXED_RATES = ((0.0, 0.15), (40.0, 0.8), (80.0, 0.25))
@@ -43,6 +47,9 @@ class LoadSetup:
     plain: ServerReplay | None = None
     """The validation replay without context lookup (plain autoregressive decoding's row), when the engine
     trains with lookup."""
+    looked: ServerReplay | None = None
+    """The validation replay with context lookup (lookup-only decoding's row), when the engine runs without
+    lookup and a report asks for that row (``load_setup``'s ``lookup_row``)."""
 
     def table_controller(self) -> BatchSizeTableController:
         return BatchSizeTableController({n: d for n, (d, _) in self.table.items()}, self.train.width)
@@ -77,7 +84,11 @@ def load_setup(
     concurrencies: Sequence[int],
     max_requests: int = 8,
     step_overhead_s: float = 0.0,
+    lookup_row: LookupConfig | None = None,
 ) -> LoadSetup:
+    """The replays of ``train_traces`` (the per-load table is tuned there) and ``val_traces`` (what is
+    scored and reported). ``lookup_row``: without ``lookup``, a context lookup setting for a lookup-only row
+    next to plain autoregressive decoding (with ``lookup`` that row is there anyway)."""
     train = ServerReplay(train_traces, profile, lookup, max_requests, step_overhead_s=step_overhead_s)
     val = ServerReplay(val_traces, profile, lookup, max_requests, step_overhead_s=step_overhead_s)
     concurrencies = tuple(int(n) for n in concurrencies)
@@ -90,7 +101,12 @@ def load_setup(
         if lookup is not None
         else None
     )
-    return LoadSetup(train, val, concurrencies, table, reference, plain)
+    looked = (
+        ServerReplay(val_traces, profile, lookup_row, max_requests, step_overhead_s=step_overhead_s)
+        if lookup is None and lookup_row is not None
+        else None
+    )
+    return LoadSetup(train, val, concurrencies, table, reference, plain, looked)
 
 
 def load_baselines(setup: LoadSetup, profile: CostProfile, width: int, max_depth: int) -> dict[str, Callable]:
@@ -117,6 +133,8 @@ def per_load(setup: LoadSetup, factories: dict[str, Callable], mixed_requests: i
         if name == "autoregressive" and setup.plain is not None:
             name = "lookup only (no draft model)"
         rows.append((name, make, setup.val))
+        if name == "autoregressive" and setup.looked is not None:
+            rows.append(("lookup only (no draft model)", lambda: None, setup.looked))
     for name, make, sim in rows:
         row = {}
         for n in setup.concurrencies:
@@ -128,6 +146,70 @@ def per_load(setup: LoadSetup, factories: dict[str, Callable], mixed_requests: i
         row["poisson_itl_p99_ms"] = mixed["itl_p99_ms"]
         row["score"] = float(np.mean([row[f"N={n}"] / setup.reference[n] for n in setup.concurrencies]))
         out[name] = row
+    return out
+
+
+DEFAULT_CONCURRENCIES = (1, 2, 4, 8)
+"""The load levels of a report for a policy stored without them, or without a policy (train.py's default)."""
+
+
+def trained_server(meta: dict | None) -> dict:
+    """The server a policy file's metadata (``LearnedController.meta``) says it was trained for: its load
+    levels, the requests decoded at once and a step's own cost (train.py's --concurrencies, --max-requests,
+    --step-overhead-ms); for a setting the file does not carry, and without a policy, (1, 2, 4, 8), 8 and 0."""
+    config = (meta or {}).get("train_config") or {}
+    return {
+        "concurrencies": tuple(int(n) for n in config.get("concurrencies") or DEFAULT_CONCURRENCIES),
+        "max_requests": int(config.get("max_requests", 8)),
+        "step_overhead_ms": float(config.get("step_overhead_ms", 0.0)),
+    }
+
+
+def load_awareness(policy: LearnedController) -> str | None:
+    """Why a loaded policy may not follow the load, in one line, or None when it was trained for it
+    (``train.py --load-aware``, the default, with device features that follow the load)."""
+    config = policy.meta.get("train_config") or {}
+    if not config.get("load_aware", False):
+        return (
+            "the policy was trained without load awareness (train.py --no-load-aware, or the live backend): it "
+            "observes the load but was trained and validated one request at a time"
+        )
+    if policy.loads is None:
+        return (
+            "the policy's device features do not follow the load (no cost profile with a batch axis reached it); "
+            "its load features do"
+        )
+    return None
+
+
+def load_report(
+    setup: LoadSetup,
+    profile: CostProfile,
+    width: int,
+    max_depth: int,
+    policy: Controller | None = None,
+    name: str = "learned",
+    mixed_requests: int = 0,
+) -> dict:
+    """Every baseline (``load_baselines``) and ``policy`` (row ``name``; one controller instance serves every
+    request, as a learned policy without a fallback can) per load level and on the Poisson run, on
+    ``setup``'s validation replay: {"concurrencies", "table" (n -> [depth, tokens/s on the train traces]),
+    "reference_autoregressive", "rows" (``per_load``)}, with a policy also "learned_depths" and
+    "table_ranges" (``chosen_depths``, ``table_ranges``). Keys are strings, as JSON stores them."""
+    factories = load_baselines(setup, profile, width, max_depth)
+    if policy is not None:
+        factories[name] = lambda: policy
+    rows = per_load(setup, factories, mixed_requests)
+    out = {
+        "concurrencies": list(setup.concurrencies),
+        "table": {str(n): list(v) for n, v in setup.table.items()},
+        "reference_autoregressive": {str(n): v for n, v in setup.reference.items()},
+        "rows": rows,
+    }
+    if policy is not None:
+        depths = chosen_depths(rows[name], setup.concurrencies)
+        out["learned_depths"] = {str(n): d for n, d in depths.items()}
+        out["table_ranges"] = [[a, b, k] for (a, b), k in table_ranges(depths).items()]
     return out
 
 
@@ -149,25 +231,26 @@ def table_ranges(depths: dict[int, int]) -> dict[tuple[int, int], int]:
     return ranges
 
 
-def load_summary(load: dict) -> list[str]:
-    """The per-load comparison (server replay, validation traces): system tokens/s at each closed-loop load
-    level and on the Poisson run, and the mean ratio over autoregressive decoding."""
+def load_summary(load: dict, traces: str = "validation traces") -> list[str]:
+    """The per-load comparison (server replay of ``traces``): system tokens/s at each closed-loop load level
+    and on the Poisson run, and the mean ratio over autoregressive decoding."""
     levels = [f"N={n}" for n in load["concurrencies"]]
     rows = load["rows"]
     width = max(len(name) for name in rows)
     head = "  ".join(f"{c:>7}" for c in levels + ["poisson", "p99 ms", "score"])
     lines = [
         "",
-        "server replay (validation traces, system tokens/s; score: mean over N of / autoregressive):",
+        f"server replay ({traces}, system tokens/s; score: mean over N of / autoregressive):",
     ]
     lines.append(f"  {'controller':<{width}}  {head}")
     for name, row in rows.items():
         cells = [row[c] for c in levels] + [row["poisson"], row["poisson_itl_p99_ms"], row["score"]]
         lines.append(f"  {name:<{width}}  " + "  ".join(f"{v:7.2f}" for v in cells))
-    lines.append(
-        "learned draft length per load level: "
-        + ", ".join(f"N={n} {d}" for n, d in load["learned_depths"].items())
-    )
+    if load.get("learned_depths"):
+        lines.append(
+            "learned draft length per load level: "
+            + ", ".join(f"N={n} {d}" for n, d in load["learned_depths"].items())
+        )
     for name, where in (load.get("exports") or {}).items():
         lines.append(f"{name} export: {where}")
     return lines

@@ -60,10 +60,11 @@ def assert_greedy_identity(pair, prompts, controllers, max_new_tokens: int = 24)
             assert got.tokens == ar.tokens, controller
 
 
-def batched_profile(row_s: float = 0.006, draft_row_s: float = 0.002):
-    """A ``CostProfile`` with a batch axis, linear everywhere: verification 30 ms + 5 ms a node, a draft step
-    10 ms, prefills 1 ms a token (draft 0.3); batched forwards 25 ms + ``row_s`` a row (target) and 8 ms +
-    ``draft_row_s`` a row (draft), whatever the sequences; context 512 for every table."""
+def batched_profile(row_s: float = 0.006, draft_row_s: float = 0.002, batched: bool = True):
+    """A ``CostProfile`` with a batch axis (``batched``; else without), linear everywhere: verification 30 ms +
+    5 ms a node, a draft step 10 ms, prefills 1 ms a token (draft 0.3); batched forwards 25 ms + ``row_s`` a
+    row (target) and 8 ms + ``draft_row_s`` a row (draft), whatever the sequences; context 512 for every
+    table. Fixed numbers: what depends on it is the same at every run."""
     from engine.costs.cost_profile import CostProfile
 
     sizes = [0, 1, 2, 4, 8, 16, 64]
@@ -85,7 +86,7 @@ def batched_profile(row_s: float = 0.006, draft_row_s: float = 0.002):
         prefill_draft_s=[0.005, 0.154],
         overhead_base_s=0.001,
         ar_overhead_s=0.0005,
-        batched=table,
+        batched=table if batched else {},
     )
 
 
@@ -108,8 +109,10 @@ def random_actor(obs_dim: int, actions: int, seed: int):
     return Actor(spec, obs_dim, actions)
 
 
-def make_policy(path, pair: str = "tiny", profile: dict | None = None, **kw):
-    """A valid policy file of random actors at ``path`` (``save_policy``'s arguments in ``kw``)."""
+def make_policy(path, pair: str = "tiny", profile: dict | None = None, seed: int = 0, **kw):
+    """A policy file written by ``save_policy`` (the current feature version) with random actors (depth: seeded
+    ``seed``, size: ``seed + 1``): what ``load_policy`` reads from a trained run, in milliseconds. ``kw``:
+    ``save_policy``'s other arguments."""
     from engine.costs.features import DEPTH_OBS_DIM, NUM_DEVICE_FEATURES, SIZE_OBS_DIM
     from envs.replay import SIZE_LADDER
     from policies.learned import save_policy
@@ -124,5 +127,8 @@ def make_policy(path, pair: str = "tiny", profile: dict | None = None, **kw):
     }
     args.update(kw)
     return save_policy(
-        path, random_actor(DEPTH_OBS_DIM, 2, 0), random_actor(SIZE_OBS_DIM, len(SIZE_LADDER), 1), **args
+        path,
+        random_actor(DEPTH_OBS_DIM, 2, seed),
+        random_actor(SIZE_OBS_DIM, len(SIZE_LADDER), seed + 1),
+        **args,
     )

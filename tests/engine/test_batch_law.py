@@ -9,6 +9,14 @@ finish, with ``BatchConfig.max_rows`` small enough that most verifications are g
 asked (counted: the test asserts cuts happened). Requests join and leave at every step, so prefills run next
 to cycles of every phase.
 
+The learned case: every request with a controller (subjects and background) runs a load-aware learned policy
+(``policies.load_policy`` of a policy file whose observations carry ``DraftState.load``), sampled chain drafts.
+Its decisions then depend on what the other requests did in the last step, themselves random: the law must
+not care. Not vacuous: the test asserts the subjects drafted at a share of their cycles and decoded
+autoregressively at others, and that the load changed a share of the policy's decisions (the same state
+alone is decided otherwise). The batch's arrival rate, which the policy observes, is read on a clock that
+advances a fixed step at each reading, so the samples stay the same at every run.
+
 Outcome: the first ``LENGTH`` generated tokens (shorter when EOS ends the request). Their exact law is the
 target's autoregressive law with the request's ``SamplingConfig`` (``engine.sampling.logits_to_probs``, what
 the engine draws from), enumerated with the target model: every sequence of mass >= 3 / samples is a cell of
@@ -21,14 +29,19 @@ and so the verdicts, are the same at every run.
 
 Negative controls, at the same sample size: the same samples against wrong laws (the target's at a 30% higher
 temperature, the draft's) must be rejected (p < 1e-3); so must the batch when its sampled-draft verification
-recovers from the target instead of the residual (measured on the truncated configuration: at temperature 0.3
+recovers from the target instead of the residual, with the static subjects and with the learned policy
+deciding (measured on the truncated configuration: at temperature 0.3
 draft and target disagree too rarely for this rule to show in 450 samples; a 10% higher temperature is also
 caught only at some seeds, so 30%).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import itertools
 import math
+import types
 
 import pytest
 import torch
@@ -37,7 +50,10 @@ import engine.batch as batch_module
 import engine.engine as engine_module
 from engine import EngineConfig, SamplingConfig, SpeculativeEngine, StaticController
 from engine.batch import BatchConfig, BatchedEngine, BatchRequest
+from engine.costs.features import FEATURE_VERSION
 from engine.sampling import logits_to_probs, verify_chain
+from policies import LearnedController, load_policy
+from tests_helpers import batched_profile, make_policy
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -84,6 +100,15 @@ BACKGROUND = {  # (controller or None, sampling, max_new_tokens), cycled
         (lambda: StaticController(3, 2), SamplingConfig(1.0, top_p=0.9), 16),
     ],
 }
+
+
+LEARNED_MODE = "sampled"
+"""The learned case's draft mode: sampled chains (the Leviathan rule, whose wrong recovery is a negative
+control); every request with a controller runs its own copy of one load-aware learned policy, the greedy
+background requests are autoregressive (sampled drafts need a temperature)."""
+LEARNED_SEED = 2
+"""Seed of the learned policy's random actors (``tests_helpers.make_policy``): the first whose policy drafts in
+this batch (at 0 and 1 it never does; ``assert_decided_by_the_load`` refuses such a policy)."""
 
 
 # ------------------------------------------------------------------------------------------ exact laws
@@ -160,12 +185,15 @@ def test_the_laws_are_distributions_with_enough_cells(laws):
 
 
 # ------------------------------------------------------------------------------------- a busy batch
-def decode_in_busy_batch(pair, draft_mode: str, subjects: list[BatchRequest]) -> tuple[list, list]:
+def decode_in_busy_batch(
+    pair, draft_mode: str, subjects: list[BatchRequest], roles: list | None = None
+) -> tuple[list, list]:
     """Decode ``subjects`` in one ``BatchedEngine`` (``SUBJECT_SLOTS`` at a time, refilled as they finish)
-    next to background requests (the other slots, refilled until the last subject finishes). Returns the
-    subjects' results in order, and (request, tokens) of every finished greedy background request."""
+    next to background requests (the other slots, refilled until the last subject finishes; ``roles``: what
+    they run, by default ``BACKGROUND[draft_mode]``). Returns the subjects' results in order, and (request,
+    tokens) of every finished greedy background request."""
     batch = BatchedEngine(pair, BatchConfig(BATCH.max_requests, BATCH.max_rows, EngineConfig(draft_mode)))
-    roles = BACKGROUND[draft_mode]
+    roles = roles or BACKGROUND[draft_mode]
     queue = list(enumerate(subjects))[::-1]
     results: list = [None] * len(subjects)
     running: dict[int, int] = {}  # rid -> subject index
@@ -208,9 +236,8 @@ def spy_grants(monkeypatch) -> list:
     return seen
 
 
-def subject_requests(prompt_ids: list[int], draft_mode: str, seed0: int) -> list[BatchRequest]:
-    """``NUM_SAMPLES`` requests per sampling configuration, interleaved, controllers cycled."""
-    controllers = SUBJECTS[draft_mode]
+def subject_requests(prompt_ids: list[int], controllers: list, seed0: int) -> list[BatchRequest]:
+    """``NUM_SAMPLES`` requests per sampling configuration, interleaved, controllers (factories) cycled."""
     names = list(SAMPLINGS)
     return [
         BatchRequest(
@@ -233,28 +260,100 @@ def outcomes_by_sampling(subjects: list[BatchRequest], results: list, laws: dict
     return out
 
 
-@pytest.mark.parametrize("draft_mode", list(SUBJECTS))
+CASES = [*SUBJECTS, "learned"]
+"""The static subjects in each draft mode, then the learned policy deciding for every request."""
+
+
+@pytest.fixture(scope="module")
+def learned_policy(tmp_path_factory) -> LearnedController:
+    """A load-aware learned chain policy, read with ``load_policy`` from a policy file of the current feature
+    version (6 and on: the observations carry the step's load) exported for the tiny pair the way the policy
+    file tests make one (``tests_helpers.make_policy``: random actors, in milliseconds; it also decides depth
+    0, so it can switch drafting off), with a fixed cost profile that has a batch axis, so its device
+    features follow the load too (``DeviceAtLoad``). A trained run's policy would carry a measured profile,
+    and its decisions, so the samples, would change from run to run."""
+    path = tmp_path_factory.mktemp("learned") / "policy.pt"
+    profile = batched_profile().to_dict()
+    make_policy(path, seed=LEARNED_SEED, tree_width=1, max_depth=4, depth_zero=True, profile=profile)
+    policy = load_policy(path)
+    assert FEATURE_VERSION >= 6 and policy.loads is not None and policy.decides_depth_zero
+    return policy
+
+
+def case_setup(case: str, request) -> tuple[str, list, list]:
+    """(draft mode, subjects' controller factories, background roles) of a case."""
+    if case != "learned":
+        return case, SUBJECTS[case], BACKGROUND[case]
+    policy = request.getfixturevalue("learned_policy")
+
+    def own() -> LearnedController:
+        return copy.copy(policy)  # a controller instance serves one request at a time
+
+    roles = [(c if sampling.greedy else own, sampling, n) for c, sampling, n in BACKGROUND[LEARNED_MODE]]
+    return LEARNED_MODE, [own], roles
+
+
+def steady_arrivals(monkeypatch) -> None:
+    """The batch's arrival rate (``LoadState.arrival_rate``) read on a clock that advances 50 ms at every
+    reading instead of the wall clock: a learned policy observes the rate, and the samples, so the verdicts,
+    must be the same at every run."""
+    ticks = itertools.count(0.0, 0.05)
+    monkeypatch.setattr(batch_module, "time", types.SimpleNamespace(monotonic=lambda: next(ticks)))
+
+
+def spy_learned_decisions(monkeypatch) -> list:
+    """Record every draft-or-stop decision a learned controller makes in a batch: (depth, its decision, the
+    decision it makes on the same state alone, load None); ``LearnedController.should_continue`` unchanged."""
+    seen = []
+    real = LearnedController.should_continue
+
+    def recording(self, state):
+        decision = real(self, state)
+        if state.load is not None:
+            seen.append((state.depth, decision, real(self, dataclasses.replace(state, load=None))))
+        return decision
+
+    monkeypatch.setattr(LearnedController, "should_continue", recording)
+    return seen
+
+
+def assert_decided_by_the_load(decisions: list, results: list) -> None:
+    """The learned case is not vacuous: the subjects drafted at some cycles and decoded autoregressively at
+    others (the policy's depth-0 decision), and the load changed its decisions (on the same state alone it
+    decides otherwise at a share of them)."""
+    cycles = [c for result in results for c in result.cycles if not c.lookup]
+    drafted = sum(c.depth > 0 for c in cycles)
+    assert 0.1 * len(cycles) < drafted < 0.9 * len(cycles), (drafted, len(cycles))
+    starts = [(decision, alone) for depth, decision, alone in decisions if depth == 0]
+    changed = sum(decision != alone for decision, alone in starts)
+    assert 0.05 * len(starts) < changed < 0.95 * len(starts), (changed, len(starts))
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_sampled_requests_in_a_busy_batch_have_the_target_law(
-    tiny_pair, laws, law_check, monkeypatch, draft_mode
+    tiny_pair, laws, law_check, monkeypatch, request, case
 ):
+    draft_mode, controllers, roles = case_setup(case, request)
     grants = spy_grants(monkeypatch)
+    decisions = spy_learned_decisions(monkeypatch)
+    steady_arrivals(monkeypatch)
     ids = tiny_pair.tokenizer.encode(PROMPT)
-    subjects = subject_requests(ids, draft_mode, seed0=1_000_000 * (1 + list(SUBJECTS).index(draft_mode)))
-    results, greedy = decode_in_busy_batch(tiny_pair, draft_mode, subjects)
+    subjects = subject_requests(ids, controllers, seed0=1_000_000 * (1 + CASES.index(case)))
+    results, greedy = decode_in_busy_batch(tiny_pair, draft_mode, subjects, roles)
 
     # the row cap bit: many verifications were granted fewer nodes than asked, some all they asked
     asked = [(w, g) for w, g in grants if w > 0]
     cut = sum(g < w for w, g in asked)
     assert cut > len(asked) // 8 and sum(0 < g == w for w, g in asked) > len(asked) // 20, (cut, len(asked))
+    if case == "learned":
+        assert_decided_by_the_load(decisions, results)
     # the background's greedy requests decoded as alone (a sanity check of the batch they shared)
     alone = {}
-    for request, tokens in greedy:
-        key = (request.prompt, request.max_new_tokens, repr(request.controller))
+    for req, tokens in greedy:
+        key = (req.prompt, req.max_new_tokens, repr(req.controller))
         if key not in alone:
             alone[key] = (
-                SpeculativeEngine(tiny_pair)
-                .generate(request.prompt, request.max_new_tokens, request.controller)
-                .tokens
+                SpeculativeEngine(tiny_pair).generate(req.prompt, req.max_new_tokens, req.controller).tokens
             )
         assert tokens == alone[key], key
     assert len(greedy) >= 4
@@ -276,14 +375,21 @@ def verify_chain_resample_from_target(target_probs, draft_probs, draft_tokens, g
     return num_accepted, next_token
 
 
-def test_a_batch_with_the_wrong_recovery_rule_is_caught(tiny_pair, laws, law_check, monkeypatch):
+@pytest.mark.parametrize("case", ["sampled", "learned"])
+def test_a_batch_with_the_wrong_recovery_rule_is_caught(
+    tiny_pair, laws, law_check, monkeypatch, request, case
+):
     """The same batch, checker and sample size must reject sampled-draft verification that recovers from the
-    target instead of the residual after a rejection (the classic wrong rule)."""
+    target instead of the residual after a rejection (the classic wrong rule), with the static subjects and
+    with the learned policy deciding."""
+    draft_mode, controllers, roles = case_setup(case, request)
     monkeypatch.setattr(engine_module, "verify_chain", verify_chain_resample_from_target)
+    steady_arrivals(monkeypatch)
     name = "T1-top_k4-top_p0.8"  # at temperature 0.3 draft and target disagree too rarely for 450 samples
     ids = tiny_pair.tokenizer.encode(PROMPT)
-    subjects = [s for s in subject_requests(ids, "sampled", 9_000_000) if s.sampling is SAMPLINGS[name]]
-    results, _ = decode_in_busy_batch(tiny_pair, "sampled", subjects)
+    seed0 = 9_000_000 + 1_000_000 * ["sampled", "learned"].index(case)
+    subjects = [s for s in subject_requests(ids, controllers, seed0) if s.sampling is SAMPLINGS[name]]
+    results, _ = decode_in_busy_batch(tiny_pair, draft_mode, subjects, roles)
     samples = outcomes_by_sampling(subjects, results, laws)[name]
     result = law_check(samples, laws[name][1])
     assert result.pvalue < 1e-3 and not result.agrees, result

@@ -9,10 +9,11 @@ import pytest
 from engine import SpeculativeEngine, StaticController, load_pair
 from engine.batch import BatchConfig, BatchedEngine, BatchRequest
 from engine.control import DraftState
-from engine.costs.cost_profile import CostProfile, ProfileError
+from engine.costs.cost_profile import ProfileError
 from engine.costs.features import NUM_LOAD_FEATURES, DeviceAtLoad, device_features, load_features
 from engine.costs.load_model import LoadedProfile, LoadedProfiles, split_forward
 from engine.load import LoadState, LoadTracker
+from tests_helpers import batched_profile
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -117,31 +118,8 @@ def test_load_features_are_zero_alone_and_follow_the_load():
     )
 
 
-def _profile(batched: bool = True) -> CostProfile:
-    """A measured-shape profile: verification 30 ms + 5 ms a node alone, a draft step 10 ms; batched
-    forwards cost 25 ms + 6 ms a row (target) and 8 ms + 2 ms a row (draft), whatever the sequences."""
-    contexts, sizes, widths = [128, 512], [0, 1, 2, 4, 8, 16, 64], [1, 2]
-    table = {}
-    if batched:
-        table = {"context": 512, "target": [], "draft": [], "target_spread": [], "draft_spread": []}
-        for s in (1, 2, 4, 8):
-            for r in (1, 2, 4, 8):
-                table["target"].append([s, s * r, 0.025 + 0.006 * s * r])
-                table["draft"].append([s, s * r, 0.008 + 0.002 * s * r])
-                table["target_spread"].append(0.0)
-                table["draft_spread"].append(0.0)
-    return CostProfile(
-        contexts=contexts,
-        widths=widths,
-        draft_step_table=[[0.010, 0.010], [0.012, 0.012]],
-        sizes=sizes,
-        verify_table=[[0.030 + 0.005 * v] * 2 for v in sizes],
-        batched=table,
-    )
-
-
 def test_split_forward_charges_add_up_to_the_forward_and_are_marginal():
-    profile = _profile()
+    profile = batched_profile()
     time, charges = split_forward(profile, "target", [1, 3, 1], [1, 1, 1])
     assert time == pytest.approx(0.025 + 0.006 * 5)
     assert sum(charges) == pytest.approx(time)
@@ -151,7 +129,7 @@ def test_split_forward_charges_add_up_to_the_forward_and_are_marginal():
 
 
 def test_a_loaded_profile_is_the_base_alone_and_charges_marginal_costs_under_load():
-    profile = _profile()
+    profile = batched_profile()
     loads = LoadedProfiles(profile)
     assert loads.at(None) is profile and loads.at(LoadState()) is profile
     busy = loads.at(LoadState(requests=4, other_rows=3))
@@ -168,8 +146,8 @@ def test_a_loaded_profile_is_the_base_alone_and_charges_marginal_costs_under_loa
     shared = loads.at(LoadState(requests=4, other_rows=3, other_drafting=3))
     assert shared.draft_step_s(1, 512) < profile.draft_step_s(1, 512)  # three others draft: a row's cost
     with pytest.raises(ProfileError, match="batch axis"):
-        LoadedProfile(_profile(batched=False), LoadState(requests=2))
+        LoadedProfile(batched_profile(batched=False), LoadState(requests=2))
     feats = DeviceAtLoad(profile, 1)
     assert (feats.at(None) == device_features(profile, 1)).all()
     assert not (feats.at(LoadState(requests=4, other_rows=3)) == feats.at(None)).all()
-    assert not DeviceAtLoad(_profile(batched=False), 1).available
+    assert not DeviceAtLoad(batched_profile(batched=False), 1).available

@@ -30,8 +30,9 @@ def workdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("evaluation")
 
 
-def train_tiny(workdir: Path, name: str, tree_width: int) -> Path:
-    """``train.py --pair tiny --quick`` without context lookup (seconds); its traces and profile stay cached."""
+def train_tiny(workdir: Path, name: str, tree_width: int, *extra: str) -> Path:
+    """``train.py --pair tiny --quick`` without context lookup (seconds; ``extra``: more flags); its traces and
+    profile stay cached."""
     import train
 
     flags = ["--pair", "tiny", "--quick", "--no-progress", "--cache-dir", str(workdir / CACHE)]
@@ -45,7 +46,7 @@ def train_tiny(workdir: Path, name: str, tree_width: int) -> Path:
         "--threads",
         "1",
     ]
-    assert train.main(flags + ["--tree-width", str(tree_width), "--lookup", "off"]) == 0
+    assert train.main(flags + ["--tree-width", str(tree_width), "--lookup", "off", *extra]) == 0
     path = workdir / "runs" / name / "policy.pt"
     assert path.is_file()
     return path
@@ -61,6 +62,12 @@ def tiny_policy(workdir) -> Path:
 def tiny_chain_policy(workdir) -> Path:
     """A chain policy (tree width 1)."""
     return train_tiny(workdir, "chain", 1)
+
+
+@pytest.fixture(scope="session")
+def tiny_batch_one_policy(workdir) -> Path:
+    """A chain policy trained without load awareness (``--no-load-aware``: one request at a time)."""
+    return train_tiny(workdir, "batch-one", 1, "--no-load-aware")
 
 
 @pytest.fixture(scope="session")

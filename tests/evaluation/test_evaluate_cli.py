@@ -1,5 +1,6 @@
 """``python evaluate.py`` end to end on the tiny pair: report, raw results, figures, interleaving, greedy
-exactness, load, the exactness subcommand, user prompt files and clear errors on bad inputs."""
+exactness, load (threads, and the server replay per load level), the exactness subcommand, user prompt files
+and clear errors on bad inputs."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import json
 from collections import defaultdict
 
 import pytest
+import torch
 
+from engine.costs.cost_profile import CostProfile
 from evaluation.config import CONTROLLERS, LLAMA_PEERS, PEERS
-from tests_evaluation_helpers import run_cli, tiny_args
+from policies.learned import HASH_KEY, payload_digest
+from tests_evaluation_helpers import CACHE, run_cli, tiny_args
 
 SECTIONS = (
     "## Targets",
@@ -20,6 +24,7 @@ SECTIONS = (
     "## Static grid search (tune split)",
     "## Replay: hindsight oracle",
     "## Load: 2 concurrent requests",
+    "## Under load (server replay)",
     "## Exactness audit",
     "Sampled two-sample test",
     "Sampler law checks",
@@ -87,6 +92,7 @@ def test_results_json_holds_every_measurement(evaluated):
         "best_static",
         "runs",
         "replay",
+        "server_replay",
         "concurrency",
         "exactness",
         "learned_actions",
@@ -194,6 +200,119 @@ def test_concurrency_reports_aggregate_numbers(evaluated):
     ar = {r["prompt_id"]: r["tokens"] for r in load["modes"]["autoregressive"]["passes"][0]["requests"]}
     learned = {r["prompt_id"]: r["tokens"] for r in load["modes"]["learned"]["passes"][0]["requests"]}
     assert ar == learned
+
+
+SERVER_ROWS = (
+    "autoregressive",
+    "lookup only (no draft model)",
+    "static tuned at N=1",
+    "static per load (table)",
+    "analytic given the load",
+    "learned",
+)
+"""The rows of the server replay section for a policy trained without context lookup (static tuned at N=1:
+its name goes on with the depth chosen)."""
+
+
+def check_server_rows(server: dict, levels: list[int]) -> None:
+    """Every row of the section at every level, its score the mean of its ratios over autoregressive's."""
+    assert server["concurrencies"] == levels
+    names = list(server["rows"])
+    assert len(names) == len(SERVER_ROWS) and all(n.startswith(r) for n, r in zip(names, SERVER_ROWS))
+    reference = server["reference_autoregressive"]
+    for name, row in server["rows"].items():
+        for n in levels:
+            assert row[f"N={n}"] > 0 and row[f"N={n} depth"] >= 0, (name, n)
+        assert row["poisson"] > 0 and row["poisson_itl_p99_ms"] > 0, name
+        ratios = [row[f"N={n}"] / reference[str(n)] for n in levels]
+        assert abs(row["score"] - sum(ratios) / len(ratios)) < 1e-9, name
+    ar = server["rows"]["autoregressive"]
+    assert all(abs(ar[f"N={n}"] - reference[str(n)]) < 1e-9 for n in levels)  # the same replay
+    depth = server["table"][str(levels[0])][0]
+    assert names[2] == f"static tuned at N=1 (depth {depth})"
+    learned = server["rows"]["learned"]
+    assert server["learned_depths"] == {str(n): round(learned[f"N={n} depth"]) for n in levels}
+
+
+def server_section(report: str) -> list[str]:
+    """The lines of report.md's "Under load (server replay)" section."""
+    lines = report.splitlines()
+    start = lines.index("## Under load (server replay)")
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("## "))
+    return lines[start:end]
+
+
+def test_the_server_replay_section_has_every_row_and_level(evaluated):
+    """The evaluated policy and every load baseline at each of the policy's training load levels and on the
+    Poisson run, on the test traces the replay section recorded; the policy was trained load-aware: no note."""
+    server = evaluated["results"]["server_replay"]
+    check_server_rows(server, [1, 2, 4, 8])
+    assert server["traces"]["split"] == "test" and server["traces"]["measured"] == 4
+    assert not server["traces"]["recorded_here"]  # the replay section's traces
+    assert server["lookup"] == "off" and server["lookup_row"] == "3-4:2+8:4"
+    assert server["notes"] == []
+    section = server_section((evaluated["out"] / "report.md").read_text())
+    table = [line for line in section if line.startswith("| ")]
+    assert table[0] == (
+        "| controller | N=1 | N=2 | N=4 | N=8 | Poisson tokens/s | Poisson ITL p99 ms | score |"
+    )
+    assert [line.split(" | ")[0][2:] for line in table[1:]] == list(server["rows"])
+    assert all(line.count("|") == 9 for line in table)
+    assert any(line.startswith("Per-load static table") for line in section)
+    assert not any(line.startswith("Note:") for line in section)
+    assert "under load (server replay" in evaluated["stdout"]
+
+
+def test_a_policy_trained_without_load_awareness_gets_its_rows_and_a_clear_line(
+    workdir, tiny_batch_one_policy
+):
+    """--no-load-aware: the rows are all there, with a line saying how the policy was trained; the section
+    records the test traces itself under --no-replay, at the levels --server-concurrencies gives."""
+    rc, stderr, res = small_eval(
+        workdir, tiny_batch_one_policy, "batch-one", "learned", "--no-replay", "--server-concurrencies", "1,3"
+    )
+    assert rc == 0, stderr
+    server = res["server_replay"]
+    check_server_rows(server, [1, 3])
+    assert server["traces"]["recorded_here"] and res["replay"] is None
+    (note,) = server["notes"]
+    assert note.startswith("the policy was trained without load awareness (train.py --no-load-aware")
+    section = server_section((workdir / "batch-one" / "report.md").read_text())
+    assert f"Note: {note}." in section
+
+
+def test_a_profile_without_a_batch_axis_is_a_clear_line_and_the_section_can_be_left_out(
+    workdir, tiny_chain_policy
+):
+    profile = next((workdir / CACHE).rglob("profile.json"))
+    data = CostProfile.load(profile).to_dict()
+    assert data["batched"]  # the cached profile has one: the run below is the one without
+    path = workdir / "unbatched.json"
+    CostProfile(**{**data, "batched": {}}).save(path)
+    rc, stderr, res = small_eval(workdir, tiny_chain_policy, "unbatched", "learned", "--profile", str(path))
+    assert rc == 0, stderr
+    assert res["server_replay"]["skipped"].startswith("the cost profile has no batch axis")
+    section = server_section((workdir / "unbatched" / "report.md").read_text())
+    assert section[2].startswith("Not measured: the cost profile has no batch axis")
+    rc, stderr, res = small_eval(workdir, tiny_chain_policy, "no-server", "learned", "--no-server-replay")
+    assert rc == 0, stderr
+    assert res["server_replay"] is None
+    assert "## Under load" not in (workdir / "no-server" / "report.md").read_text()
+
+
+def test_a_policy_of_older_features_is_refused_with_one_line(workdir, tiny_chain_policy):
+    """A policy file of an older feature version (before the load features: 5) cannot be run by this code at
+    all: the evaluation refuses it before anything is measured, in one line that says to retrain it."""
+    payload = torch.load(tiny_chain_policy, weights_only=True)
+    old = {**payload, "feature_version": 5}
+    old[HASH_KEY] = payload_digest(old)
+    path = workdir / "features-5.pt"
+    torch.save(old, path)
+    rc, stderr, _ = small_eval(workdir, path, "features-5", "learned")
+    lines = stderr.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert "observation features version 5" in lines[0] and "retrain it" in lines[0]
+    assert not (workdir / "features-5" / "report.md").exists()
 
 
 def test_exactness_subcommand(workdir, tiny_policy):

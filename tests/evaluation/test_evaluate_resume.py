@@ -127,6 +127,11 @@ def test_config_comparison_ignores_progress_and_restart_only():
     assert differing_fields(a, {**a, "temperature": 0.70000000000001}) == []
     assert differing_fields(a, {**a, "reps": 2}) == ["reps: 1 -> 2"]
     assert differing_fields(a, {**a, "seed": 1}) == ["seed: None -> 1"]
+    levels = {**a, "server_concurrencies": [1, 2]}  # as JSON stores the tuple
+    assert differing_fields(levels, {**a, "server_concurrencies": (1, 2)}) == []
+    assert differing_fields(levels, {**a, "server_concurrencies": (1, 3)}) == [
+        "server_concurrencies: [1, 2] -> [1, 3]"
+    ]
 
 
 # --------------------------------------------------------------------------- what a resume compares, --out
