@@ -70,7 +70,9 @@ WRONG = {  # negative controls: the same truncation at a 30% higher temperature
     "T0.3": SamplingConfig(temperature=0.39),
     "T1-top_k4-top_p0.8": SamplingConfig(temperature=1.3, top_k=4, top_p=0.8),
 }
-BATCH = BatchConfig(max_requests=24, max_rows=40)
+# every new prompt prefilled at once (a prompt decodes from the step after its prefill), and 30 rows for 24
+# requests: the row cap cuts many verifications and grants others whole
+BATCH = BatchConfig(max_requests=24, max_rows=30, max_prefill_tokens=2048)
 SUBJECT_SLOTS = 18  # the other 6 slots: background requests
 SUBJECTS = {  # (draft mode, controllers of the sampled subjects)
     "deterministic": [
@@ -192,7 +194,7 @@ def decode_in_busy_batch(
     next to background requests (the other slots, refilled until the last subject finishes; ``roles``: what
     they run, by default ``BACKGROUND[draft_mode]``). Returns the subjects' results in order, and (request,
     tokens) of every finished greedy background request."""
-    batch = BatchedEngine(pair, BatchConfig(BATCH.max_requests, BATCH.max_rows, EngineConfig(draft_mode)))
+    batch = BatchedEngine(pair, dataclasses.replace(BATCH, engine=EngineConfig(draft_mode)))
     roles = roles or BACKGROUND[draft_mode]
     queue = list(enumerate(subjects))[::-1]
     results: list = [None] * len(subjects)

@@ -59,7 +59,9 @@ def test_the_batched_engine_shows_each_request_the_step_load(pair):
     ctrls = [Recording(2) for _ in range(3)]
     rids = [batch.add(BatchRequest(p, 30, c, ignore_eos=True)) for p, c in zip(["ab", "cd", "ef"], ctrls)]
     batch.waiting_outside = 5
-    batch.step()  # prefills and the first cycles: nothing known of a last step yet
+    batch.step()  # the prefills (each prompt's chunk in the step's target forward)
+    assert all(not ctrl.loads for ctrl in ctrls)
+    batch.step()  # the first cycles: nothing known of a last decoding step yet
     first = ctrls[0].loads[0]
     assert first.requests == 3 and first.waiting == 5 and first.other_rows == 0 and first.other_drafting == 0
     assert first.arrival_rate > 0
