@@ -121,17 +121,17 @@ class LoadedProfile:
 
     # ------------------------------------------------------------------------ the replay interface
     def draft_step_s(self, width: int, context: int) -> float:
-        return max(self.base.draft_step_s(width, context) + self.draft_delta(width), 0.0)
+        return _at_least_some(self.base.draft_step_s(width, context), self.draft_delta(width))
 
     def draft_chunk_s(self, num_pending: int, context: int) -> float:
-        return max(self.base.draft_chunk_s(num_pending, context) + self.draft_delta(num_pending), 0.0)
+        return _at_least_some(self.base.draft_chunk_s(num_pending, context), self.draft_delta(num_pending))
 
     def draft_chunk_curve(self, max_pending: int, context: int) -> np.ndarray:
         return np.asarray([self.draft_chunk_s(p, context) for p in range(1, max_pending + 1)], np.float64)
 
     def verify_s(self, num_nodes: int, context: int, chain: bool = False) -> float:
         rows = 1 + max(int(num_nodes), 0)
-        return max(self.base.verify_s(num_nodes, context, chain) + self.target_delta(rows), 0.0)
+        return _at_least_some(self.base.verify_s(num_nodes, context, chain), self.target_delta(rows))
 
     def overhead_s(self, num_nodes: int, depth: int = 1, tree_width: int = 1) -> float:
         return self.base.overhead_s(num_nodes, depth, tree_width)
@@ -164,6 +164,16 @@ class LoadedProfiles:
         if load is None or self.table is None or load.alone:
             return self.base
         return per_load(self._cache, load, self.size, lambda: LoadedProfile(self.base, load, self.table))
+
+
+MIN_LOADED_SHARE = 0.05
+"""A cost at a load is at least this share of the cost alone: the charges come from differences of measured
+cells, and a noisy table can make them negative (a request whose forward costs nothing would divide by zero
+in the device features and make no sense to a controller)."""
+
+
+def _at_least_some(alone: float, delta: float) -> float:
+    return max(alone + delta, MIN_LOADED_SHARE * alone)
 
 
 def per_load(cache: dict, load: LoadState, size: int, make: Callable[[], Any]) -> Any:

@@ -4,6 +4,7 @@ controller do."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from engine import SpeculativeEngine, StaticController, load_pair
@@ -11,7 +12,7 @@ from engine.batch import BatchConfig, BatchedEngine, BatchRequest
 from engine.control import DraftState
 from engine.costs.cost_profile import ProfileError
 from engine.costs.features import NUM_LOAD_FEATURES, DeviceAtLoad, device_features, load_features
-from engine.costs.load_model import LoadedProfile, LoadedProfiles, split_forward
+from engine.costs.load_model import MIN_LOADED_SHARE, LoadedProfile, LoadedProfiles, split_forward
 from engine.load import LoadState, LoadTracker
 from tests_helpers import batched_profile
 
@@ -153,3 +154,16 @@ def test_a_loaded_profile_is_the_base_alone_and_charges_marginal_costs_under_loa
     assert (feats.at(None) == device_features(profile, 1)).all()
     assert not (feats.at(LoadState(requests=4, other_rows=3)) == feats.at(None)).all()
     assert not DeviceAtLoad(batched_profile(batched=False), 1).available
+
+
+def test_a_noisy_batch_table_never_makes_a_loaded_cost_zero():
+    """Rows that measured cheaper than fewer rows (noise) give negative charges: the cost at a load keeps a
+    floor (``MIN_LOADED_SHARE`` of the cost alone), so the device features stay finite."""
+    noisy = batched_profile()
+    for name in ("target", "draft"):  # several sequences measured far cheaper than one (noise)
+        noisy.batched[name] = [[q, r, t if q == 1 else 0.001] for q, r, t in noisy.batched[name]]
+    loaded = LoadedProfile(noisy, LoadState(requests=8, waiting=0, other_rows=40, other_drafting=7))
+    for nodes in (0, 1, 4):
+        assert loaded.verify_s(nodes, 512) >= MIN_LOADED_SHARE * noisy.verify_s(nodes, 512) > 0
+    assert loaded.draft_step_s(1, 512) > 0 and loaded.draft_chunk_s(3, 512) > 0
+    assert np.isfinite(device_features(loaded, 1)).all()
