@@ -85,9 +85,10 @@ class ServeConfig(ModelConfig):
     """Requests decoded together at most; more wait for a slot."""
     max_rows: int = 64
     """Rows of one forward at most (every request's row plus the drafted nodes they verify)."""
-    max_prefill_tokens: int = 128
-    """Prompt tokens prefilled between two decoding steps at most (at least one request a step): a burst of
-    arrivals does not stall the running requests for all their prefills at once."""
+    max_prefill_tokens: int = BatchConfig.max_prefill_tokens
+    """Prompt tokens prefilled a step at most: chunks of the waiting prompts ride in the step's forward next
+    to the running requests' rows (whole prompts, at least one a step, where the native decoder does not
+    run), so a long prompt or a burst of arrivals delays each running stream a bounded time a step."""
     max_waiting: int = 64
     """Requests waiting for a slot at most; past it a request gets HTTP 429."""
     max_context: int = 4096

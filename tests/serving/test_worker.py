@@ -124,3 +124,47 @@ def test_a_step_that_raises_fails_the_batch_and_a_fresh_engine_serves_on(worker,
         _failed(out, "internal error in a batched step: RuntimeError: injected engine bug")
     assert _serve(worker, PROMPTS, pair) == [alone[p] for p in PROMPTS]
     assert worker.engine is not broken  # (checked after: the jobs hear of the failure before the rebuild)
+
+
+def test_work_off_the_main_thread_leaves_no_openmp_team_behind():
+    """``off_main_thread`` (how serve.py loads the models): the OpenMP threads torch's kernels start there
+    leave with the thread, so the engine thread's team is the process's only one (one more team, kept by a
+    main thread that ran the kernels, measured 40-48 ms a step against 26-31); a run on the main thread keeps
+    its team (the control); the function's result and exception come back."""
+    import subprocess
+    import sys
+
+    script = """
+import os, torch
+from serving.worker import off_main_thread
+torch.set_num_threads(2)
+def threads(): return len(os.listdir("/proc/self/task"))
+def work():
+    a = torch.randn(384, 384)
+    for _ in range(4):
+        a = torch.tanh(a @ a * 1e-3)
+    return threads()
+def settled():  # the team's threads end just after their thread
+    import time
+    for _ in range(100):
+        if threads() <= before:
+            break
+        time.sleep(0.02)
+    return threads()
+before = threads()
+inside = off_main_thread(work)
+after_off = settled()
+def fail(): raise KeyError("boom")
+try:
+    off_main_thread(fail)
+except KeyError as err:
+    raised = str(err)
+work()
+print(before, inside, after_off, settled(), raised)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    before, inside, after_off, after_main, raised = out.stdout.split()
+    assert int(inside) > int(before) and int(after_off) == int(before)  # its team came and went with it
+    assert int(after_main) > int(before)  # the control: the main thread's team stays
+    assert raised == "'boom'"
