@@ -149,11 +149,12 @@ class TrainConfig(ModelConfig):
     """Closed-loop load levels (concurrent clients) of the load-aware episodes, validation and reports."""
     max_requests: int = 8
     """Requests the replayed server decodes at once (serve.py --max-requests); more clients wait."""
-    step_overhead_ms: float = 16.0
-    """Milliseconds a live server's decoding step costs beyond the profile's forwards and per-cycle overheads
-    (its event loop and the step's Python, sharing the cores with the forwards), added to every replayed
-    step: measure it as serve.py's one-client inter-token latency of autoregressive decoding minus the
-    profile's autoregressive step (docs/architecture.md, "Why the defaults are what they are")."""
+    step_overhead_ms: float | None = None
+    """Milliseconds a decoding step of the server costs beyond the profile's forwards and per-cycle overheads
+    (the step's own Python: scheduling, load, events), added to every replayed step; none: measured on this
+    machine once per cost profile (``envs.workspace.ensure_step_overhead``: a batched step of one request
+    against the profile's charge for it) and stored in the run's metrics (docs/architecture.md, "Why the
+    defaults are what they are")."""
     reward: str = "average"
     """average (emitted - rho * time, dense) or throughput (LTD's per-cycle emitted / time)."""
     rounds: int = 3
@@ -214,7 +215,9 @@ class TrainConfig(ModelConfig):
         self.concurrencies = tuple(int(n) for n in self.concurrencies)  # a list when read from JSON
         if self.backend == "live":
             self.load_aware = False  # one request at a time: no load to train for (stored resolved)
-        if not (math.isfinite(self.step_overhead_ms) and 0 <= self.step_overhead_ms <= 1000):
+        if self.step_overhead_ms is not None and not (
+            math.isfinite(self.step_overhead_ms) and 0 <= self.step_overhead_ms <= 1000
+        ):
             raise ValueError(
                 f"step_overhead_ms (--step-overhead-ms) must be in [0, 1000], got {self.step_overhead_ms}"
             )
@@ -683,9 +686,16 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
     feats = device_features(profile, config.tree_width)
     setup, loads, evaluate = None, None, validation(val_traces, profile, mix, lookup)
     if config.load_aware:
+        if config.step_overhead_ms is not None:
+            step_overhead_s = config.step_overhead_ms / 1e3
+        else:
+            step_overhead_s = workspace.ensure_step_overhead(pair, profile, config.cache_dir, config.progress)
+        print(
+            f"a server step's own cost (replayed with every step): {step_overhead_s * 1e3:.1f} ms", flush=True
+        )
         setup = load_training.load_setup(
             train_traces, val_traces, profile, lookup, config.concurrencies, config.max_requests,
-            step_overhead_s=config.step_overhead_ms / 1e3,
+            step_overhead_s=step_overhead_s,
         )  # fmt: skip
         print(
             "static chain tuned per load level (server replay, train traces; depth: system tokens/s): "
@@ -785,6 +795,7 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
         "phases": [asdict(h) for h in trainer.history],
     }
     if setup is not None:
+        metrics["step_overhead_ms"] = setup.train.step_overhead_s * 1e3
         learned = trainer.controller(depth_actor, size_actor)
         metrics["load"] = load_training.load_report(
             setup, profile, config.tree_width, config.max_depth, learned, "learned (exported)"

@@ -14,6 +14,8 @@ pairs with kquant layers: traces recorded by kernels that computed other bits ar
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -22,11 +24,12 @@ from typing import Any
 import torch
 
 from engine.backends import lean
+from engine.backends.files import atomic_write_json
 from engine.backends.models import load_pair
 from engine.backends.native import KERNEL_NUMERICS
 from engine.backends.pair import ModelPair
 from engine.costs.cost_profile import CostProfile, load_profile_arg
-from engine.costs.measure_costs import ProfileConfig, measure_profile
+from engine.costs.measure_costs import ProfileConfig, measure_profile, measure_step_overhead
 from engine.lookup import describe_lookup
 from engine.sampling import SamplingConfig
 from envs.prompts import suite_split
@@ -108,6 +111,29 @@ def ensure_profile(
     profile = measure_profile(pair, grid, progress=progress)
     profile.save(cached)
     return profile
+
+
+def ensure_step_overhead(
+    pair: ModelPair, profile: CostProfile, cache_dir: str | Path, progress: bool = True
+) -> float:
+    """Seconds a batched decoding step costs beyond ``profile``'s charge
+    (``engine.costs.measure_costs.measure_step_overhead``), measured once per profile and cached beside the
+    pair's profile (a profile measured again is measured again against)."""
+    digest = hashlib.sha256(json.dumps(profile.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
+    cached = pair_dir(pair, cache_dir) / "step_overhead.json"
+    if cached.is_file():
+        try:
+            data = json.loads(cached.read_text(encoding="utf-8"))
+            if data.get("profile_sha256") == digest:
+                return float(data["step_overhead_s"])
+        except (ValueError, KeyError, TypeError):
+            pass  # unreadable: measured again
+    if progress:
+        print(f"measuring the batched step's own cost once ({cached}) ...", flush=True)
+    seconds = measure_step_overhead(pair, profile)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(cached, {"step_overhead_s": seconds, "profile_sha256": digest})
+    return seconds
 
 
 def ensure_traces(

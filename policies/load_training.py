@@ -156,12 +156,16 @@ DEFAULT_CONCURRENCIES = (1, 2, 4, 8)
 def trained_server(meta: dict | None) -> dict:
     """The server a policy file's metadata (``LearnedController.meta``) says it was trained for: its load
     levels, the requests decoded at once and a step's own cost (train.py's --concurrencies, --max-requests,
-    --step-overhead-ms); for a setting the file does not carry, and without a policy, (1, 2, 4, 8), 8 and 0."""
+    --step-overhead-ms, or the cost it measured: ``metrics["step_overhead_ms"]``); for a setting the file does
+    not carry, and without a policy, (1, 2, 4, 8), 8 and 0."""
     config = (meta or {}).get("train_config") or {}
+    overhead = config.get("step_overhead_ms")
+    if overhead is None:
+        overhead = ((meta or {}).get("metrics") or {}).get("step_overhead_ms", 0.0)
     return {
         "concurrencies": tuple(int(n) for n in config.get("concurrencies") or DEFAULT_CONCURRENCIES),
         "max_requests": int(config.get("max_requests", 8)),
-        "step_overhead_ms": float(config.get("step_overhead_ms", 0.0)),
+        "step_overhead_ms": float(overhead),
     }
 
 

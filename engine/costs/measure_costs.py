@@ -480,6 +480,38 @@ def _fit_overhead(rows: np.ndarray) -> tuple[np.ndarray, float]:
     return coef, (_stats(ratio.tolist())[1] if ratio.size else 0.0)
 
 
+@torch.inference_mode()
+def measure_step_overhead(
+    pair: ModelPair, profile: CostProfile, context: int = 512, steps: int = 24, reps: int = 3
+) -> float:
+    """Seconds a batched engine's decoding step costs beyond what ``profile`` charges for it: the median
+    ``BatchedEngine.step`` of one autoregressive request at ``context`` tokens (``reps`` runs of ``steps``
+    steps) minus the profile's autoregressive step there (``verify_s(0)`` plus its overhead); 0 when the step
+    costs no more. The server replay adds it to every step (``envs.server.ServerReplay.step_overhead_s``):
+    what the step's own Python (scheduling, load, events) costs next to its forwards."""
+    from engine.batch import BatchConfig, BatchedEngine, BatchRequest
+
+    context = max(8, min(int(context), pair.max_context - steps - 2))
+    prompt = [
+        int(t)
+        for t in torch.randint(0, pair.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
+    ]
+    times: list[float] = []
+    clock = SpeculativeEngine(pair).clock
+    for _ in range(reps):
+        batch = BatchedEngine(pair, BatchConfig(max_requests=1, max_prefill_tokens=context))
+        batch.add(BatchRequest(prompt, max_new_tokens=steps + 2, ignore_eos=True))
+        while batch.pending:
+            batch.step()
+        batch.step()  # a first decoding step (warm)
+        for _ in range(steps):
+            t0 = clock()
+            batch.step()
+            times.append(clock() - t0)
+    predicted = profile.verify_s(0, context) + profile.ar_overhead_s
+    return max(float(np.median(times)) - predicted, 0.0)
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)

@@ -470,3 +470,18 @@ def test_random_integer_weights_take_the_published_layout():
     # int4 as the published file converts: int4 where it has Q4_K blocks, int8 where Q6_K
     assert {m for m, k in kinds["int4", False].items() if k == "int8"} == wide
     assert {k for m, k in kinds["int4", False].items() if m not in wide} == {"int4"}
+
+
+def test_the_step_overhead_is_the_batched_step_beyond_the_profile(tiny_pair_f32):
+    """``measure_step_overhead``: a batched step of one autoregressive request, less what the profile charges
+    for it; a profile that charges nothing gives the whole step, one that charges more than it takes gives 0."""
+    import dataclasses
+
+    from engine.costs.measure_costs import measure_step_overhead
+    from tests_helpers import batched_profile
+
+    free = batched_profile()
+    free = dataclasses.replace(free, verify_table=[[0.0, 0.0] for _ in free.sizes], ar_overhead_s=0.0)
+    step = measure_step_overhead(tiny_pair_f32, free, context=32, steps=6, reps=1)
+    assert 0 < step < 1.0
+    assert measure_step_overhead(tiny_pair_f32, batched_profile(), context=32, steps=6, reps=1) == 0.0  # 30 ms

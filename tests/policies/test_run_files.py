@@ -614,3 +614,19 @@ def test_the_main_job_exports_the_per_load_baseline_for_serve_py(base):
     config = serve.ServeConfig(pair="tiny", policy=f"table:{run / TUNED_FILE}")
     controller = BatchSizeTableController(serve.read_table(config))
     assert {n: controller.depth_for(n) for n in tuned} == tuned
+
+
+def test_the_step_cost_is_measured_when_not_given_and_goes_with_the_policy(base):
+    """Without --step-overhead-ms the run measures a batched step's own cost (cached per profile) and stores it
+    in its metrics, where ``load_training.trained_server`` reads it for a policy whose config leaves it unset;
+    the config keeps None, so the same command reuses the run."""
+    from policies import load_policy, load_training
+
+    run = base["run"]
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["step_overhead_ms"] >= 0
+    meta = load_policy(run / "policy.pt").meta
+    assert meta["train_config"]["step_overhead_ms"] is None
+    assert load_training.trained_server(meta)["step_overhead_ms"] == metrics["step_overhead_ms"]
+    given = {"train_config": {"step_overhead_ms": 7.5}, "metrics": {"step_overhead_ms": 1.0}}
+    assert load_training.trained_server(given)["step_overhead_ms"] == 7.5
