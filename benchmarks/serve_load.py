@@ -106,6 +106,10 @@ class Outcome:
     latency: float = float("nan")
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    start: float = float("nan")
+    """When it was sent (``time.perf_counter``)."""
+    times: list[float] = field(default_factory=list)
+    """When each of its chunks arrived (``time.perf_counter``)."""
 
 
 async def one_request(client: httpx.AsyncClient, url: str, row: Row, prompt_index: int, ids: list[int], max_tokens: int) -> Outcome:  # fmt: skip
@@ -120,7 +124,7 @@ async def one_request(client: httpx.AsyncClient, url: str, row: Row, prompt_inde
         **row.extra_body,
     }
     start = time.perf_counter()
-    out = Outcome(prompt_index, False)
+    out = Outcome(prompt_index, False, start=start)
     arrivals, parts, counted, usage_total = [], [], 0, None
     try:
         async with client.stream("POST", url, json=body) as response:
@@ -154,6 +158,7 @@ async def one_request(client: httpx.AsyncClient, url: str, row: Row, prompt_inde
                     parts.append(text)
                     continue
                 arrivals.append((time.perf_counter() - start, k))
+                out.times.append(start + arrivals[-1][0])
                 counted += k
                 parts.append(text)
     except (httpx.HTTPError, json.JSONDecodeError) as err:
@@ -205,6 +210,64 @@ async def closed_loop(
         await asyncio.gather(*(worker() for _ in range(clients)))
         wall = time.perf_counter() - start
     return outcomes, wall
+
+
+async def long_mix(
+    url: str,
+    row: Row,
+    prompts: list[list[int]],
+    long_ids: list[int],
+    clients: int,
+    max_tokens: int,
+    delay: float,
+):
+    """``clients`` short streams in a closed loop and, ``delay`` seconds in, one long prompt (8 tokens to
+    generate); the streams go on until it has finished. Returns (short outcomes, the long one, wall time)."""
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    outcomes: list[Outcome] = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
+        done = asyncio.Event()
+
+        async def worker(k: int):
+            i = k
+            while not done.is_set():
+                p = i % len(prompts)
+                outcomes.append(await one_request(client, url, row, p, prompts[p], max_tokens))
+                i += clients
+
+        async def long_request():
+            await asyncio.sleep(delay)
+            out = await one_request(client, url, row, -1, long_ids, 8)
+            done.set()
+            return out
+
+        start = time.perf_counter()
+        results = await asyncio.gather(long_request(), *(worker(k) for k in range(clients)))
+        wall = time.perf_counter() - start
+    return outcomes, results[0], wall
+
+
+def long_mix_figures(short: list[Outcome], long: Outcome) -> dict:
+    """The short streams' largest gap between two of their chunks while the long prompt waited for its first
+    token (from its sending to its first chunk), next to their median and p99 inter-token latency over the run,
+    and the long prompt's time to first token."""
+    end = long.start + long.ttft if long.ok else float("nan")
+    gaps = []
+    for o in short:
+        times = [o.start, *o.times]
+        for a, b in zip(times, times[1:]):
+            if b > long.start and a < end:  # a wait that overlaps the long prefill
+                gaps.append(b - a)
+    itl = [x for o in short if o.ok for x in o.itl]
+    median = percentile(itl, 0.5)
+    largest = max(gaps, default=float("nan"))
+    return {
+        "long_ok": long.ok,
+        "long_error": long.error,
+        "long_ttft_s": long.ttft,
+        "gap_max_s": largest,
+        "gap_over_itl_p50": largest / median if median > 0 else float("nan"),
+    }
 
 
 def parse_schedule(text: str) -> list[tuple[float, int]]:
@@ -406,6 +469,14 @@ def main(argv: list[str] | None = None) -> int:
         help="one Poisson level whose rate changes: RATE:REQUESTS,... (requests/s and how many arrive at it, "
         "in order, e.g. 0.1:6,0.6:12,0.1:6; none by default)",
     )
+    ap.add_argument(
+        "--long-mix",
+        type=int,
+        default=0,
+        help="one level more: a prompt of this many tokens arriving among --long-mix-clients short streams (their "
+        "largest gap during its prefill against their median inter-token latency; 0: none)",
+    )
+    ap.add_argument("--long-mix-clients", type=int, default=4)
     ap.add_argument("--min-requests", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompts-per-language", type=int, default=2)
@@ -432,6 +503,15 @@ def main(argv: list[str] | None = None) -> int:
 
     suite = interleave_languages(load_suite(split="test", limit_per_language=args.prompts_per_language))
     prompts = [prompt_ids(args.pair, item["prompt"]) for item in suite]
+    long_ids: list[int] = []
+    if args.long_mix:
+        everything = " ".join(item["prompt"] for item in load_suite(split="train"))
+        text = "Summarise each of these requests in one line: " + everything
+        while len(text) < 8 * args.long_mix:  # a token is at most a few characters
+            text += " " + everything
+        long_ids = prompt_ids(args.pair, text)[: args.long_mix]
+        if len(long_ids) < args.long_mix:
+            ap.error(f"--long-mix: this pair's prompts reach {len(long_ids)} tokens at most")
 
     target = draft = server = None
     if not args.no_llama:
@@ -483,6 +563,18 @@ def main(argv: list[str] | None = None) -> int:
                 if args.rate_schedule:
                     label = schedule_label(args.rate_schedule)
                     levels.append(("poisson-schedule", label, args.rate_schedule))
+                if args.long_mix:
+                    short, long, wall = asyncio.run(
+                        long_mix(
+                            url, row, prompts, long_ids, args.long_mix_clients, args.max_tokens, delay=3.0
+                        )
+                    )
+                    entry = {"row": row.name, "repeat": repeat, "mode": "long-mix", "level": args.long_mix}
+                    entry["weights"] = row.weights
+                    entry.update(summarize(short, wall, reference), **long_mix_figures(short, long))
+                    entry.update(peak_rss_mb=peak_rss_mb(srv.proc.pid), loadavg=os.getloadavg()[0])
+                    results.append(entry)
+                    report(entry)
                 for mode, level, schedule in levels:
                     outcomes, wall = asyncio.run(
                         poisson(url, row, prompts, schedule, args.max_tokens, seed=repeat)
@@ -516,13 +608,19 @@ def save(path: str, info: dict, args, rows: list[Row], results: list[dict]) -> N
 
 
 def report(e: dict) -> None:
-    unit = {"closed": "clients", "poisson": "req/s"}.get(e["mode"], "req/s:n")
+    unit = {"closed": "clients", "poisson": "req/s", "long-mix": "tokens"}.get(e["mode"], "req/s:n")
     level = f"{e['level']:>5g}" if isinstance(e["level"], (int, float)) else e["level"]
     print(
         f"{e['row']:18s} {e['mode']:7s} {level} {unit:7s} tok/s {e['tok_s']:7.2f} (1 req {e['decode_tok_s']:5.2f})  "
         f"ttft p50 {e['ttft_p50']:6.3f} p99 {e['ttft_p99']:6.3f}  itl p50 {e['itl_p50'] * 1e3:6.1f} "
         f"p99 {e['itl_p99'] * 1e3:6.1f} ms  lat p50 {e['latency_p50']:6.2f} p99 {e['latency_p99']:6.2f}  "
-        f"same {e['identical']:.0%}  err {e['errors']}  rss {e['peak_rss_mb']:.0f} MB  load {e['loadavg']:.2f}",
+        f"same {e['identical']:.0%}  err {e['errors']}  rss {e['peak_rss_mb']:.0f} MB  load {e['loadavg']:.2f}"
+        + (
+            f"  long: ttft {e['long_ttft_s']:.2f} s, short streams' largest gap {e['gap_max_s'] * 1e3:.0f} ms "
+            f"= {e['gap_over_itl_p50']:.1f}x their itl p50"
+            if e["mode"] == "long-mix"
+            else ""
+        ),
         flush=True,
     )
 

@@ -484,4 +484,6 @@ def test_the_step_overhead_is_the_batched_step_beyond_the_profile(tiny_pair_f32)
     free = dataclasses.replace(free, verify_table=[[0.0, 0.0] for _ in free.sizes], ar_overhead_s=0.0)
     step = measure_step_overhead(tiny_pair_f32, free, context=32, steps=6, reps=1)
     assert 0 < step < 1.0
-    assert measure_step_overhead(tiny_pair_f32, batched_profile(), context=32, steps=6, reps=1) == 0.0  # 30 ms
+    assert (
+        measure_step_overhead(tiny_pair_f32, batched_profile(), context=32, steps=6, reps=1) == 0.0
+    )  # 30 ms

@@ -65,10 +65,20 @@ def test_a_scheduled_poisson_run_is_one_level_with_every_figure(serve_load, tmp_
     out = tmp_path / "load.json"
     argv = ["--pair", "tiny", "--no-llama", "--threads", "1", "--concurrency", "1", "--max-tokens", "6"]
     argv += ["--prompts-per-language", "1", "--rate-schedule", "5:2,50:3", "--json", str(out)]
-    argv += ["--ours", f"test-schedule=--policy table:{table}"]
+    argv += [
+        "--ours",
+        f"test-schedule=--policy table:{table}",
+        "--long-mix",
+        "150",
+        "--long-mix-clients",
+        "2",
+    ]
     assert serve_load.main(argv) == 0
     results = json.loads(out.read_text())["results"]
-    closed, entry = results
+    closed, mix, entry = results
+    # the long-prompt mix: short streams around one 150-token prompt, its first token and their largest gap
+    assert mix["mode"] == "long-mix" and mix["level"] == 150 and mix["errors"] == 0 and mix["long_ok"]
+    assert mix["long_ttft_s"] > 0 and mix["gap_max_s"] > 0 and mix["identical"] == 1.0
     assert (closed["mode"], entry["mode"]) == ("closed", "poisson-schedule")
     assert entry["row"] == "ours test-schedule" and entry["level"] == "5:2,50:3"
     assert set(entry) == set(closed)  # the figures of every level (the ITL percentiles among them)
@@ -78,3 +88,19 @@ def test_a_scheduled_poisson_run_is_one_level_with_every_figure(serve_load, tmp_
         assert entry[key] > 0, key
     # the tiny pair's steps are shorter than a burst (BURST_S): its tokens arrive as one, no gap to report
     assert all(math.isnan(entry[k]) or entry[k] > 0 for k in ("itl_p50", "itl_p99"))
+
+
+def test_the_long_mix_gap_is_the_largest_wait_overlapping_the_long_prefill(serve_load):
+    """A short stream's waits between chunks count when they overlap the long prompt's wait for its first token
+    (sent at 10 s, first token at 12 s); the largest is set against the streams' median inter-token latency."""
+    Outcome = serve_load.Outcome
+    long = Outcome(-1, True, ttft=2.0, start=10.0)
+    before = Outcome(0, True, start=8.0, times=[8.5, 8.6, 9.9, 10.2], itl=[0.1] * 3)  # 0.3 s overlaps
+    across = Outcome(1, True, start=9.0, times=[9.5, 11.8, 11.9, 13.5], itl=[0.1] * 3)  # 2.3 s overlaps
+    after = Outcome(2, True, start=12.5, times=[13.0, 13.1], itl=[0.1])  # 12.5 -> 13.0 starts after: no
+    figures = serve_load.long_mix_figures([before, across, after], long)
+    assert figures["gap_max_s"] == pytest.approx(2.3) and figures["long_ttft_s"] == 2.0
+    assert figures["gap_over_itl_p50"] == pytest.approx(23.0)
+    assert serve_load.long_mix_figures([before], long)["gap_max_s"] == pytest.approx(
+        0.3
+    )  # 9.9 -> 10.2, not 8.6 -> 9.9
