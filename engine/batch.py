@@ -113,7 +113,7 @@ class BatchConfig:
     docstring) and of one draft forward; at least ``max_requests``."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Caps, draft mode and lookup, as for ``SpeculativeEngine`` (every request shares them)."""
-    max_prefill_tokens: int = 32
+    max_prefill_tokens: int = 16
     """Prompt tokens prefilled in one step (the module docstring, step 1): chunks of the waiting prompts, in
     admission order, ride in the step's target forward, so a long prompt or a burst of arrivals costs every
     running request a bounded delay a step instead of a stall for all the prefills. Without chunks (the
