@@ -50,7 +50,7 @@ def off_main_thread(fn: Callable[..., T], *args: object) -> T:
     process hold more OpenMP threads than cores; libgomp then stops spinning between parallel regions and
     wakes its threads through the kernel at every one, a few hundred times a step (measured on a 2-core
     EPYC: 40-48 ms a decoding step where the same step took 26-31 ms on a single thread,
-    docs/results/2026-12-05-serving-one-client.md). A thread that exits takes its team with it."""
+    docs/results/2026-12-05-chunked-prefill.md). A thread that exits takes its team with it."""
     box: list = []
 
     def run() -> None:

@@ -92,15 +92,17 @@ def test_a_scheduled_poisson_run_is_one_level_with_every_figure(serve_load, tmp_
 
 def test_the_long_mix_gap_is_the_largest_wait_overlapping_the_long_prefill(serve_load):
     """A short stream's waits between chunks count when they overlap the long prompt's wait for its first token
-    (sent at 10 s, first token at 12 s); the largest is set against the streams' median inter-token latency."""
+    (sent at 10 s, first token at 12 s); the largest is set against the streams' median inter-token latency; a
+    short request that waited for its first token then counts apart."""
     Outcome = serve_load.Outcome
     long = Outcome(-1, True, ttft=2.0, start=10.0)
-    before = Outcome(0, True, start=8.0, times=[8.5, 8.6, 9.9, 10.2], itl=[0.1] * 3)  # 0.3 s overlaps
-    across = Outcome(1, True, start=9.0, times=[9.5, 11.8, 11.9, 13.5], itl=[0.1] * 3)  # 2.3 s overlaps
-    after = Outcome(2, True, start=12.5, times=[13.0, 13.1], itl=[0.1])  # 12.5 -> 13.0 starts after: no
-    figures = serve_load.long_mix_figures([before, across, after], long)
+    before = Outcome(
+        0, True, ttft=0.5, start=8.0, times=[8.5, 8.6, 9.9, 10.2], itl=[0.1] * 3
+    )  # 0.3 s overlaps
+    across = Outcome(1, True, ttft=0.5, start=9.0, times=[9.5, 11.8, 11.9, 13.5], itl=[0.1] * 3)  # 2.3 s
+    waited = Outcome(2, True, ttft=2.5, start=10.5, times=[13.0, 13.1], itl=[0.1])  # its first token: 2.5 s
+    figures = serve_load.long_mix_figures([before, across, waited], long)
     assert figures["gap_max_s"] == pytest.approx(2.3) and figures["long_ttft_s"] == 2.0
-    assert figures["gap_over_itl_p50"] == pytest.approx(23.0)
-    assert serve_load.long_mix_figures([before], long)["gap_max_s"] == pytest.approx(
-        0.3
-    )  # 9.9 -> 10.2, not 8.6 -> 9.9
+    assert figures["gap_over_itl_p50"] == pytest.approx(23.0) and figures["short_ttft_max_s"] == 2.5
+    alone = serve_load.long_mix_figures([before], long)
+    assert alone["gap_max_s"] == pytest.approx(0.3) and alone["short_ttft_max_s"] == 0.5  # 9.9 -> 10.2
