@@ -153,7 +153,7 @@ class TrainConfig(ModelConfig):
     """Milliseconds a decoding step of the server costs beyond the profile's forwards and per-cycle overheads
     (the step's own Python: scheduling, load, events), added to every replayed step; none: measured on this
     machine once per cost profile (``envs.workspace.ensure_step_overhead``: a batched step of one request
-    against the profile's charge for it) and stored in the run's metrics (docs/architecture.md, "Why the
+    outside its forward, less the profile's per-cycle overhead) and stored in the run's metrics (docs/architecture.md, "Why the
     defaults are what they are")."""
     reward: str = "average"
     """average (emitted - rho * time, dense) or throughput (LTD's per-cycle emitted / time)."""

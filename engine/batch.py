@@ -69,7 +69,15 @@ from engine.backends.kvcache import cache_bytes, kv_bytes_per_entry, new_cache
 from engine.backends.pair import ModelPair
 from engine.batch_forward import Rows, forward_rows
 from engine.control import Controller
-from engine.engine import EngineConfig, Forward, SpeculativeEngine, VerifyRows, _Request, chunked_prefill
+from engine.engine import (
+    EngineConfig,
+    Forward,
+    SpeculativeEngine,
+    Steps,
+    VerifyRows,
+    _Request,
+    chunked_prefill,
+)
 from engine.errors import DraftpilotError, InputError, is_int, short_repr
 from engine.load import LoadState, LoadTracker
 from engine.lookup import NgramIndex
@@ -414,7 +422,7 @@ class BatchedEngine:
             self._advance(slot, None)
         return waiting[: len(takes)]
 
-    def _prefill_chunk(self, slot: _Slot, count: int):
+    def _prefill_chunk(self, slot: _Slot, count: int) -> Steps:
         """The next ``count`` prompt tokens of ``slot`` as rows of the step's target forward; after the last
         chunk, its first token (``_prefilled``)."""
         engine, start = self.engine, slot.filled

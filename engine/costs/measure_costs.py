@@ -484,19 +484,18 @@ def _fit_overhead(rows: np.ndarray) -> tuple[np.ndarray, float]:
 def measure_step_overhead(
     pair: ModelPair, profile: CostProfile, context: int = 512, steps: int = 24, reps: int = 3
 ) -> float:
-    """Seconds a batched engine's decoding step costs beyond what ``profile`` charges for it: the median
-    ``BatchedEngine.step`` of one autoregressive request at ``context`` tokens (``reps`` runs of ``steps``
-    steps) minus the profile's autoregressive step there (``verify_s(0)`` plus its overhead); 0 when the step
-    costs no more. The server replay adds it to every step (``envs.server.ServerReplay.step_overhead_s``):
-    what the step's own Python (scheduling, load, events) costs next to its forwards."""
+    """Seconds a batched engine's decoding step costs beyond what ``profile`` charges for it: the median, over
+    ``reps`` runs of ``steps`` ``BatchedEngine.step`` calls of one autoregressive request at ``context``
+    tokens, of the step's time outside its target forward (``CycleRecord.forward_s``, timed in the same step,
+    so a busy machine slows both sides alike), less the profile's per-cycle overhead of an autoregressive step
+    (which the replay charges already); 0 when the step costs no more. The server replay adds it to every
+    step (``envs.server.ServerReplay.step_overhead_s``): the step's own Python (scheduling, load, events)."""
     from engine.batch import BatchConfig, BatchedEngine, BatchRequest
 
     context = max(8, min(int(context), pair.max_context - steps - 2))
-    prompt = [
-        int(t)
-        for t in torch.randint(0, pair.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
-    ]
-    times: list[float] = []
+    gen = torch.Generator().manual_seed(0)
+    prompt = [int(t) for t in torch.randint(0, pair.vocab_size, (context,), generator=gen)]
+    outside: list[float] = []
     clock = SpeculativeEngine(pair).clock
     for _ in range(reps):
         batch = BatchedEngine(pair, BatchConfig(max_requests=1, max_prefill_tokens=context))
@@ -506,10 +505,9 @@ def measure_step_overhead(
         batch.step()  # a first decoding step (warm)
         for _ in range(steps):
             t0 = clock()
-            batch.step()
-            times.append(clock() - t0)
-    predicted = profile.verify_s(0, context) + profile.ar_overhead_s
-    return max(float(np.median(times)) - predicted, 0.0)
+            (event,) = batch.step()
+            outside.append(clock() - t0 - event.record.forward_s)
+    return max(float(np.median(outside)) - profile.ar_overhead_s, 0.0)
 
 
 def device_name(device: torch.device) -> str:

@@ -55,8 +55,9 @@ def test_the_budget_is_never_exceeded_requests_queue_and_finish_exact(pair):
                 out[rids[ev.rid]] = batch.result(ev.rid).tokens
         held = sum(
             cache_bytes(s.req.target_cache) + cache_bytes(s.req.draft_cache)
-            for s in batch._slots.values()
             if s.req is not None
+            else cache_bytes(s.cache)  # a prompt prefilled in part: its target cache so far
+            for s in batch._slots.values()
         )  # the buffers themselves
         assert held == batch.kv_allocated() <= batch.kv_reserved <= budget
         peak = max(peak, held)
