@@ -10,7 +10,11 @@ loops at once, each stopping at the deadline:
 * disconnecting clients: open a stream, read a few chunks, drop the connection;
 * bad clients: unknown model, negative max_tokens, malformed JSON, a prompt past the context: each must get
   its 4xx;
-* bursts past the waiting line: each request must get 200 or 429, never an error or a hang.
+* bursts past the waiting line: each request must get 200 or 429, never an error or a hang;
+* faulty clients (``--fault-clients``; the server then runs with ``DRAFTPILOT_FAULTS``, the test facility of
+  ``serving/faults.py``): requests marked to fail in their controller, in a KV allocation inside the shared
+  forward, or with NaN probabilities must each end alone with a 500 (or an error event in their stream)
+  while every other client's answers stay exact: no collateral failure.
 
 Every 10 s it samples the server's resident memory (``VmRSS``) and ``/health``. The verdict (exit status 1
 when it fails): no valid request failed, every bad request got its 4xx, no slot leaked (``running`` and
@@ -36,6 +40,7 @@ from pathlib import Path
 
 import httpx
 
+from serving.faults import FAULTS_ENV
 from serving.launch import ServerProcess, free_port, prompt_ids, rss_mb
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,8 +66,18 @@ async def request(client, base, body, stream):
     return 200, "".join(parts)
 
 
+FAULTS = (("controller", "@@ctl@@"), ("alloc", "@@oom@@"), ("nan", "@@nan@@"))
+"""The faults ``--fault-clients`` inject (``serving.faults``: kind and the marker a prompt carries)."""
+
+
 async def soak(
-    base: str, prompts: list[list[int]], minutes: float, args, stats: Counter, problems: list[str]
+    base: str,
+    prompts: list[list[int]],
+    minutes: float,
+    args,
+    stats: Counter,
+    problems: list[str],
+    texts: list[str] = (),
 ):
     deadline = time.time() + minutes * 60
     greedy = {"model": "draftpilot", "temperature": 0, "max_tokens": args.max_tokens}
@@ -154,11 +169,28 @@ async def soak(
                     if status not in (200, 429):
                         problems.append(f"burst request got {status}: {text}")
 
+        async def faulty_client(k):
+            rng = random.Random(500 + k)
+            while time.time() < deadline:
+                kind, marker = rng.choice(FAULTS)
+                body = {
+                    **greedy,
+                    "prompt": f"{marker} {texts[rng.randrange(len(texts))]}",
+                    "ignore_eos": True,
+                }
+                body["max_tokens"] = max(args.max_tokens, 24)  # the controller fault fires after a few cycles
+                status, text = await request(client, base, body, stream=rng.random() < 0.5)
+                stats[f"fault {kind}"] += 1
+                if status != 500:
+                    problems.append(f"a request marked to fail ({kind}) got {status}: {text[:120]}")
+                await asyncio.sleep(rng.uniform(0.5, 3))
+
         loops = [greedy_client(k) for k in range(args.greedy_clients)]
         loops += [sampled_client(k) for k in range(args.sampled_clients)]
         loops += [leaving_client(k) for k in range(args.leaving_clients)]
         loops += [bad_client(k) for k in range(args.bad_clients)]
         loops += [burst_client(0)] if args.burst else []
+        loops += [faulty_client(k) for k in range(args.fault_clients)]
         await asyncio.gather(*loops)
 
 
@@ -178,6 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bad-clients", type=int, default=1)
     ap.add_argument(
         "--burst", type=int, default=16, help="requests of a burst past the waiting line (0: none)"
+    )
+    ap.add_argument(
+        "--fault-clients",
+        type=int,
+        default=0,
+        help="clients whose requests are marked to fail (serving/faults.py)",
     )
     ap.add_argument("--prompts-per-language", type=int, default=1)
     ap.add_argument(
@@ -200,7 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     log = ROOT / "runs" / "serve_soak.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    with ServerProcess("ours soak", command, port, log, cwd=ROOT) as srv:
+    env = {}
+    if args.fault_clients:
+        env[FAULTS_ENV] = ",".join(f"{kind}={marker}" for kind, marker in FAULTS)
+    texts = [item["prompt"] for item in suite]
+    with ServerProcess("ours soak", command, port, log, cwd=ROOT, env=env) as srv:
 
         async def run():
             async def sampler():
@@ -221,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
 
             task = asyncio.create_task(sampler())
             try:
-                await soak(base, prompts, args.minutes, args, stats, problems)
+                await soak(base, prompts, args.minutes, args, stats, problems, texts)
             finally:
                 task.cancel()
 
