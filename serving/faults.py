@@ -10,7 +10,9 @@ request ends alone with a 500 and the others are untouched. Unset (always, outsi
 * ``alloc``: every append to the request's target KV cache after its prefill raises ``MemoryError`` (an
   allocation failure inside the shared batched forward);
 * ``nan``: the request samples at temperature 1e-40 (set past ``SamplingConfig``'s rule that makes it
-  greedy, as a sampler bug would), whose probabilities overflow to NaN.
+  greedy, as a sampler bug would), whose probabilities overflow to NaN;
+* ``slow``: every step the request takes part in lasts ``SLOW_STEP_S`` longer (not a failure: a request whose
+  duration does not depend on the machine's speed, for tests that act while it runs).
 
 For example ``DRAFTPILOT_FAULTS="controller=@@ctl@@,alloc=@@oom@@,nan=@@nan@@"``.
 """
@@ -18,6 +20,7 @@ For example ``DRAFTPILOT_FAULTS="controller=@@ctl@@,alloc=@@oom@@,nan=@@nan@@"``
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 
 from engine.backends.pair import ModelPair
@@ -27,7 +30,9 @@ from engine.errors import InputError
 from engine.sampling import SamplingConfig
 
 FAULTS_ENV = "DRAFTPILOT_FAULTS"
-KINDS = ("controller", "alloc", "nan")
+KINDS = ("controller", "alloc", "nan", "slow")
+SLOW_STEP_S = 0.005
+"""What a ``slow`` request adds to every step it takes part in."""
 
 
 class FailingController(StaticController):
@@ -68,6 +73,7 @@ class FaultyEngine(BatchedEngine):
         super().__init__(pair, config)
         self.faults = faults
         self._alloc: set[int] = set()
+        self._slow: set[int] = set()
 
     def add(self, request: BatchRequest) -> int:
         prompt = request.prompt
@@ -82,7 +88,15 @@ class FaultyEngine(BatchedEngine):
         rid = super().add(request)
         if "alloc" in kinds:
             self._alloc.add(rid)
+        if "slow" in kinds:
+            self._slow.add(rid)
         return rid
+
+    def step(self):
+        events = super().step()
+        if any(event.rid in self._slow for event in events):
+            time.sleep(SLOW_STEP_S)
+        return events
 
     def _prefilled(self, slot, logits) -> None:
         super()._prefilled(slot, logits)
@@ -92,6 +106,7 @@ class FaultyEngine(BatchedEngine):
 
     def _release(self, rid: int):
         self._alloc.discard(rid)
+        self._slow.discard(rid)
         return super()._release(rid)
 
 

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from engine import SamplingConfig
+from serving.faults import FAULTS_ENV
 from serving.text import Detokenizer, StopMatcher
 from tests_serving_helpers import (
     DEFAULT_CONTROLLER,
@@ -42,12 +43,22 @@ PROMPTS = (
 )
 GREEDY = {"temperature": 0, "extra_body": {"return_token_ids": True, "ignore_eos": True}}
 LONG = MAX_CONTEXT - 32
+SLOW = "@@slow@@"
+"""A prompt holding it decodes 5 ms a step slower (``serving.faults``, ``slow``): a request that lasts ~5 s
+whatever the machine's speed, so a client can leave while it runs."""
 """Tokens of a request meant to still be running while the test does something else (a few seconds)."""
 
 
 @pytest.fixture(scope="module")
 def launched(launch_server):
-    return launch_server("--max-requests", str(MAX_REQUESTS), "--max-context", str(MAX_CONTEXT))
+    # requests marked SLOW take 5 ms more a step (serving/faults.py): a margin for the tests that leave mid-way
+    return launch_server(
+        "--max-requests",
+        str(MAX_REQUESTS),
+        "--max-context",
+        str(MAX_CONTEXT),
+        env={FAULTS_ENV: f"slow={SLOW}"},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -646,10 +657,10 @@ def test_a_non_streamed_request_whose_client_leaves_frees_its_slot(server, clien
     server notices within its disconnect poll (0.5 s) and drops the request before its end."""
     server.wait_idle()
     n = LONG
-    whole = len(reference(served_pair, ids_of("abandoned"), n).cycles)
+    whole = len(reference(served_pair, ids_of(f"{SLOW} abandoned"), n).cycles)
     cycles, ended = _counts(server)
     with pytest.raises(httpx.ReadTimeout), httpx.Client(timeout=httpx.Timeout(30, read=0.2)) as http:
-        http.post(server.url("/v1/completions"), json=completion_body("abandoned", n))
+        http.post(server.url("/v1/completions"), json=completion_body(f"{SLOW} abandoned", n))
     left = time.monotonic()
     server.wait_health(lambda h: h["running"] == 0 and h["waiting"] == 0, timeout_s=10)
     assert time.monotonic() - left < 5

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from serving.faults import FAULTS_ENV
 from tests_serving_helpers import (
     MODEL,
     assert_matches_reference,
@@ -28,6 +29,9 @@ from tests_serving_helpers import (
 pytestmark = pytest.mark.usefixtures("single_thread")  # the reference, as the server (--threads 1)
 
 LONG = 1000
+SLOW = "@@slow@@"
+"""A prompt holding it decodes 5 ms a step slower (``serving.faults``, ``slow``): ~5 s for LONG tokens whatever
+the machine's speed, so a client can leave the line while it runs."""
 """Tokens of a request that must still be decoding while the test does something else (a second or more;
 the server's context is the tiny pair's, 1024)."""
 EXIT_S = 60.0
@@ -35,7 +39,8 @@ EXIT_S = 60.0
 
 @pytest.fixture(scope="module")
 def launched(launch_server):
-    return launch_server("--max-requests", "1", "--max-waiting", "1")
+    # requests marked SLOW take 5 ms more a step (serving/faults.py): a margin for the tests that leave mid-way
+    return launch_server("--max-requests", "1", "--max-waiting", "1", env={FAULTS_ENV: f"slow={SLOW}"})
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +115,7 @@ def test_a_waiting_request_whose_client_leaves_leaves_the_line(server):
         except httpx.ReadTimeout as err:
             outcome.append(err)
 
-    with streamed(server, "/v1/completions", completion_body("busy", LONG, stream=True)) as r:
+    with streamed(server, "/v1/completions", completion_body(f"{SLOW} busy", LONG, stream=True)) as r:
         events = sse_events(r)
         head = [next(events)]
         thread = threading.Thread(target=impatient, daemon=True)
@@ -122,7 +127,7 @@ def test_a_waiting_request_whose_client_leaves_leaves_the_line(server):
         rest = collect_stream(iter([*head, *events]))
     assert rest["done"] and rest["finish_reason"] == "length"
     server.wait_idle()
-    assert server.metrics()["draftpilot_prompt_tokens_total"] - before == len("busy")
+    assert server.metrics()["draftpilot_prompt_tokens_total"] - before == len(f"{SLOW} busy")
 
 
 def _wait_draining(server, timeout_s: float = 10.0) -> httpx.Response:
