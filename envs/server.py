@@ -373,9 +373,8 @@ class ServerReplay:
         prefill, seconds = self.profile.prefill_s, 0.0
         for req, take in zip(waiting, plan_prefills(left, self.max_prefill_tokens, self.chunked)):
             end = req.filled + take
-            seconds += prefill(end, with_draft=False) - (
-                prefill(req.filled, with_draft=False) if req.filled else 0.0
-            )
+            before = prefill(req.filled, with_draft=False) if req.filled else 0.0
+            seconds += max(prefill(end, with_draft=False) - before, 0.0)  # a noisy profile's curve can dip
             req.filled = end
             if end == req.trace.trace.prompt_len:
                 req.prefilled = True
@@ -565,7 +564,7 @@ class ServerReplayBackend:
             recs = [rec for r in run.requests for rec in r.records]
             per_request[n] = sum(r.emitted for r in recs) / max(sum(r.total_s for r in recs), 1e-12)
             first = [r.finished - r.arrival for r in run.requests[: max(n - 1, 1)] if r.finished is not None]
-            self.spans[n] = float(np.mean(first)) if first else 0.0
+            self.spans[n] = max(float(np.mean(first)), 0.0) if first else 0.0
         alone = per_request[min(self.concurrencies)]
         # no decoded token to measure by (traces that end at their first token): no rescaling
         self.scale = {
