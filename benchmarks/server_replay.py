@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from engine.cli import int_tuple
+from engine.costs.cost_profile import load_profile_arg
 from engine.errors import InputError
 from envs import workspace
 from policies import load_policy, load_training
@@ -42,13 +43,16 @@ def main(argv: list[str] | None = None) -> int:
         help="a server step's cost beyond the profile's (default: the policy's training setting)",
     )
     ap.add_argument("--max-new-tokens", type=int, default=None, help="trace length (default: the policy's)")
+    ap.add_argument(
+        "--profile", default=None, help="cost profile file to charge the steps with (default: the policy's)"
+    )
     ap.add_argument("--cache-dir", default="runs/cache")
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
     try:
         policy = load_policy(args.policy)
         profile, measured, tune = workspace.replay_inputs(
-            policy, None, args.cache_dir, args.split, args.prompts_per_language, args.tune_split,
+            policy, load_profile_arg(args.profile) if args.profile else None, args.cache_dir, args.split, args.prompts_per_language, args.tune_split,
             args.tune_prompts_per_language, max_new_tokens=args.max_new_tokens,
         )  # fmt: skip
         lookup = trained_lookup(policy.meta)
