@@ -107,7 +107,9 @@ class TrainConfig(ModelConfig):
     stored resolved (MIN-MAX:K+L:J). Lookup cycles happen in the episodes, the static baselines and
     validation as in the engine (the policy decides the other cycles); deploy the policy on an engine with
     the same setting (evaluate.py's learned+lookup row, generate.py --lookup auto). The default: a policy
-    trained with lookup is the faster one on the lookup engine (docs/architecture.md, "Context lookup")."""
+    trained with lookup is the faster one on the lookup engine (docs/architecture.md, "Context lookup").
+    Load-aware training tunes the load limit (@N: lookup only while at most N requests decode; the policy
+    file carries it) unless the setting names one."""
     temperature: float = 0.0
     """0: greedy traces; > 0: sampled trajectories (the policy is then trained for sampling)."""
     temperatures: str = ""
@@ -693,6 +695,21 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
         print(
             f"a server step's own cost (replayed with every step): {step_overhead_s * 1e3:.1f} ms", flush=True
         )
+        if lookup is not None and not lookup.max_requests:  # no limit given: tuned on the train traces
+            lookup, ratios = load_training.tuned_lookup(
+                train_traces, profile, lookup, config.concurrencies, config.max_requests, step_overhead_s
+            )
+            print(
+                "context lookup under load (server replay, train traces; lookup-only over autoregressive): "
+                + ", ".join(f"N={n} {r:.3f}" for n, r in ratios.items())
+                + f" -> {describe_lookup(lookup)}"
+                + (
+                    f" (lookup only while at most {lookup.max_requests} requests decode)"
+                    if lookup.max_requests
+                    else ""
+                ),
+                flush=True,
+            )
         setup = load_training.load_setup(
             train_traces, val_traces, profile, lookup, config.concurrencies, config.max_requests,
             step_overhead_s=step_overhead_s,
@@ -794,6 +811,10 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
         "train_prompts": [p["id"] for p in train_prompts],
         "phases": [asdict(h) for h in trainer.history],
     }
+    if lookup is not None:
+        metrics["lookup"] = describe_lookup(
+            lookup
+        )  # with the load limit tuned above (trained_lookup reads it)
     if setup is not None:
         metrics["step_overhead_ms"] = setup.train.step_overhead_s * 1e3
         learned = trainer.controller(depth_actor, size_actor)

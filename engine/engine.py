@@ -288,7 +288,8 @@ class SpeculativeEngine:
         budget = min(self.config.max_depth, remaining - 1, room - 1)  # drafted tokens this cycle may add
         cap = min(budget, tree_cap)
         proposal = []
-        if index is not None:
+        looks = index is not None and index.config.runs_at(req.load)  # the load limit (alone: always)
+        if looks:
             t0 = self.clock()
             index.sync(req.tokens)
             proposal = index.propose(min(budget, self.config.max_verify))
@@ -307,7 +308,7 @@ class SpeculativeEngine:
                 record = yield from self._autoregressive_step(req)
             record.controller_s += ask_s
             controller.observe(record)
-        if index is not None and not proposal:
+        if looks and not proposal:
             record.overhead_s += lookup_s  # a lookup that found nothing
         req.cycles.append(record)
         if self.config.validate_caches:

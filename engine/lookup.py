@@ -16,9 +16,10 @@ occurrences of one n-gram the latest wins (the most recent text is the likeliest
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.errors import InputError, is_int
+from engine.load import LoadState
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,13 @@ class LookupConfig:
     max_tokens: int = 2
     long_ngram: int = 8
     long_tokens: int = 4
+    max_requests: int = 0
+    """Load limit: under load (a batched engine's step, ``engine.load.LoadState``) lookup runs only while at most
+    this many requests decode in the step; above it every cycle is the controller's. 0: at every load. Alone
+    (``generate``) lookup always runs. Why: a lookup proposal's rows cost what any rows cost in the batched
+    forward, and once the batch is large the rows its rejected tokens take cost more than the tokens it
+    gains (train.py tunes the limit on the server replay; docs/architecture.md, "Context lookup under
+    load")."""
 
     def __post_init__(self) -> None:
         for name in ("min_ngram", "max_ngram", "max_tokens"):
@@ -50,7 +58,7 @@ class LookupConfig:
             raise InputError(
                 f"LookupConfig.max_ngram ({self.max_ngram}) must be >= min_ngram ({self.min_ngram})"
             )
-        for name in ("long_ngram", "long_tokens"):
+        for name in ("long_ngram", "long_tokens", "max_requests"):
             value = getattr(self, name)
             if not is_int(value) or value < 0:
                 raise InputError(f"LookupConfig.{name} must be an integer >= 0, got {value!r}")
@@ -65,6 +73,15 @@ class LookupConfig:
     def most_tokens(self) -> int:
         """The longest proposal either rule makes."""
         return max(self.max_tokens, self.long_tokens if self.long_ngram else 0)
+
+    def runs_at(self, load: LoadState | None) -> bool:
+        """Whether lookup runs in a cycle under ``load`` (None: alone): the load limit ``max_requests``."""
+        return not self.max_requests or load is None or load.requests <= self.max_requests
+
+    @property
+    def rules(self) -> LookupConfig:
+        """The same proposals at every load (the limit off): what a lookup proposes depends on this only."""
+        return replace(self, max_requests=0) if self.max_requests else self
 
 
 class NgramIndex:
@@ -122,18 +139,27 @@ LEGACY_ON = "3-4:2"
 def parse_lookup(spec: str | None) -> LookupConfig | None:
     """A command line's lookup setting: "off" (or None / empty) -> None, "on" -> ``LookupConfig()`` (the
     defaults), MIN-MAX:K (or N:K for MIN = MAX = N) -> that rule alone, MIN-MAX:K+L:J -> with the long-match
-    rule (L tokens matched: up to J proposed). Anything else is an ``InputError`` that quotes it."""
+    rule (L tokens matched: up to J proposed); a suffix @N sets the load limit (``LookupConfig.max_requests``:
+    lookup only while at most N requests decode in a step). Anything else is an ``InputError`` that quotes it."""
     text = (spec or "off").strip().lower()
     if text == "off":
         return None
-    if text == "on":
-        return LookupConfig()
-    base, plus, long_rule = text.partition("+")
-    numbers = _rule_numbers(base, spec, ranged=True)
-    long_numbers = _rule_numbers(long_rule, spec, ranged=False) if plus else [0, 0]
+    text, at, limit = text.partition("@")
+    if at and not limit.strip().isdigit():
+        raise InputError(
+            f"lookup setting {spec!r}: the load limit after @ must be a number of requests, such as 3-4:2@2"
+        )
+    max_requests = int(limit) if at else 0
     try:
-        return LookupConfig(*numbers, *long_numbers)
+        if text.strip() == "on":
+            return LookupConfig(max_requests=max_requests)
+        base, plus, long_rule = text.partition("+")
+        numbers = _rule_numbers(base, spec, ranged=True)
+        long_numbers = _rule_numbers(long_rule, spec, ranged=False) if plus else [0, 0]
+        return LookupConfig(*numbers, *long_numbers, max_requests=max_requests)
     except InputError as err:
+        if str(err).startswith("lookup setting"):
+            raise
         raise InputError(f"lookup setting {spec!r}: {err}") from None
 
 
@@ -169,8 +195,9 @@ def stored_lookup(spec: str | None) -> LookupConfig | None:
 
 
 def describe_lookup(config: LookupConfig | None) -> str:
-    """The inverse of ``parse_lookup``: "off", MIN-MAX:K or MIN-MAX:K+L:J."""
+    """The inverse of ``parse_lookup``: "off", MIN-MAX:K or MIN-MAX:K+L:J, with @N for a load limit."""
     if config is None:
         return "off"
     base = f"{config.min_ngram}-{config.max_ngram}:{config.max_tokens}"
-    return base + (f"+{config.long_ngram}:{config.long_tokens}" if config.long_ngram else "")
+    base += f"+{config.long_ngram}:{config.long_tokens}" if config.long_ngram else ""
+    return base + (f"@{config.max_requests}" if config.max_requests else "")

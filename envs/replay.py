@@ -263,13 +263,15 @@ def replay_cycles(
     sampled noise when ``rng`` is given). ``speculative=False`` decodes autoregressively.
     ``depth_zero``: also ask ``("depth", state at depth 0)`` before drafting (the engine does so for
     controllers with ``decides_depth_zero``); False makes the cycle an autoregressive step. ``lookup``: the
-    engine's context lookup (``EngineConfig.lookup``): where it proposes, the cycle is a lookup cycle and
-    nothing is asked. ``load``: called at each cycle's start, the load its states show (the server replay,
+    engine's context lookup (``EngineConfig.lookup``): where it proposes (and its load limit lets it run),
+    the cycle is a lookup cycle and nothing is asked. ``load``: called at each cycle's start, the load its states show (the server replay,
     ``envs.server``); None: alone."""
     records: list[CycleRecord] = []
     t, pending = 0, 1
     while not rt.done(t):
-        proposed, accepted = rt.lookup(t, lookup) if lookup is not None else (0, 0)
+        now = load() if load is not None else None
+        looks = lookup is not None and lookup.runs_at(now)  # the load limit, as the engine applies it
+        proposed, accepted = rt.lookup(t, lookup.rules) if looks else (0, 0)
         if proposed:
             rec = CycleRecord(
                 rt.context_len(t), 0, proposed, proposed, accepted, rt.emitted(t, accepted), lookup=True
@@ -281,7 +283,6 @@ def replay_cycles(
             t += rec.emitted
             continue
         cap = rt.depth_cap(t)
-        now = load() if load is not None else None
         if speculative and cap >= 1 and depth_zero and not (yield ("depth", rt.state(t, 0, records, now))):
             cap = 0  # depth 0 chosen: an autoregressive step, the draft falls one more token behind
         if not speculative or cap < 1:

@@ -507,6 +507,38 @@ def tune_table(
     return out
 
 
+def tune_lookup_limit(sim: ServerReplay, concurrencies: Sequence[int]) -> tuple[int, dict[int, float]]:
+    """The load limit of ``sim``'s context lookup (``LookupConfig.max_requests``), tuned on its traces: at
+    each closed-loop concurrency, lookup-only decoding's system tokens/s over plain autoregressive decoding's;
+    the limit is the largest concurrency at which, and at every one below it, lookup does not lose (0: it
+    never loses, no limit; the smallest concurrency when it loses there already). Returns (limit, n ->
+    ratio)."""
+    if sim.lookup is None:
+        raise InputError("tune_lookup_limit needs a server replay with context lookup")
+    looked = ServerReplay(
+        sim.traces, sim.profile, sim.lookup.rules, sim.max_requests, sim.max_rows, sim.max_prefill_tokens,
+        sim.step_overhead_s, sim.chunked,
+    )  # fmt: skip
+    plain = ServerReplay(
+        sim.traces, sim.profile, None, sim.max_requests, sim.max_rows, sim.max_prefill_tokens,
+        sim.step_overhead_s, sim.chunked,
+    )  # fmt: skip
+    ratios: dict[int, float] = {}
+    for n in sorted(int(c) for c in concurrencies):
+        arrivals = closed_loop(n, len(sim.traces))
+        with_lookup = looked.run(arrivals, lambda: None).tokens_per_s
+        ratios[n] = with_lookup / max(plain.run(arrivals, lambda: None).tokens_per_s, 1e-12)
+    levels = sorted(ratios)
+    paying = 0
+    for n in levels:
+        if ratios[n] < 1.0:
+            break
+        paying = n
+    if paying == levels[-1]:
+        return 0, ratios
+    return max(paying, levels[0]), ratios
+
+
 def load_score(
     sim: ServerReplay,
     make_controller: Callable[[], Controller | None],

@@ -205,9 +205,14 @@ def stored_profile(data: Any) -> CostProfile | None:
 
 
 def trained_lookup(meta: dict | None) -> LookupConfig | None:
-    """The context lookup a policy file's metadata says it was trained for (``train_config["lookup"]``;
+    """The context lookup a policy file's metadata says it was trained for: the setting train.py resolved, with
+    the load limit it tuned (``metrics["lookup"]``), else the one it was asked for (``train_config["lookup"]``;
     None: none, also for files stored before the setting)."""
-    return stored_lookup(((meta or {}).get("train_config") or {}).get("lookup", "off"))
+    meta = meta or {}
+    tuned = (meta.get("metrics") or {}).get("lookup")
+    if isinstance(tuned, str):
+        return stored_lookup(tuned)
+    return stored_lookup((meta.get("train_config") or {}).get("lookup", "off"))
 
 
 class LearnedController(Controller):

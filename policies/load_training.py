@@ -15,7 +15,7 @@ causal rule we know).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -23,7 +23,15 @@ from engine.control import Controller, StaticController
 from engine.costs.cost_profile import CostProfile
 from engine.lookup import LookupConfig
 from envs.replay import ReplayTrace
-from envs.server import Arrivals, ServerReplay, ServerReplayBackend, closed_loop, load_score, tune_table
+from envs.server import (
+    Arrivals,
+    ServerReplay,
+    ServerReplayBackend,
+    closed_loop,
+    load_score,
+    tune_lookup_limit,
+    tune_table,
+)
 from policies.analytic import AnalyticController
 from policies.learned import LearnedController
 from policies.static import BatchSizeTableController
@@ -107,6 +115,21 @@ def load_setup(
         else None
     )
     return LoadSetup(train, val, concurrencies, table, reference, plain, looked)
+
+
+def tuned_lookup(
+    train_traces: Sequence[ReplayTrace],
+    profile: CostProfile,
+    lookup: LookupConfig,
+    concurrencies: Sequence[int],
+    max_requests: int = 8,
+    step_overhead_s: float = 0.0,
+) -> tuple[LookupConfig, dict[int, float]]:
+    """``lookup`` with its load limit tuned on the train traces' server replay (``envs.server.tune_lookup_limit``):
+    (the setting, n -> lookup-only over autoregressive system tokens/s)."""
+    sim = ServerReplay(train_traces, profile, lookup.rules, max_requests, step_overhead_s=step_overhead_s)
+    limit, ratios = tune_lookup_limit(sim, concurrencies)
+    return replace(lookup, max_requests=limit), ratios
 
 
 def load_baselines(setup: LoadSetup, profile: CostProfile, width: int, max_depth: int) -> dict[str, Callable]:

@@ -98,6 +98,9 @@ def test_incremental_index_equals_the_definition():
         ("2:5", LookupConfig(2, 2, 5, 0, 0)),
         ("3-4:2+8:4", LookupConfig(3, 4, 2, 8, 4)),
         ("1-2:3+5:6", LookupConfig(1, 2, 3, 5, 6)),
+        ("on@2", LookupConfig(max_requests=2)),
+        ("3-4:2+8:4@4", LookupConfig(3, 4, 2, 8, 4, max_requests=4)),
+        ("2:5@1", LookupConfig(2, 2, 5, 0, 0, max_requests=1)),
     ],
 )
 def test_setting_parser(spec, want):
@@ -118,6 +121,10 @@ def test_setting_parser(spec, want):
         ("3-4:2+4:4", "must be longer than max_ngram (4)"),
         ("3-4:2+8:0", "propose at least one token"),
         ("3-4:2+8-9:4", "expected"),
+        ("on@", "load limit after @"),
+        ("3-4:2@x", "load limit after @"),
+        ("3-4:2@-1", "load limit after @"),
+        ("3-4@2", "expected"),
     ],
 )
 def test_bad_settings_are_clear_errors(spec, message):
@@ -135,3 +142,54 @@ def test_a_stored_on_means_the_setting_of_its_day():
     assert stored_lookup("on") == LookupConfig(3, 4, 2, 0, 0)
     assert stored_lookup("3-4:2+8:4") == LookupConfig() and stored_lookup("off") is None
     assert stored_lookup(None) is None
+
+
+def test_the_load_limit_gates_lookup_by_the_requests_decoding():
+    """``max_requests`` N: lookup runs alone and while at most N requests decode in a step, never above; 0 (the
+    default) at every load. The proposals themselves do not depend on it (``rules``)."""
+    from engine.load import LoadState
+
+    limited, free = LookupConfig(max_requests=2), LookupConfig()
+    assert limited.runs_at(None) and free.runs_at(None)
+    assert limited.runs_at(LoadState(requests=1)) and limited.runs_at(LoadState(requests=2))
+    assert not limited.runs_at(LoadState(requests=3))
+    assert free.runs_at(LoadState(requests=64))
+    assert limited.rules == free and free.rules is free
+    with pytest.raises(InputError, match="max_requests"):
+        LookupConfig(max_requests=-1)
+
+
+@pytest.mark.usefixtures("single_thread")
+@pytest.mark.parametrize("limit", [1, 0])
+def test_a_batched_engine_looks_up_only_within_the_load_limit(limit):
+    """In a batch, a request's cycle runs a lookup only while the step's decoding requests are within the limit
+    (limit 1: never while two decode; 0, the control: lookup cycles under load too); alone it always looks
+    up; every request's greedy tokens are its tokens alone either way (a lookup changes speed, not tokens)."""
+    from engine import EngineConfig, SpeculativeEngine, StaticController, load_pair
+    from engine.batch import BatchConfig, BatchedEngine, BatchRequest
+
+    pair = load_pair("tiny", device="cpu")
+    lookup = LookupConfig(
+        min_ngram=1, max_ngram=2, max_tokens=3, long_ngram=0, long_tokens=0, max_requests=limit
+    )
+    prompts = ["a b a b a b a b a b", "x y z x y z x y z x y z"]
+    makers = [lambda: None, lambda: StaticController(0)]
+    alone = SpeculativeEngine(pair, config=EngineConfig(lookup=lookup))
+    want = [alone.generate(p, 24, m()) for p, m in zip(prompts, makers)]
+    assert any(c.lookup for r in want for c in r.cycles), "alone, lookup cycles happen (the test's premise)"
+    batch = BatchedEngine(pair, BatchConfig(max_requests=2, engine=EngineConfig(lookup=lookup)))
+    rids = [batch.add(BatchRequest(p, 24, m())) for p, m in zip(prompts, makers)]
+    under_load, done = [], {}
+    while batch.active or batch.pending:
+        for ev in batch.step():
+            load = batch.load_of(ev.rid)  # None once it finished (its last cycle is left out)
+            if ev.record is not None and load is not None and load.requests > 1:
+                under_load.append(ev.record.lookup)
+            if ev.finished:
+                done[ev.rid] = batch.result(ev.rid).tokens
+    assert len(under_load) >= 10
+    if limit == 1:
+        assert not any(under_load)
+    else:
+        assert any(under_load)
+    assert [done[r] for r in rids] == [r.tokens for r in want]

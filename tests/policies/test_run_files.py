@@ -23,7 +23,7 @@ from engine.backends.files import DirectoryBusyError, sha256_file, user_hmac
 from engine.cli import save_config
 from engine.costs.features import NUM_DEVICE_FEATURES
 from engine.errors import InputError
-from engine.lookup import LookupConfig
+from engine.lookup import LookupConfig, describe_lookup
 from envs.backends import ReplayBackend
 from envs.environments import EnvConfig
 from envs.trace import Trace
@@ -571,12 +571,15 @@ def test_training_with_context_lookup(base, monkeypatch):
     monkeypatch.setattr(load_training, "ServerReplayBackend", spy(load_training.ServerReplayBackend))
     config = quick_config(base["tmp"], run_name="lookup", lookup="1-2:2")
     metrics = train.train(config)
-    assert seen == [LookupConfig(1, 2, 2, 0, 0)]
+    # the backend's lookup is the asked rules with the load limit tuned on the server replay
+    assert [lookup.rules for lookup in seen] == [LookupConfig(1, 2, 2, 0, 0)]
+    assert metrics["lookup"] == describe_lookup(seen[0])
     plain = json.loads((base["run"] / "metrics.json").read_text())
     # the tiny pair repeats itself: autoregressive decoding with lookup beats plain autoregressive decoding
     assert metrics["autoregressive_on_val"] > plain["autoregressive_on_val"]
     assert load_policy(metrics["policy"]).meta["train_config"]["lookup"] == "1-2:2"
-    assert load_policy(metrics["policy"]).trained_lookup == LookupConfig(1, 2, 2, 0, 0)
+    assert load_policy(metrics["policy"]).trained_lookup == seen[0]
+    assert load_policy(metrics["policy"]).trained_lookup.rules == LookupConfig(1, 2, 2, 0, 0)
     assert load_policy(base["run"] / "policy.pt").trained_lookup is None
     # generate.py --policy runs it with the lookup it was trained for unless told otherwise
     argv = ["--pair", "tiny", "--policy", metrics["policy"], "--prompt", "abcabcabcabc", "--raw", "--json"]
