@@ -77,8 +77,8 @@ class ServeConfig(ModelConfig):
     tree_width: int = 1
     """Static drafting: 1 drafts a chain, k > 1 a tree of width k."""
     lookup: str = "auto"
-    """Context lookup drafting: "auto" (the policy's trained setting, else off), "off", "on", or MIN-MAX:K[+L:J]
-    as in generate.py."""
+    """Context lookup drafting: "auto" (the policy's trained setting with its load limit, else off), "off", "on",
+    or MIN-MAX:K[+L:J] as in generate.py; a suffix @N looks up only while at most N requests decode in a step."""
     draft_mode: str = "deterministic"
     """deterministic (top-k trees, argmax chains) or sampled (chains drawn from the draft)."""
     max_requests: int = 8
