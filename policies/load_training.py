@@ -57,7 +57,8 @@ class LoadSetup:
     trains with lookup."""
     looked: ServerReplay | None = None
     """The validation replay with context lookup (lookup-only decoding's row), when the engine runs without
-    lookup and a report asks for that row (``load_setup``'s ``lookup_row``)."""
+    lookup and a report asks for that row (``load_setup``'s ``lookup_row``), or when the engine's lookup has
+    a load limit: then lookup at every load, as practitioners run prompt lookup (the row's setting)."""
 
     def table_controller(self) -> BatchSizeTableController:
         return BatchSizeTableController({n: d for n, (d, _) in self.table.items()}, self.train.width)
@@ -109,9 +110,10 @@ def load_setup(
         if lookup is not None
         else None
     )
+    unlimited = lookup_row if lookup is None else (lookup.rules if lookup.max_requests else None)
     looked = (
-        ServerReplay(val_traces, profile, lookup_row, max_requests, step_overhead_s=step_overhead_s)
-        if lookup is None and lookup_row is not None
+        ServerReplay(val_traces, profile, unlimited, max_requests, step_overhead_s=step_overhead_s)
+        if unlimited is not None
         else None
     )
     return LoadSetup(train, val, concurrencies, table, reference, plain, looked)
@@ -153,8 +155,9 @@ def per_load(setup: LoadSetup, factories: dict[str, Callable], mixed_requests: i
     if setup.plain is not None:  # with lookup, "autoregressive" is lookup-only decoding: plain decoding too
         rows.append(("autoregressive, no lookup", lambda: None, setup.plain))
     for name, make in factories.items():
-        if name == "autoregressive" and setup.plain is not None:
-            name = "lookup only (no draft model)"
+        if name == "autoregressive" and setup.plain is not None:  # at every load (``LoadSetup.looked``)
+            rows.append(("lookup only (no draft model)", make, setup.looked or setup.val))
+            continue
         rows.append((name, make, setup.val))
         if name == "autoregressive" and setup.looked is not None:
             rows.append(("lookup only (no draft model)", lambda: None, setup.looked))
