@@ -15,8 +15,12 @@ request, its own ``SamplingConfig``) and stop tokens. ``step()`` runs one cycle 
 2. every request starts its cycle: the very cycle code ``generate`` runs (``SpeculativeEngine._cycle``, a
    generator of the forwards it needs): lookup, depth-0 decision, draft steps, verification size;
 3. draft steps: while any request waits on a draft forward, one draft forward carries the rows of every
-   request waiting on one (its pending tokens, or its frontier at the next depth); requests stop drafting
-   when their controllers say so;
+   request waiting on one (its pending tokens, or its frontier at the next depth, or a catch-up chunk);
+   requests stop drafting when their controllers say so. A request whose draft is behind by more than
+   ``EngineConfig.draft_catch_up_tokens`` (its prompt, which the draft runs lazily, plus the tokens committed
+   while it did not draft) catches up that many tokens a step, next to an autoregressive step, before it
+   drafts (a catch-up cycle: ``SpeculativeEngine._catch_up_cycle``), so one request's catch-up never
+   stalls the step; its draft cache ends as a whole catch-up would leave it;
 4. verification rows: each drafting or lookup request asked for a number of nodes; the rows of the target
    forward are capped (``BatchConfig.max_rows``, below), then ONE target forward carries every request's
    root and granted nodes (an autoregressive step: its one row), each with its own tree mask and positions;

@@ -4,7 +4,10 @@ Invariant between cycles (``_Request``): ``tokens`` are the committed ids (promp
 target cache holds ``tokens[:-1]`` (the last token is the *pending* input of the next target forward);
 the draft cache holds ``tokens[:draft_len]`` and ``tokens[draft_len:]`` are the draft's pending inputs. The
 draft's prefill is lazy: it runs at the first drafting cycle, so a request decoded without drafting never
-pays for it.
+pays for it. Under load (``engine.batch``: a step of several requests) a draft that is behind by more than
+``EngineConfig.draft_catch_up_tokens`` catches up in chunks of that many tokens, one a cycle, each next to an
+autoregressive step (``SpeculativeEngine._catch_up_cycle``), so that no step carries one request's whole
+catch-up; alone it catches up at once, in the drafting cycle.
 
 A cycle is a generator (``_cycle`` and the phases it delegates to): it yields every model forward it needs
 (a ``Forward``) and the number of drafted rows it wants verified (a ``VerifyRows``), and receives the logits
@@ -55,6 +58,8 @@ if TYPE_CHECKING:
     from transformers import DynamicCache
 
 MAX_SEED = 2**64 - 1
+DRAFT_CATCH_UP_TOKENS = 16
+"""The default of ``EngineConfig.draft_catch_up_tokens`` (``BatchConfig.max_prefill_tokens``'s default too)."""
 Steps = Generator["Forward | VerifyRows", Any, Any]
 """A cycle (or one of its phases) as a generator: it yields the forwards and verification rows it needs
 and returns its result (``SpeculativeEngine._run`` drives one alone, ``engine.batch`` several at once)."""
@@ -85,6 +90,15 @@ class EngineConfig:
     lookup: LookupConfig | None = None
     """Context lookup drafting (``engine.lookup``): a cycle whose context's last n-gram occurred earlier
     verifies the tokens that followed it, without running the draft or asking the controller; None: off."""
+    draft_catch_up_tokens: int = DRAFT_CATCH_UP_TOKENS
+    """Under load (the request's step holds other requests' work, decoding or prefilling: ``shares_its_step``), the most tokens the
+    draft catches up on in one cycle: a cycle whose controller wants to draft while the draft is behind by
+    more (the prompt it has not run plus its pending tokens: after depth-0 or lookup cycles, or at its first
+    drafting cycle after a long prompt) runs the next this-many of them on the draft next to an
+    autoregressive step (a *catch-up cycle*, ``CycleRecord.catch_up``), and drafts once the rest fits, so no
+    step carries more than this many draft rows of one request's catch-up. Alone the whole catch-up runs
+    in the drafting cycle, as it always did. The draft's cache ends the same either way (bitwise on the
+    native decoder, which computes every row alone), so outputs do not change, only when the cost is paid."""
 
     def __post_init__(self) -> None:
         if self.lookup is not None and not isinstance(self.lookup, LookupConfig):
@@ -95,6 +109,7 @@ class EngineConfig:
             ("max_depth", 1, None),
             ("max_verify", 1, MAX_VERIFY_NODES),
             ("max_tree_nodes", 1, None),
+            ("draft_catch_up_tokens", 1, None),
         ):
             value = getattr(self, name)
             if not is_int(value) or value < low or (high is not None and value > high):
@@ -153,9 +168,11 @@ class _Request:
     """Token ids that end the request (the pair's EOS ids and the request's stop tokens), committed included."""
     cycles: list[CycleRecord] = field(default_factory=list)
     draft_prompt: list[int] | None = None
-    """The prompt, until the draft has run it (its prefill waits for the first drafting cycle)."""
+    """The prompt, until the draft has run all of it (its prefill waits for the first drafting cycle; under
+    load catch-up cycles may run it in chunks first: ``draft_len`` of it so far)."""
     draft_prefill_s: float = 0.0
-    """Time the draft's (lazy) prefill took: reported as prefill, not as the cycle's drafting."""
+    """Time the draft's (lazy) prefill took: reported as prefill, not as the cycle's drafting (the prompt
+    chunks of catch-up cycles are those cycles' drafting)."""
     load: LoadState | None = None
     """The load of the step the current cycle runs in (``engine.load``; set by the batched engine, None
     alone): what ``DraftState.load`` shows the controller."""
@@ -302,7 +319,9 @@ class SpeculativeEngine:
         else:
             go, ask_s = self._wants_draft(req, controller, cap)
             # depth 0: the controller switched speculation off for this cycle
-            if go:
+            if go and self._catches_up(req):
+                record = yield from self._catch_up_cycle(req)
+            elif go:
                 record = yield from self._speculative_cycle(req, controller, cap)
             else:
                 record = yield from self._autoregressive_step(req)
@@ -372,11 +391,42 @@ class SpeculativeEngine:
     def _prefill_draft(self, req: _Request) -> Steps:
         """The draft's lazy prefill, at the request's first drafting cycle: one forward of exactly the prompt
         (what an eager prefill would run, so the draft's cache, and every tree it drafts, is the same
-        whenever it happens); the tokens committed since stay pending. Timed as prefill, not as drafting."""
+        whenever it happens), or of the rest of it after catch-up cycles ran its first chunks; the tokens
+        committed since stay pending. Timed as prefill, not as drafting."""
         t0 = self.clock()
-        yield Forward(self.pair.draft, req.draft_prompt, 0, req.draft_cache, keep=1)
+        start = req.draft_len
+        yield Forward(self.pair.draft, req.draft_prompt[start:], start, req.draft_cache, keep=1)
         req.draft_len, req.draft_prompt = len(req.draft_prompt), None
-        req.draft_prefill_s = self.clock() - t0
+        req.draft_prefill_s += self.clock() - t0
+
+    def _catches_up(self, req: _Request) -> bool:
+        """Whether a cycle that wants to draft must first catch the draft up (``EngineConfig.
+        draft_catch_up_tokens``): under load, with the draft behind by more than the bound (the prompt it has
+        not run and its pending tokens: ``tokens[draft_len:]``, since ``draft_len`` counts the prompt tokens
+        it ran). Alone never: the drafting cycle runs the whole catch-up."""
+        if not shares_its_step(req.load):
+            return False
+        return len(req.tokens) - req.draft_len > self.config.draft_catch_up_tokens
+
+    def _catch_up_cycle(self, req: _Request) -> Steps:
+        """A catch-up cycle (``EngineConfig.draft_catch_up_tokens``): one draft forward of the next chunk of
+        the tokens the draft has not run (the prompt's first, then the pending ones; never the last committed
+        token, which the next drafting cycle runs) and an autoregressive step, recorded as one (depth 0) with
+        the chunk's time as its drafting and its size as ``catch_up``. The draft's cache then holds
+        ``tokens[:draft_len]`` as a whole catch-up would have left it (each row is computed alone on the
+        native decoder, so chunk boundaries change nothing)."""
+        start = req.draft_len
+        chunk = req.tokens[start : start + self.config.draft_catch_up_tokens]
+        t0 = self.clock()
+        yield Forward(self.pair.draft, chunk, start, req.draft_cache, keep=1)
+        draft_s = self.clock() - t0
+        req.draft_len = start + len(chunk)
+        if req.draft_prompt is not None and req.draft_len >= len(req.draft_prompt):
+            req.draft_prompt = None  # the prompt is in the draft's cache: its prefill is done
+        record = yield from self._autoregressive_step(req)
+        record.draft_s, record.catch_up = draft_s, len(chunk)
+        record.forward_s += draft_s
+        return record
 
     def _autoregressive_step(self, req: _Request) -> Steps:
         t0 = self.clock()
@@ -633,8 +683,8 @@ class SpeculativeEngine:
             ("target", self.pair.target, req.target_cache, len(req.tokens) - 1),
             ("draft", self.pair.draft, req.draft_cache, req.draft_len),
         ):
-            if cache is None or (name == "draft" and req.draft_prompt is not None):
-                continue  # no draft, or its prefill still waits for the first drafting cycle
+            if cache is None or (name == "draft" and req.draft_len == 0):
+                continue  # no draft, or nothing run on it yet (its prefill waits for the first drafting cycle)
             if cache_len(cache) != length:
                 raise AssertionError(f"{name} cache holds {cache_len(cache)} entries, expected {length}")
             fresh = new_cache(model)
@@ -762,6 +812,13 @@ class SpeculativeEngine:
                 raise InputError(
                     "draft_mode='sampled' needs temperature > 0 (greedy drafts are deterministic)"
                 )
+
+
+def shares_its_step(load: LoadState | None) -> bool:
+    """Whether a cycle under ``load`` shares its step with other requests' work (others decoding, or prompts
+    being prefilled or waiting): then the draft's catch-up goes in chunks (``EngineConfig.
+    draft_catch_up_tokens``). Alone (None) or the only request with nothing waiting: no."""
+    return load is not None and load.requests + load.waiting > 1
 
 
 def forward_logits(

@@ -37,6 +37,10 @@ class CycleRecord:
     lookup: bool = False
     """A context-lookup cycle (``engine.lookup``): ``num_drafted``/``num_verified`` proposed tokens, depth 0 (no
     draft step), the controller neither asked nor shown it through ``observe``; ``draft_s`` is the lookup."""
+    catch_up: int = 0
+    """Tokens a catch-up cycle ran on the draft (``engine.engine.EngineConfig.draft_catch_up_tokens``: under
+    load, a chunk of what the draft is behind by, next to an autoregressive step, depth 0; ``draft_s`` is the
+    chunk's forward); 0 for every other cycle."""
 
     @property
     def total_s(self) -> float:
@@ -57,7 +61,8 @@ class GenerationResult:
     prefill_s: float
     """Prefill of the target (with the first token: the time to first token) plus the draft's, which runs
     lazily at the first drafting cycle (0 for a request decoded without drafting); the cycles' times
-    exclude it."""
+    exclude it. Under load, prompt chunks that catch-up cycles ran on the draft (``CycleRecord.catch_up``)
+    are those cycles' drafting time, not prefill."""
     cycles: list[CycleRecord] = field(default_factory=list)
     peak_memory_bytes: int = 0
 

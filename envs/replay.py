@@ -5,7 +5,9 @@ live in ``envs.oracle``).
 the ``DraftState`` a controller is shown after each draft step, and the number of tokens accepted for
 any (depth, size). ``replay_generate`` runs a controller through the same loop as
 ``SpeculativeEngine.generate`` (same depth cap, same EOS/budget rules) and returns the same
-``CycleRecord``s, with times taken from a cost profile instead of a clock.
+``CycleRecord``s, with times taken from a cost profile instead of a clock. Under load (the server replay,
+``envs.server``) it makes the engine's catch-up cycles (``EngineConfig.draft_catch_up_tokens``) where the live
+engine makes them: it tracks what the draft is behind by (the prompt it has not run, its pending tokens).
 
 Accepted length, exactly: the trajectory z walks down the *full* recorded tree along a unique path
 n_1, n_2, ... (sibling tokens are distinct). A controller's sub-tree S (top-V by score among depth <= D)
@@ -25,6 +27,7 @@ import numpy as np
 from engine.backends.attention import MAX_VERIFY_NODES
 from engine.control import Controller, DraftState, decision, verify_size
 from engine.costs.cost_profile import CostProfile
+from engine.engine import DRAFT_CATCH_UP_TOKENS, shares_its_step
 from engine.errors import InputError
 from engine.load import LoadState
 from engine.lookup import LookupConfig, NgramIndex
@@ -256,6 +259,7 @@ def replay_cycles(
     depth_zero: bool = False,
     lookup: LookupConfig | None = None,
     load: Callable[[], LoadState | None] | None = None,
+    catch_up: int = DRAFT_CATCH_UP_TOKENS,
 ) -> Generator[Message, Reply, None]:
     """The engine's cycle loop on a trace, as a coroutine: yields ``("depth", DraftState)`` (send a bool:
     continue?), ``("size", DraftState)`` (send the number of nodes to verify) and ``("cycle",
@@ -264,10 +268,15 @@ def replay_cycles(
     ``depth_zero``: also ask ``("depth", state at depth 0)`` before drafting (the engine does so for
     controllers with ``decides_depth_zero``); False makes the cycle an autoregressive step. ``lookup``: the
     engine's context lookup (``EngineConfig.lookup``): where it proposes (and its load limit lets it run),
-    the cycle is a lookup cycle and nothing is asked. ``load``: called at each cycle's start, the load its states show (the server replay,
-    ``envs.server``); None: alone."""
+    the cycle is a lookup cycle and nothing is asked. ``load``: called at each cycle's start, the load its
+    states show (the server replay, ``envs.server``); None: alone. ``catch_up``: the engine's
+    ``EngineConfig.draft_catch_up_tokens``: under load (``engine.engine.shares_its_step``: other requests
+    decoding or prefilling in the step) a cycle that would draft while the draft is behind by more than that
+    (the prompt it has not run plus its pending tokens) is a catch-up cycle, as in the engine: an
+    autoregressive step recorded with ``catch_up`` = the chunk's tokens (the prompt's first); alone never."""
     records: list[CycleRecord] = []
     t, pending = 0, 1
+    prompt_left = rt.trace.prompt_len  # prompt tokens the draft has not run (its prefill is lazy)
     while not rt.done(t):
         now = load() if load is not None else None
         looks = lookup is not None and lookup.runs_at(now)  # the load limit, as the engine applies it
@@ -289,6 +298,15 @@ def replay_cycles(
             rec = CycleRecord(rt.context_len(t), 0, 0, 0, 0, 1)
             charge_times(rec, profile, rng, pending=0, width=rt.width)
             pending += 1
+        elif shares_its_step(now) and prompt_left + pending > catch_up:
+            # a catch-up cycle (``SpeculativeEngine._catch_up_cycle``): the draft runs the next ``catch_up``
+            # tokens it is behind by (never the last committed one), next to an autoregressive step
+            from_prompt = min(catch_up, prompt_left)
+            prompt_left -= from_prompt
+            pending -= catch_up - from_prompt
+            rec = CycleRecord(rt.context_len(t), 0, 0, 0, 0, 1, catch_up=catch_up)
+            charge_times(rec, profile, rng, pending=0, width=rt.width)
+            pending += 1
         else:
             depth = 1
             while depth < cap and (yield ("depth", rt.state(t, depth, records, now))):
@@ -301,7 +319,7 @@ def replay_cycles(
                 rt.context_len(t), depth, num_drafted, num_verify, accepted, rt.emitted(t, accepted)
             )
             charge_times(rec, profile, rng, pending=pending, width=rt.width)
-            pending = rt.pending_after(t, depth, accepted)
+            pending, prompt_left = rt.pending_after(t, depth, accepted), 0
         records.append(rec)
         yield ("cycle", rec)
         t += rec.emitted
@@ -366,6 +384,8 @@ def charge_times(
     elif rec.depth == 0:
         rec.verify_s = profile.verify_s(0, ctx)
         rec.overhead_s = profile.overhead_s(0, depth=0)
+        if rec.catch_up:  # a catch-up cycle's draft chunk
+            rec.draft_s = profile.draft_chunk_s(rec.catch_up, ctx)
     else:
         rec.draft_s = profile.draft_chunk_s(pending, ctx) + (rec.depth - 1) * profile.draft_step_s(width, ctx)
         rec.verify_s = profile.verify_s(rec.num_verified, ctx, chain=width == 1)

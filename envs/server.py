@@ -15,6 +15,15 @@ its tokens at its offset (``engine.batch.plan_prefills``, the engine's own rule)
 prefill); a prompt's last chunk gives its first token, and it decodes from the next step on.
 Every request's decision changes the step time of all of them.
 
+The draft catches up as the engine's does (``EngineConfig.draft_catch_up_tokens``, ``draft_catch_up_tokens``
+here): in a step shared with other requests' work (``engine.engine.shares_its_step``), a cycle that would draft while the draft is behind by more than C tokens
+(the prompt it has not run plus its pending tokens) is a catch-up cycle (``replay_cycles`` makes it: an
+autoregressive step whose record has ``catch_up`` = C), its C tokens charged as that request's rows of the
+step's level-1 draft forward (where the live engine runs them, next to the other requests' first draft step),
+at the chunk's own context. A request's first drafting cycle pays the draft's prefill of the prompt tokens the
+catch-ups left (the whole prompt when none ran: alone, as before), as the profile's prefill difference
+(with the draft minus without) over those tokens.
+
 Each cycle record gets the request's *charge* of its step (``engine.costs.load_model.split_forward``: its
 marginal rows plus an equal share of the rest, the prefills and the context terms), so the records of all
 requests add up to the steps' times; the run's system throughput is every decoded token (first tokens
@@ -22,7 +31,9 @@ included) over the time from the first arrival to the last finish.
 
 What replay leaves out: the live engine's Python between forwards beyond the measured per-cycle overhead,
 lookup proposals cut by the row cap (a lookup proposes at most 4 tokens, so 8 requests never reach the
-64-row cap), and timing noise. ``python benchmarks/server_replay.py`` compares controllers on it; the live
+64-row cap), the live engine's separate draft forward of a prompt's last part (charged here as prefill, next to
+the level-1 rows; live it is one more draft forward of the step), a catch-up chunk of more than
+``MAX_ROWWISE_ROWS`` tokens (live a forward alone, here rows of the batched one), and timing noise. ``python benchmarks/server_replay.py`` compares controllers on it; the live
 counterpart is ``benchmarks/serve_load.py``.
 """
 
@@ -39,7 +50,8 @@ from engine.batch import BatchConfig, grant_rows, plan_prefills
 from engine.control import Controller, StaticController, decision, verify_size
 from engine.costs.cost_profile import CostProfile, ProfileError
 from engine.costs.load_model import batch_table, split_forward
-from engine.errors import InputError
+from engine.engine import DRAFT_CATCH_UP_TOKENS
+from engine.errors import InputError, is_int
 from engine.load import LoadState, LoadTracker
 from engine.lookup import LookupConfig
 from engine.results import CycleRecord
@@ -120,7 +132,8 @@ class _Request:
     done: bool = False
     t: int = 0  # position in the trajectory (tokens committed after the first)
     pending: int = 1
-    draft_ran: bool = False
+    prompt_left: int = 0
+    """Prompt tokens the draft has not run (set at its start: the draft's prefill is lazy); 0 once it drafted."""
     load: LoadState | None = None
     record: CycleRecord | None = None
     want: int | None = None
@@ -200,9 +213,12 @@ class ServerReplay:
         max_prefill_tokens: int = BatchConfig.max_prefill_tokens,
         step_overhead_s: float = 0.0,
         chunked: bool = True,
+        draft_catch_up_tokens: int = DRAFT_CATCH_UP_TOKENS,
     ):
         if not traces:
             raise InputError("a server replay needs traces")
+        if not is_int(draft_catch_up_tokens) or draft_catch_up_tokens < 1:
+            raise InputError(f"draft_catch_up_tokens must be an integer >= 1, got {draft_catch_up_tokens!r}")
         self.table = batch_table(profile)
         if self.table is None:
             raise ProfileError(
@@ -215,6 +231,8 @@ class ServerReplay:
         self.max_requests, self.max_rows, self.max_prefill_tokens = max_requests, max_rows, max_prefill_tokens
         self.chunked = bool(chunked)
         """Prompts prefilled in chunks (the native decoder's engine), else whole (module docstring)."""
+        self.draft_catch_up_tokens = draft_catch_up_tokens
+        """The engine's ``EngineConfig.draft_catch_up_tokens``: the draft's catch-up a cycle under load."""
         self.step_overhead_s = float(step_overhead_s)
         """Seconds every decoding step costs beyond its forwards and the per-cycle overheads of the profile (the
         server's own work a step: its event loop, the step's Python), split equally among the step's
@@ -389,9 +407,10 @@ class ServerReplay:
             if ctrl.tree_width != self.width:
                 raise InputError(f"controller tree_width {ctrl.tree_width} != trace tree_width {self.width}")
             ctrl.reset()
+        req.prompt_left = req.trace.trace.prompt_len
         req.loop = replay_cycles(
             req.trace, None, None, speculative=speculative, depth_zero=depth_zero, lookup=self.lookup,
-            load=lambda: req.load,
+            load=lambda: req.load, catch_up=self.draft_catch_up_tokens,
         )  # fmt: skip
         if req.trace.done(0):
             req.done = True
@@ -422,21 +441,25 @@ class ServerReplay:
         total = 0.0
         for rec in recs:
             rec.draft_s = rec.verify_s = rec.overhead_s = 0.0
-        # draft prefills (a request's first drafting cycle runs the draft over its prompt)
+        # draft prefills (a request's first drafting cycle runs the draft over its prompt, or over what
+        # catch-up cycles left of it)
         for req, rec in zip(running, recs):
-            if rec.depth > 0 and not req.draft_ran:
-                plen = req.trace.trace.prompt_len
-                extra = profile.prefill_s(plen, with_draft=True) - profile.prefill_s(plen, with_draft=False)
+            if rec.depth > 0 and req.prompt_left > 0:
+                extra = draft_prefill_s(profile, req.trace.trace.prompt_len, req.prompt_left)
                 rec.draft_s += extra
                 total += extra
-        depth = max((rec.depth for rec in recs), default=0)
+        depth = max((1 if rec.catch_up else rec.depth for rec in recs), default=0)
         for level in range(1, depth + 1):
-            members = [i for i, rec in enumerate(recs) if rec.depth >= level]
-            rows = [running[i].pending if level == 1 else width for i in members]
+            # level 1: each drafting request's pending tokens, and each catch-up cycle's chunk
+            members = [i for i, rec in enumerate(recs) if rec.depth >= level or (level == 1 and rec.catch_up)]
+            rows = [(recs[i].catch_up or running[i].pending) if level == 1 else width for i in members]
             t, shares = split_forward(table, "draft", rows)
             total += t
             for i, r, c in zip(members, rows, shares):
                 ctx = recs[i].context_len
+                if recs[i].catch_up:  # the chunk sees the draft's cache so far and itself
+                    req = running[i]
+                    ctx = ctx - req.prompt_left - req.pending + r
                 if level == 1:
                     fix = profile.draft_chunk_s(r, ctx) - profile.draft_chunk_s(r, ctx_b)
                 else:
@@ -456,7 +479,7 @@ class ServerReplay:
             rec.overhead_s = over
             total += fix + over
             running[i].target_rows = rows[i]
-            running[i].drafted = rec.depth > 0
+            running[i].drafted = rec.depth > 0 or rec.catch_up > 0  # as the engine counts draft forwards
         for rec in recs:
             rec.forward_s = rec.draft_s + rec.verify_s
             rec.overhead_s += self.step_overhead_s / len(recs)
@@ -467,10 +490,14 @@ class ServerReplay:
         if rec.lookup:
             req.pending += rec.emitted
         elif rec.depth == 0:
+            if rec.catch_up:  # the chunk: the prompt's tokens first, then pending ones (as replay_cycles)
+                from_prompt = min(rec.catch_up, req.prompt_left)
+                req.prompt_left -= from_prompt
+                req.pending -= rec.catch_up - from_prompt
             req.pending += 1
         else:
             req.pending = req.trace.pending_after(t0, rec.depth, rec.accepted)
-            req.draft_ran = True
+            req.prompt_left = 0
         req.t += rec.emitted
         req.records.append(rec)
         req.token_times.extend([now] * rec.emitted)
@@ -480,6 +507,19 @@ class ServerReplay:
                 req.loop.send(None)
             except StopIteration:
                 pass
+
+
+def draft_prefill_s(profile: CostProfile, prompt_len: int, left: int) -> float:
+    """The draft's prefill of the last ``left`` tokens of a ``prompt_len``-token prompt: the profile's prefill
+    with the draft minus without, at the prompt's end less at the start of those tokens (the whole prompt:
+    the difference at ``prompt_len``, as before chunks); never below 0 (a noisy profile's curve can dip)."""
+
+    def draft_part(n: int) -> float:
+        return profile.prefill_s(n, with_draft=True) - profile.prefill_s(n, with_draft=False)
+
+    if left >= prompt_len:
+        return draft_part(prompt_len)
+    return max(draft_part(prompt_len) - draft_part(prompt_len - left), 0.0)
 
 
 # ------------------------------------------------------------------------------------ tuning and scores

@@ -298,3 +298,126 @@ def test_the_comparison_catches_a_batch_that_mixes_up_positions(pair, monkeypatc
     rids = [batch.add(BatchRequest(p, 16, StaticController(2))) for p in PROMPTS]
     got = _drain(batch, rids)
     assert any(tokens != _alone(pair, p, StaticController(2), 16) for p, tokens in zip(PROMPTS, got))
+
+
+class StartsLate(StaticController):
+    """Decides depth 0 for its first ``skip`` cycles (a load-aware rule holding back while the batch is busy),
+    then drafts like the static chain it is: the draft falls behind by every token committed meanwhile."""
+
+    decides_depth_zero = True
+
+    def __init__(self, skip: int, depth: int = 2):
+        super().__init__(depth)
+        self.skip = skip
+
+    def reset(self):
+        self.asked = 0
+
+    def should_continue(self, state):
+        if state.depth == 0:
+            self.asked += 1
+            return self.asked > self.skip
+        return super().should_continue(state)
+
+
+def _whole_catch_up(pair, tokens, prompt_len, length):
+    """The draft cache a whole catch-up leaves over ``tokens[:length]``: the prompt in one forward (the lazy
+    prefill), then the rest in one forward (the first draft step's pending tokens), as ``generate`` alone runs
+    them."""
+    from engine.engine import forward_logits
+
+    cache = new_cache(pair.draft)
+    forward_logits(pair.draft, tokens[:prompt_len], range(prompt_len), cache, pair.device, keep=1)
+    forward_logits(
+        pair.draft, tokens[prompt_len:length], range(prompt_len, length), cache, pair.device, keep=1
+    )
+    return cache
+
+
+@pytest.mark.parametrize("bound", [8, 16, 10**6])
+def test_under_load_the_draft_catches_up_in_chunks(pair, monkeypatch, bound):
+    """A request whose controller holds back (depth 0) while another runs, then drafts: under load its draft
+    catches up on the prompt and the pending tokens ``draft_catch_up_tokens`` at a time, one chunk a cycle next
+    to an autoregressive step (a catch-up cycle), so no step runs a draft forward of more than that many of its
+    rows; its draft cache ends as a whole catch-up would leave it (bitwise on the native decoder), every
+    request's tokens are its tokens alone, and alone the whole catch-up runs at once. Negative control: a huge
+    bound gives the one big forward of before."""
+    import engine.batch as batch_module
+    from engine import EngineConfig
+
+    real = batch_module.forward_rows
+    rows_of: dict[int, list[int]] = {}  # draft cache id -> rows of each draft forward item on it
+
+    def counting(model, items, device):
+        if model is pair.draft:
+            for it in items:
+                rows_of.setdefault(id(it.cache), []).append(len(it.ids))
+        return real(model, items, device)
+
+    monkeypatch.setattr(batch_module, "forward_rows", counting)
+    snapshots = {}  # draft cache id -> (tokens, draft_len, cache copy) at its first draft tree
+
+    real_expand = SpeculativeEngine._expand
+
+    def expand(self, tree, parents, scores, logits, width, sampled, probs, req):
+        if len(tree) == 0 and id(req.draft_cache) not in snapshots:
+            layers = [(x.keys.clone(), x.values.clone()) for x in req.draft_cache.layers]
+            snapshots[id(req.draft_cache)] = (list(req.tokens), req.draft_len, layers)
+        return real_expand(self, tree, parents, scores, logits, width, sampled, probs, req)
+
+    monkeypatch.setattr(SpeculativeEngine, "_expand", expand)
+    config = EngineConfig(draft_catch_up_tokens=bound, validate_caches=True)
+    batch = BatchedEngine(pair, BatchConfig(max_requests=2, max_rows=32, engine=config))
+    skip, prompt = 30, LONG[:80]
+    busy = batch.add(BatchRequest(PROMPTS[0], 160, StaticController(1), ignore_eos=True))
+    late = batch.add(BatchRequest(prompt, 60, StartsLate(skip), ignore_eos=True))
+    records = {}
+    caches = {}
+    while batch.active or batch.pending:
+        if late in batch.active:
+            caches[late] = id(batch._slots[late].req.draft_cache)
+        for ev in batch.step():
+            if ev.finished:
+                records[ev.rid] = batch.result(ev.rid)
+    prompt_len = len(pair.tokenizer.encode(prompt))
+    assert prompt_len > MAX_ROWWISE_ROWS
+    late_rows = rows_of[caches[late]]
+    cycles = records[late].cycles
+    catch_ups = [c for c in cycles if c.catch_up]
+    behind = prompt_len + skip + 1  # the prompt and the tokens of the held-back cycles, the first one too
+    if bound < behind:
+        assert max(late_rows) <= bound  # never more than a chunk of its catch-up in a forward
+        assert len(catch_ups) == -(-(behind - bound) // (bound - 1))  # each chunk lets one more token in
+        assert all(c.depth == 0 and c.catch_up == bound and c.emitted == 1 for c in catch_ups)
+        assert cycles[skip : skip + len(catch_ups)] == catch_ups and cycles[skip + len(catch_ups)].depth > 0
+    else:  # negative control: the whole catch-up in one cycle: the prompt, then every pending token
+        assert not catch_ups and late_rows[:2] == [prompt_len, skip + 1]
+    assert records[busy].cycles[-1].context_len > cycles[-1].context_len  # it ran all along
+    for rid, text, ctrl, n in (
+        (busy, PROMPTS[0], StaticController(1), 160),
+        (late, prompt, StartsLate(skip), 60),
+    ):
+        alone = SpeculativeEngine(pair, config=EngineConfig(validate_caches=True)).generate(text, n, ctrl)
+        # alone it stops at an EOS, which the batch ignores (to keep both running)
+        assert records[rid].tokens[: len(alone.tokens)] == alone.tokens
+        assert len(alone.tokens) == n or alone.finish_reason == "eos"
+        if rid == late:
+            assert not any(c.catch_up for c in alone.cycles)  # alone: the whole catch-up at once
+            assert alone.cycles[skip].depth > 0
+    tokens, length, layers = snapshots[caches[late]]
+    whole = _whole_catch_up(pair, tokens, prompt_len, length)
+    for (keys, values), ref in zip(layers, whole.layers):
+        if lean.native_decoder(pair.draft) is not None:
+            assert torch.equal(keys, ref.keys) and torch.equal(values, ref.values)
+        else:  # the torch path: float32 products round with the row count (engine.batch_forward)
+            torch.testing.assert_close(keys, ref.keys, atol=1e-4, rtol=0)
+            torch.testing.assert_close(values, ref.values, atol=1e-4, rtol=0)
+
+
+def test_the_catch_up_bound_is_a_positive_integer():
+    from engine import EngineConfig
+
+    assert EngineConfig().draft_catch_up_tokens == 16
+    for bad in (0, -1, 2.5, "16", True):
+        with pytest.raises(InputError, match="draft_catch_up_tokens"):
+            EngineConfig(draft_catch_up_tokens=bad)

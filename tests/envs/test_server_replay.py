@@ -226,3 +226,100 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode():
     assert plan_prefills([150, 10], 32, True) == [32] and plan_prefills([20, 10, 5], 32, True) == [20, 10, 2]
     assert plan_prefills([150, 10], 32, False) == [150] and plan_prefills([20, 10, 5], 32, False) == [20, 10]
     assert plan_prefills([200], 500, True) == [65]
+
+
+class StartsLate(StaticController):
+    """Depth 0 for its first ``skip`` cycles (holding back while the batch is busy), then a static chain: the
+    draft falls behind by the prompt and every token committed meanwhile, then catches up."""
+
+    def __init__(self, skip, depth=2):
+        super().__init__(depth)
+        self.skip = skip
+
+    def reset(self):
+        self.asked = 0
+
+    def should_continue(self, state):
+        if state.depth == 0:
+            self.asked += 1
+            return self.asked > self.skip
+        return super().should_continue(state)
+
+
+def _cycle_key(rec):
+    return (rec.depth, rec.num_verified, rec.accepted, rec.emitted, rec.lookup, rec.catch_up)
+
+
+@pytest.mark.parametrize("bound", [6, 16])
+def test_the_replay_makes_the_live_batchs_catch_up_cycles(tiny_pair, bound):
+    """Two requests decoded together by the live batched engine, each controller holding back (depth 0) for
+    a while and then drafting: under load the draft catches up ``draft_catch_up_tokens`` a cycle (catch-up
+    cycles, ``CycleRecord.catch_up``), and the server replay of their traces makes the very same cycles, the
+    catch-up ones included; alone (one client) neither makes any."""
+    from engine import EngineConfig, SamplingConfig
+    from engine.batch import BatchConfig, BatchedEngine, BatchRequest
+    from envs.record_traces import record_trace
+
+    max_depth, new = 4, 40
+    prompts = ["def main():\n    return", "The quick brown fox jumps over"]
+    ids = [tiny_pair.tokenizer.encode(p) for p in prompts]
+    rts = [
+        ReplayTrace(
+            record_trace(tiny_pair, i, p, SamplingConfig(), max_depth, 1, max_new_tokens=new),
+            engine_max_depth=max_depth,
+        )  # fmt: skip
+        for i, p in zip(ids, prompts)
+    ]
+    skips = (3, 12)
+    config = EngineConfig(max_depth=max_depth, draft_catch_up_tokens=bound)
+    batch = BatchedEngine(tiny_pair, BatchConfig(max_requests=2, max_rows=64, engine=config))
+    rids = [batch.add(BatchRequest(i, new, StartsLate(s))) for i, s in zip(ids, skips)]
+    live = {}
+    while batch.active or batch.pending:
+        for ev in batch.step():
+            if ev.finished:
+                live[ev.rid] = batch.result(ev.rid)
+    for rid, rt in zip(rids, rts):
+        assert live[rid].tokens == rt.trace.tokens.tolist()
+    controllers = iter([StartsLate(s) for s in skips])
+    sim = ServerReplay(rts, batched_profile(), max_requests=2, chunked=batch._chunked, draft_catch_up_tokens=bound)  # fmt: skip
+    run = sim.run(Arrivals.closed(2, 2), lambda: next(controllers), order=[0, 1])
+    for rid, req in zip(rids, run.requests):
+        assert [_cycle_key(r) for r in req.records] == [_cycle_key(r) for r in live[rid].cycles], rid
+    catch_ups = [rec for req in run.requests for rec in req.records if rec.catch_up]
+    assert catch_ups and all(rec.catch_up == bound and rec.depth == 0 for rec in catch_ups)
+    assert all(rec.draft_s > 0 for rec in catch_ups)  # charged: the chunk's rows of the step's draft forward
+    charged = sum(rec.total_s for r in run.requests for rec in r.records)
+    assert charged == pytest.approx(sum(s[0] for s in run.steps), rel=1e-9)
+    for rt, skip in zip(rts, skips):  # alone: no catch-up cycle, the single-request replay's cycles
+        alone = ServerReplay([rt], batched_profile(), draft_catch_up_tokens=bound)
+        solo = alone.run(Arrivals.closed(1, 1), lambda skip=skip: StartsLate(skip)).requests[0].records
+        assert not any(rec.catch_up for rec in solo)
+        assert [_cycle_key(r) for r in solo] == [_cycle_key(r) for r in replay_generate(rt, StartsLate(skip))]
+
+
+def test_catch_up_chunks_are_charged_as_draft_rows_and_the_rest_of_the_prompt_as_prefill(traces):
+    """A catch-up cycle's chunk costs its rows of the step's level-1 draft forward (so a bigger bound makes
+    fewer, dearer catch-up cycles); the first drafting cycle then pays the draft's prefill of what the chunks
+    left of the prompt only; the draft's whole prompt prefill where no chunk ran."""
+    from envs.server import draft_prefill_s
+
+    profile = batched_profile()
+    for plen in (traces[0].trace.prompt_len, 100):
+        assert draft_prefill_s(profile, plen, plen) == pytest.approx(
+            profile.prefill_s(plen, with_draft=True) - profile.prefill_s(plen, with_draft=False)
+        )
+    assert draft_prefill_s(profile, 100, 30) == pytest.approx(0.3 * (0.154 - 0.005) / (512 - 16) * 100)
+    counts = {}
+    for bound in (2, 4, 10**6):
+        sim = ServerReplay(traces, profile, max_requests=4, draft_catch_up_tokens=bound)
+        run = sim.run(Arrivals.closed(4, 4), lambda: StartsLate(6))
+        recs = [rec for r in run.requests for rec in r.records]
+        counts[bound] = sum(rec.catch_up > 0 for rec in recs)
+        assert sum(rec.total_s for rec in recs) == pytest.approx(sum(s[0] for s in run.steps), rel=1e-9)
+        for rec in recs:
+            if rec.catch_up:
+                assert rec.catch_up == bound and rec.draft_s > 0
+    assert counts[2] > counts[4] > counts[10**6] == 0
+    with pytest.raises(InputError):
+        ServerReplay(traces, profile, draft_catch_up_tokens=0)
