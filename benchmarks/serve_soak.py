@@ -15,7 +15,7 @@ loops at once, each stopping at the deadline:
 * faulty clients (``--fault-clients``; the server then runs with ``DRAFTPILOT_FAULTS``, the test facility of
   ``serving/faults.py``): requests marked to fail in their controller, in a KV allocation inside the shared
   forward, or with NaN probabilities must each end alone with a 500 (or an error event in their stream)
-  while every other client's answers stay exact: no collateral failure.
+  while every other client's answers stay exact: no collateral failure (a 429 is sent again, as above).
 
 Every 10 s it samples the server's resident memory (``VmRSS``) and ``/health``. The verdict (exit status 1
 when it fails): no valid request failed, every bad request got its 4xx, no slot leaked (``running`` and
@@ -198,7 +198,7 @@ async def soak(
                     "ignore_eos": True,
                 }
                 body["max_tokens"] = max(args.max_tokens, 24)  # the controller fault fires after a few cycles
-                status, text = await request(client, base, body, stream=rng.random() < 0.5)
+                status, text = await patient_request(client, base, body, rng.random() < 0.5, stats, "fault")
                 stats[f"fault {kind}"] += 1
                 if status != 500:
                     problems.append(f"a request marked to fail ({kind}) got {status}: {text[:120]}")
