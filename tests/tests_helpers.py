@@ -132,3 +132,26 @@ def make_policy(path, pair: str = "tiny", profile: dict | None = None, seed: int
         random_actor(SIZE_OBS_DIM, len(SIZE_LADDER), seed + 1),
         **args,
     )
+
+
+def late_starter(skip: int, depth: int):
+    """A controller that decides depth 0 for its first ``skip`` cycles (a load-aware rule holding back while the
+    batch is busy), then drafts like the static chain of ``depth`` it is: the draft falls behind by every token
+    committed meanwhile."""
+    from engine.control import StaticController
+
+    class LateStarter(StaticController):
+        def __init__(self):
+            super().__init__(depth)
+            self.skip = skip
+
+        def reset(self):
+            self.asked = 0
+
+        def should_continue(self, state):
+            if state.depth == 0:
+                self.asked += 1
+                return self.asked > self.skip
+            return super().should_continue(state)
+
+    return LateStarter()

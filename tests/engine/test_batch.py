@@ -15,6 +15,7 @@ from engine.backends.kvcache import new_cache
 from engine.batch import BatchConfig, BatchedEngine, BatchRequest, CapacityError, grant_rows
 from engine.batch_forward import Rows, forward_rows
 from engine.errors import InputError
+from tests_helpers import late_starter
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -300,26 +301,6 @@ def test_the_comparison_catches_a_batch_that_mixes_up_positions(pair, monkeypatc
     assert any(tokens != _alone(pair, p, StaticController(2), 16) for p, tokens in zip(PROMPTS, got))
 
 
-class StartsLate(StaticController):
-    """Decides depth 0 for its first ``skip`` cycles (a load-aware rule holding back while the batch is busy),
-    then drafts like the static chain it is: the draft falls behind by every token committed meanwhile."""
-
-    decides_depth_zero = True
-
-    def __init__(self, skip: int, depth: int = 2):
-        super().__init__(depth)
-        self.skip = skip
-
-    def reset(self):
-        self.asked = 0
-
-    def should_continue(self, state):
-        if state.depth == 0:
-            self.asked += 1
-            return self.asked > self.skip
-        return super().should_continue(state)
-
-
 def _whole_catch_up(pair, tokens, prompt_len, length):
     """The draft cache a whole catch-up leaves over ``tokens[:length]``: the prompt in one forward (the lazy
     prefill), then the rest in one forward (the first draft step's pending tokens), as ``generate`` alone runs
@@ -370,7 +351,7 @@ def test_under_load_the_draft_catches_up_in_chunks(pair, monkeypatch, bound):
     batch = BatchedEngine(pair, BatchConfig(max_requests=2, max_rows=32, engine=config))
     skip, prompt = 30, LONG[:80]
     busy = batch.add(BatchRequest(PROMPTS[0], 160, StaticController(1), ignore_eos=True))
-    late = batch.add(BatchRequest(prompt, 60, StartsLate(skip), ignore_eos=True))
+    late = batch.add(BatchRequest(prompt, 60, late_starter(skip, depth=2), ignore_eos=True))
     records = {}
     caches = {}
     while batch.active or batch.pending:
@@ -395,7 +376,7 @@ def test_under_load_the_draft_catches_up_in_chunks(pair, monkeypatch, bound):
     assert records[busy].cycles[-1].context_len > cycles[-1].context_len  # it ran all along
     for rid, text, ctrl, n in (
         (busy, PROMPTS[0], StaticController(1), 160),
-        (late, prompt, StartsLate(skip), 60),
+        (late, prompt, late_starter(skip, depth=2), 60),
     ):
         alone = SpeculativeEngine(pair, config=EngineConfig(validate_caches=True)).generate(text, n, ctrl)
         # alone it stops at an EOS, which the batch ignores (to keep both running)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from engine import Controller, EngineConfig, SamplingConfig, SpeculativeEngine
 from policies import StaticController
+from tests_helpers import late_starter
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -156,32 +157,13 @@ def test_draft_never_accepted(tiny_pair, ar_tokens, prompts):
         assert all(c.accepted == 0 and c.emitted == 1 and c.num_verified == c.depth for c in res.cycles)
 
 
-class LateStarter(StaticController):
-    """Decides depth 0 for the first ``skip`` cycles, then drafts like the static chain it is."""
-
-    decides_depth_zero = True
-
-    def __init__(self, skip: int, depth: int = 3):
-        super().__init__(depth)
-        self.skip = skip
-
-    def reset(self):
-        self.asked = 0
-
-    def should_continue(self, state):
-        if state.depth == 0:
-            self.asked += 1
-            return self.asked > self.skip
-        return super().should_continue(state)
-
-
 @pytest.mark.parametrize("skip", [0, 1, 7, 10**6])
 def test_the_draft_prefill_waits_for_the_first_drafting_cycle(tiny_pair, ar_tokens, prompts, skip):
     # the draft runs the prompt only when a cycle first drafts: a request never drafted never pays for it,
     # and one that starts late drafts exactly the trees an eager prefill would give (same tokens, same
     # cycles as a controller drafting from the same state), its caches checked after every cycle
     engine = SpeculativeEngine(tiny_pair, config=EngineConfig(validate_caches=True))
-    res = engine.generate(prompts[1], NUM_NEW, LateStarter(skip))
+    res = engine.generate(prompts[1], NUM_NEW, late_starter(skip, depth=3))
     assert res.tokens == ar_tokens[prompts[1]]
     drafted = [c for c in res.cycles if c.depth > 0]
     assert (len(drafted) == 0) == (skip >= NUM_NEW)
@@ -205,7 +187,7 @@ def test_the_lazy_draft_prefill_is_reported_as_prefill(tiny_pair, prompts, skip,
 
     monkeypatch.setattr(SpeculativeEngine, "_forward", timed_forward)
     engine.clock = lambda: now[0]
-    res = engine.generate(prompts[1], NUM_NEW, LateStarter(skip))
+    res = engine.generate(prompts[1], NUM_NEW, late_starter(skip, depth=3))
     drafted = skip < NUM_NEW
     assert (100.0 <= res.prefill_s < 101.0) if drafted else res.prefill_s < 1.0  # target + draft prefill
     assert all(c.total_s < 1.0 for c in res.cycles)  # no cycle is charged for the draft's prefill
@@ -214,7 +196,7 @@ def test_the_lazy_draft_prefill_is_reported_as_prefill(tiny_pair, prompts, skip,
 
 def test_a_lazy_draft_prefill_drafts_what_an_eager_one_would(tiny_pair, prompts, monkeypatch):
     def cycles(engine):
-        res = engine.generate(prompts[2], NUM_NEW, LateStarter(5, depth=4))
+        res = engine.generate(prompts[2], NUM_NEW, late_starter(5, depth=4))
         return res.tokens, [(c.depth, c.num_drafted, c.num_verified, c.accepted) for c in res.cycles]
 
     engine = SpeculativeEngine(tiny_pair)

@@ -20,7 +20,7 @@ from policies import AnalyticController, BatchSizeTableController
 from serving.export import check_sglang_adaptive_config, sglang_adaptive_config, write_exports
 from serving.vllm_peer import read_batch_size_table
 from tests_envs_helpers import make_synthetic_trace
-from tests_helpers import batched_profile
+from tests_helpers import batched_profile, late_starter
 
 
 @pytest.fixture
@@ -228,24 +228,6 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode():
     assert plan_prefills([200], 500, True) == [65]
 
 
-class StartsLate(StaticController):
-    """Depth 0 for its first ``skip`` cycles (holding back while the batch is busy), then a static chain: the
-    draft falls behind by the prompt and every token committed meanwhile, then catches up."""
-
-    def __init__(self, skip, depth=2):
-        super().__init__(depth)
-        self.skip = skip
-
-    def reset(self):
-        self.asked = 0
-
-    def should_continue(self, state):
-        if state.depth == 0:
-            self.asked += 1
-            return self.asked > self.skip
-        return super().should_continue(state)
-
-
 def _cycle_key(rec):
     return (rec.depth, rec.num_verified, rec.accepted, rec.emitted, rec.lookup, rec.catch_up)
 
@@ -273,7 +255,7 @@ def test_the_replay_makes_the_live_batchs_catch_up_cycles(tiny_pair, bound):
     skips = (3, 12)
     config = EngineConfig(max_depth=max_depth, draft_catch_up_tokens=bound)
     batch = BatchedEngine(tiny_pair, BatchConfig(max_requests=2, max_rows=64, engine=config))
-    rids = [batch.add(BatchRequest(i, new, StartsLate(s))) for i, s in zip(ids, skips)]
+    rids = [batch.add(BatchRequest(i, new, late_starter(s, depth=2))) for i, s in zip(ids, skips)]
     live = {}
     while batch.active or batch.pending:
         for ev in batch.step():
@@ -281,7 +263,7 @@ def test_the_replay_makes_the_live_batchs_catch_up_cycles(tiny_pair, bound):
                 live[ev.rid] = batch.result(ev.rid)
     for rid, rt in zip(rids, rts):
         assert live[rid].tokens == rt.trace.tokens.tolist()
-    controllers = iter([StartsLate(s) for s in skips])
+    controllers = iter([late_starter(s, depth=2) for s in skips])
     sim = ServerReplay(rts, batched_profile(), max_requests=2, chunked=batch._chunked, draft_catch_up_tokens=bound)  # fmt: skip
     run = sim.run(Arrivals.closed(2, 2), lambda: next(controllers), order=[0, 1])
     for rid, req in zip(rids, run.requests):
@@ -293,9 +275,15 @@ def test_the_replay_makes_the_live_batchs_catch_up_cycles(tiny_pair, bound):
     assert charged == pytest.approx(sum(s[0] for s in run.steps), rel=1e-9)
     for rt, skip in zip(rts, skips):  # alone: no catch-up cycle, the single-request replay's cycles
         alone = ServerReplay([rt], batched_profile(), draft_catch_up_tokens=bound)
-        solo = alone.run(Arrivals.closed(1, 1), lambda skip=skip: StartsLate(skip)).requests[0].records
+        solo = (
+            alone.run(Arrivals.closed(1, 1), lambda skip=skip: late_starter(skip, depth=2))
+            .requests[0]
+            .records
+        )
         assert not any(rec.catch_up for rec in solo)
-        assert [_cycle_key(r) for r in solo] == [_cycle_key(r) for r in replay_generate(rt, StartsLate(skip))]
+        assert [_cycle_key(r) for r in solo] == [
+            _cycle_key(r) for r in replay_generate(rt, late_starter(skip, depth=2))
+        ]
 
 
 def test_catch_up_chunks_are_charged_as_draft_rows_and_the_rest_of_the_prompt_as_prefill(traces):
@@ -313,7 +301,7 @@ def test_catch_up_chunks_are_charged_as_draft_rows_and_the_rest_of_the_prompt_as
     counts = {}
     for bound in (2, 4, 10**6):
         sim = ServerReplay(traces, profile, max_requests=4, draft_catch_up_tokens=bound)
-        run = sim.run(Arrivals.closed(4, 4), lambda: StartsLate(6))
+        run = sim.run(Arrivals.closed(4, 4), lambda: late_starter(6, depth=2))
         recs = [rec for r in run.requests for rec in r.records]
         counts[bound] = sum(rec.catch_up > 0 for rec in recs)
         assert sum(rec.total_s for rec in recs) == pytest.approx(sum(s[0] for s in run.steps), rel=1e-9)
