@@ -150,16 +150,14 @@ def parse_lookup(spec: str | None) -> LookupConfig | None:
             f"lookup setting {spec!r}: the load limit after @ must be a number of requests, such as 3-4:2@2"
         )
     max_requests = int(limit) if at else 0
-    try:
-        if text.strip() == "on":
-            return LookupConfig(max_requests=max_requests)
+    rule: list[int] = []  # "on": the defaults
+    if text.strip() != "on":
         base, plus, long_rule = text.partition("+")
-        numbers = _rule_numbers(base, spec, ranged=True)
-        long_numbers = _rule_numbers(long_rule, spec, ranged=False) if plus else [0, 0]
-        return LookupConfig(*numbers, *long_numbers, max_requests=max_requests)
+        rule = _rule_numbers(base, spec, ranged=True)
+        rule += _rule_numbers(long_rule, spec, ranged=False) if plus else [0, 0]
+    try:
+        return LookupConfig(*rule, max_requests=max_requests)
     except InputError as err:
-        if str(err).startswith("lookup setting"):
-            raise
         raise InputError(f"lookup setting {spec!r}: {err}") from None
 
 

@@ -277,10 +277,11 @@ def replay_cycles(
     records: list[CycleRecord] = []
     t, pending = 0, 1
     prompt_left = rt.trace.prompt_len  # prompt tokens the draft has not run (its prefill is lazy)
+    rules = lookup.rules if lookup is not None else None  # the proposals (the load limit aside)
     while not rt.done(t):
         now = load() if load is not None else None
         looks = lookup is not None and lookup.runs_at(now)  # the load limit, as the engine applies it
-        proposed, accepted = rt.lookup(t, lookup.rules) if looks else (0, 0)
+        proposed, accepted = rt.lookup(t, rules) if looks else (0, 0)
         if proposed:
             rec = CycleRecord(
                 rt.context_len(t), 0, proposed, proposed, accepted, rt.emitted(t, accepted), lookup=True

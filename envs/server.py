@@ -39,6 +39,7 @@ counterpart is ``benchmarks/serve_load.py``.
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -239,6 +240,12 @@ class ServerReplay:
         requests."""
         self.width = self.traces[0].width
         self.context = int(self.table.batched["context"])
+
+    def with_lookup(self, lookup: LookupConfig | None) -> ServerReplay:
+        """The same server replay with another context lookup setting (None: none)."""
+        other = copy.copy(self)
+        other.lookup = lookup
+        return other
 
     # ----------------------------------------------------------------------------------------- runs
     def run(
@@ -555,14 +562,7 @@ def tune_lookup_limit(sim: ServerReplay, concurrencies: Sequence[int]) -> tuple[
     ratio)."""
     if sim.lookup is None:
         raise InputError("tune_lookup_limit needs a server replay with context lookup")
-    looked = ServerReplay(
-        sim.traces, sim.profile, sim.lookup.rules, sim.max_requests, sim.max_rows, sim.max_prefill_tokens,
-        sim.step_overhead_s, sim.chunked,
-    )  # fmt: skip
-    plain = ServerReplay(
-        sim.traces, sim.profile, None, sim.max_requests, sim.max_rows, sim.max_prefill_tokens,
-        sim.step_overhead_s, sim.chunked,
-    )  # fmt: skip
+    looked, plain = sim.with_lookup(sim.lookup.rules), sim.with_lookup(None)
     ratios: dict[int, float] = {}
     for n in sorted(int(c) for c in concurrencies):
         arrivals = closed_loop(n, len(sim.traces))

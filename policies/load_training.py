@@ -105,17 +105,9 @@ def load_setup(
     reference = {
         n: val.run(closed_loop(n, len(val.traces)), lambda: None).tokens_per_s for n in concurrencies
     }
-    plain = (
-        ServerReplay(val_traces, profile, None, max_requests, step_overhead_s=step_overhead_s)
-        if lookup is not None
-        else None
-    )
+    plain = val.with_lookup(None) if lookup is not None else None
     unlimited = lookup_row if lookup is None else (lookup.rules if lookup.max_requests else None)
-    looked = (
-        ServerReplay(val_traces, profile, unlimited, max_requests, step_overhead_s=step_overhead_s)
-        if unlimited is not None
-        else None
-    )
+    looked = val.with_lookup(unlimited) if unlimited is not None else None
     return LoadSetup(train, val, concurrencies, table, reference, plain, looked)
 
 
