@@ -324,13 +324,19 @@ class CoTrainer:
         log = PhaseLog(name, round_index, steps, 0.0)
         callback = _TrainCallback(self, name, other_name, log)
         start = time.perf_counter()
-        model.learn(
-            total_timesteps=steps,
-            callback=callback,
-            tb_log_name=name,
-            reset_num_timesteps=False,
-            progress_bar=self.progress,
-        )
+        try:
+            model.learn(
+                total_timesteps=steps,
+                callback=callback,
+                tb_log_name=name,
+                reset_num_timesteps=False,
+                progress_bar=self.progress,
+            )
+        except NoDecisionError:
+            # an environment's next reset found no decision in any episode (the episodes draw their load, and
+            # the other policy may leave this one nothing to decide at the loads drawn): the phase ends here,
+            # as the one whose first reset finds none is skipped above
+            print(f"round {round_index + 1} {name}: ended early, no {name} decision left to make", flush=True)
         log.seconds = time.perf_counter() - start
         callback.validate()  # the end of every phase is a candidate too
         self.history.append(log)
