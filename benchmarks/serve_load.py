@@ -8,10 +8,12 @@ Every row is a server started for the row and stopped after it:
   ``--ours "ar=--autoregressive" --ours "static=--policy none --depth 1"``);
 * ``llama <name>``: ``llama-server`` (``-np`` slots, continuous batching) autoregressive, with the draft
   model (``--draft-max``), and with its n-gram lookup (``--spec-type ngram-simple``), as separate rows;
-* ``vllm <name>`` (``--vllm ar,draft-K,table``, none by default): vLLM's OpenAI server from its own
+* ``vllm <name>`` (``--vllm ar,draft-K,table,lookup``, none by default): vLLM's OpenAI server from its own
   environment (serving/vllm_peer.py, docs/vllm.md) autoregressive, with the draft model at a fixed
-  ``num_speculative_tokens`` K, and with a per-batch-size table (``--vllm-table FILE``, written by
-  ``serving.vllm_peer.write_batch_size_table``); the rows are skipped with one line where vLLM is absent.
+  ``num_speculative_tokens`` K, with a per-batch-size table (``--vllm-table FILE``, written by
+  ``serving.vllm_peer.write_batch_size_table``), and with the engine's context lookup as vLLM's custom
+  proposer (``--vllm-lookup SETTING``, serving/vllm_lookup.py); in float32 or ``--vllm-dtype bfloat16``;
+  the rows are skipped with one line where vLLM is absent.
 
 Each row runs the closed-loop levels (N clients, each sending its next request when the last one ended; N in
 ``--concurrency``; 2N requests, at least ``--min-requests``), the Poisson levels (requests arriving at
@@ -413,7 +415,7 @@ def build_rows(
 
 
 def vllm_rows(args, slots: int) -> list[Row]:
-    """The ``--vllm`` rows (``ar``, ``draft-K``, ``table``), or none with one line saying why."""
+    """The ``--vllm`` rows (``ar``, ``draft-K``, ``table``, ``lookup``), or none with one line saying why."""
     if not args.vllm:
         return []
     if args.pair != "qwen2.5-coder":
@@ -436,12 +438,21 @@ def vllm_rows(args, slots: int) -> list[Row]:
                     DEFAULT_VLLM_TABLE, ROOT / "runs" / "serve_load_logs" / "vllm_table.json"
                 )
             options = {"draft": draft, "table": table}
+        elif name == "lookup":
+            options = {"lookup": args.vllm_lookup}
         elif name != "ar":
-            raise SystemExit(f"error: --vllm: unknown row {name!r} (ar, draft-K, table)")
+            raise SystemExit(f"error: --vllm: unknown row {name!r} (ar, draft-K, table, lookup)")
         argv, env = vllm_peer.vllm_command(
-            python, target, threads=args.threads, max_num_seqs=slots, kv_cache_gib=args.vllm_kv_gib, **options
+            python,
+            target,
+            threads=args.threads,
+            max_num_seqs=slots,
+            kv_cache_gib=args.vllm_kv_gib,
+            dtype=args.vllm_dtype,
+            **options,
         )
-        rows.append(Row(f"vllm {name}", argv, {"return_token_ids": True}, vllm_peer.WEIGHTS, env))
+        weights = vllm_peer.weights(args.vllm_dtype)
+        rows.append(Row(f"vllm {name}", argv, {"return_token_ids": True}, weights, env))
     return rows
 
 
@@ -456,11 +467,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-p-min", type=float, default=0.75)
     ap.add_argument("--llama-ngram", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument(
-        "--vllm", default="", help="vLLM rows: comma list of ar, draft-K (fixed K), table (none by default)"
+        "--vllm",
+        default="",
+        help="vLLM rows: comma list of ar, draft-K (fixed K), table, lookup (none by default)",
     )
     ap.add_argument("--vllm-table", default=None, help="the vllm table row's file (write_batch_size_table)")
     ap.add_argument("--vllm-venv", default=None, help="vLLM's environment (default: $DRAFTPILOT_VLLM_VENV)")
     ap.add_argument("--vllm-kv-gib", type=int, default=2, help="vLLM's KV cache space (GiB)")
+    ap.add_argument(
+        "--vllm-dtype", default="float32", choices=("float32", "bfloat16"), help="vLLM's weight dtype"
+    )
+    ap.add_argument(
+        "--vllm-lookup",
+        default="on",
+        help="the vllm lookup row's setting: the engine's context lookup as vLLM's custom proposer",
+    )
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument(
         "--rates", default="", help="Poisson arrival rates, requests/s (comma list; none by default)"
@@ -499,8 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     args.llama_draft_max = [int(x) for x in args.llama_draft_max.split(",") if x]
     args.vllm = [x for x in args.vllm.split(",") if x]
     for name in args.vllm:
-        if name not in ("ar", "table") and not (name.startswith("draft-") and name[6:].isdigit()):
-            ap.error(f"--vllm: unknown row {name!r} (ar, draft-K, table)")
+        if name not in ("ar", "table", "lookup") and not (name.startswith("draft-") and name[6:].isdigit()):
+            ap.error(f"--vllm: unknown row {name!r} (ar, draft-K, table, lookup)")
     if not args.concurrency or min(args.concurrency) < 1 or 1 not in args.concurrency:
         ap.error("--concurrency must list positive levels, 1 among them (the identity reference)")
 

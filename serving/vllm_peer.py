@@ -22,13 +22,23 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from engine.backends.files import atomic_write
-from engine.errors import is_int
+from engine.errors import DraftpilotError, is_int
 from serving.launch import ServerProcess
 
 DEFAULT_VENV = Path("~/.venvs/draftpilot-vllm").expanduser()
 SERVED_MODEL_NAME = "draftpilot"
 WEIGHTS = "float32 safetensors dequantised from the GGUF (engine.backends.weights.convert_to_hf)"
-"""The weight format vLLM runs here (benchmarks record it with the rows)."""
+"""The weight format vLLM runs here by default (benchmarks record it with the rows)."""
+REPO = Path(__file__).resolve().parents[1]
+
+
+def weights(dtype: str = "float32") -> str:
+    """The weight format vLLM runs at ``dtype``: the converted checkpoint, rounded to bfloat16 if asked."""
+    if dtype == "float32":
+        return WEIGHTS
+    return (
+        f"{dtype} (vLLM rounds the float32 checkpoint dequantised from the GGUF; not the published weights)"
+    )
 
 
 def vllm_python(venv: str | Path | None = None) -> tuple[Path | None, str]:
@@ -117,6 +127,7 @@ def vllm_command(
     draft: str | Path | None = None,
     k: int | None = None,
     table: str | Path | None = None,
+    lookup: str | None = None,
     threads: int = 2,
     max_num_seqs: int = 16,
     max_model_len: int = 4096,
@@ -125,19 +136,27 @@ def vllm_command(
     port: int | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) of vLLM's OpenAI server on 127.0.0.1 for ``target`` (a checkpoint directory),
-    with the draft model when ``draft`` is given (``k`` or ``table``). ``threads``: OpenMP threads bound to
+    with the draft model when ``draft`` is given (``k`` or ``table``), or with the engine's context lookup as
+    vLLM's custom proposer (``lookup``, a ``--lookup`` setting: ``serving.vllm_lookup``). ``threads``: OpenMP threads bound to
     CPUs 0..threads-1 (``VLLM_CPU_OMP_THREADS_BIND``; its default ``auto`` keeps one core for the engine
     process, which on a 2-core machine leaves the model one thread)."""
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target)]
     argv += ["--host", "127.0.0.1", "--served-model-name", SERVED_MODEL_NAME, "--dtype", dtype]
     argv += ["--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs)]
+    env = {}
+    if draft is not None and lookup is not None:
+        raise ValueError("give a draft model or a lookup setting, not both")
     if draft is not None:
         argv += ["--speculative-config", json.dumps(speculative_config(draft, k, table))]
     elif k is not None or table is not None:
         raise ValueError("k and table need a draft model")
+    elif lookup is not None:
+        from serving.vllm_lookup import SETTING_ENV, proposer_config
+
+        argv += ["--speculative-config", json.dumps(proposer_config(lookup))]
+        env |= {SETTING_ENV: lookup, "PYTHONPATH": str(REPO)}  # vLLM's worker imports the proposer
     if port is not None:
         argv += ["--port", str(port)]
-    env = {}
     iomp = Path(python).parent.parent / "lib" / "libiomp5.so"  # intel-openmp, a vllm-cpu dependency
     if iomp.is_file():  # vLLM warns that speculative decoding on the CPU is slow without it in LD_PRELOAD
         env["LD_PRELOAD"] = str(iomp)
@@ -176,7 +195,7 @@ class VllmServer(ServerProcess):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m serving.vllm_peer [--k K | --table FILE]``: vLLM's server on the default pair (``exec``:
+    """``python -m serving.vllm_peer [--k K | --table FILE | --lookup SETTING]``: vLLM's server on the default pair (``exec``:
     Ctrl-C stops it), or with ``--print`` its command line; one line and exit 2 where vLLM is absent."""
     import argparse
     import shlex
@@ -187,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     group = ap.add_mutually_exclusive_group()
     group.add_argument("--k", type=int, default=None, help="the draft model, fixed num_speculative_tokens")
     group.add_argument("--table", default=None, help="the draft model, a per-batch-size table file")
+    group.add_argument(
+        "--lookup", default=None, help="no draft model: the engine's context lookup setting (3-4:2+8:4@2)"
+    )
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="vLLM's weight dtype")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=16)
@@ -200,18 +223,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     target, draft = default_pair_dirs(args.pair)
     speculate = args.k is not None or args.table is not None
-    if args.table is not None:
-        try:
+    try:
+        if args.table is not None:
             read_batch_size_table(args.table)
-        except ValueError as err:
-            print(f"error: --table: {err}", file=sys.stderr)
-            return 2
+        if args.lookup is not None:
+            from serving.vllm_lookup import proposer_config
+
+            proposer_config(args.lookup)
+    except (ValueError, DraftpilotError) as err:
+        print(f"error: --{'table' if args.table else 'lookup'}: {err}", file=sys.stderr)
+        return 2
     command, env = vllm_command(
         python,
         target,
         draft=draft if speculate else None,
         k=args.k,
         table=args.table,
+        lookup=args.lookup,
+        dtype=args.dtype,
         threads=args.threads,
         max_num_seqs=args.max_num_seqs,
         kv_cache_gib=args.kv_cache_gib,
