@@ -4,7 +4,8 @@ Replay environments take their time from a ``CostProfile`` instead of a clock: d
 frontier width and context, the first draft step by the number of pending tokens, verification time by
 the number of verified nodes and context, the fixed per-cycle overhead, the controller call, prefill,
 each with its measured noise. This is the article's c and g(gamma) made empirical. ``engine.costs.measure_costs``
-measures one (``python -m engine.costs.measure_costs``); this module only holds, queries and stores it.
+measures one (``python -m engine.costs.measure_costs``); this module holds and queries it (its file:
+``engine.costs.profile_io``; its report: ``engine.costs.profile_report``).
 
 *Context* everywhere is the committed token count at the start of the cycle (``CycleRecord.context_len``).
 Queries interpolate piecewise-linearly; below the grid they clamp, above it they extrapolate linearly
