@@ -35,7 +35,7 @@ from engine.results import CycleRecord
 from engine.tree import MAX_TREE_NODES, clamp_verify, depth_limit
 from envs.trace import Trace, TraceError
 
-SIZE_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+from engine.costs.speedup_model import SIZE_LADDER as SIZE_LADDER  # isort: skip
 
 Message = tuple[Literal["depth", "size"], DraftState] | tuple[Literal["cycle"], CycleRecord]
 """What an episode yields: ``("depth", state)`` after each draft step (and at depth 0 when asked), ``("size",

@@ -22,9 +22,16 @@ import numpy as np
 from engine.control import Controller, DraftState
 from engine.costs.cost_profile import CostProfile
 from engine.costs.load_model import LoadedProfiles
+from engine.costs.speedup_model import (
+    SIZE_LADDER,
+    best_size,
+    cycle_cost_s,
+    expected_accepted,
+    expected_tokens,
+    next_level_probs,
+    tokens_per_cost,
+)
 from engine.results import CycleRecord
-
-LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 class AnalyticController(Controller):
@@ -38,7 +45,7 @@ class AnalyticController(Controller):
         profile: CostProfile,
         tree_width: int = 1,
         max_depth: int = 16,
-        ladder: tuple[int, ...] = LADDER,
+        ladder: tuple[int, ...] = SIZE_LADDER,
         smoothing: float = 0.2,
         probe_every: int = 8,
         load_aware: bool = True,
@@ -61,26 +68,13 @@ class AnalyticController(Controller):
     # ------------------------------------------------------------------------------------- the model
     def _expected(self, path_probs: np.ndarray) -> np.ndarray:
         """[len(ladder)] expected accepted tokens for each ladder size (nodes sorted best first)."""
-        calibrated = np.minimum(1.0, self.kappa * path_probs)
-        cum = np.concatenate([[0.0], np.cumsum(calibrated)])
-        return cum[np.minimum(self.ladder, len(path_probs))]
+        return expected_accepted(np.minimum(1.0, self.kappa * path_probs), self.ladder)
 
     def _best(self, path_probs: np.ndarray, depth: int, ctx: int) -> tuple[float, int]:
-        expected = self._expected(path_probs)
+        """(the best tokens per second, its size) of verifying after ``depth`` draft steps."""
         sizes = np.minimum(self.ladder, len(path_probs))
-        p = self._at
-        draft_s = depth * p.draft_step_s(self.tree_width, ctx)
-        cost = np.asarray(
-            [
-                draft_s
-                + p.verify_s(int(v), ctx, chain=self.tree_width == 1)
-                + p.overhead_s(int(v), depth=depth, tree_width=self.tree_width)
-                for v in sizes
-            ]
-        )
-        ratio = (1.0 + expected) / cost
-        i = int(np.argmax(ratio))
-        return float(ratio[i]), int(sizes[i])
+        cost = cycle_cost_s(self._at, depth, sizes, ctx, self.tree_width)
+        return best_size(tokens_per_cost(self._expected(path_probs), cost), sizes)
 
     # ------------------------------------------------------------------------------------ decisions
     def speculation_pays(self, state: DraftState) -> bool:
@@ -96,16 +90,10 @@ class AnalyticController(Controller):
         rejected = sum(r.accepted < r.num_verified for r in recent)
         alpha = min(accepted / max(accepted + rejected, 1e-9), 0.99)
         ctx, width, p = state.context_len, self.tree_width, self._at
-        autoregressive = 1.0 / (p.verify_s(0, ctx) + p.overhead_s(0, depth=0))
+        autoregressive = 1.0 / cycle_cost_s(p, 0, [0], ctx, width)[0]
         best = 0.0
         for d in range(1, max(1, min(self.max_depth, state.max_depth)) + 1):
-            tokens = (1.0 - alpha ** (d + 1)) / (1.0 - alpha)
-            cost = (
-                d * p.draft_step_s(width, ctx)
-                + p.verify_s(d, ctx, chain=width == 1)
-                + p.overhead_s(d, depth=d, tree_width=width)
-            )
-            best = max(best, tokens / cost)
+            best = max(best, expected_tokens(alpha, d) / cycle_cost_s(p, d, [d], ctx, width)[0])
         return best > autoregressive
 
     def _load(self, state: DraftState) -> None:
@@ -121,13 +109,8 @@ class AnalyticController(Controller):
         ctx = state.context_len
         probs = np.exp(state.node_scores)
         now, _ = self._best(probs, state.depth, ctx)
-        # next level: every frontier node gets `width` children; predict their path probabilities from the
-        # frontier's and the last step's conditional probabilities (the best child per frontier node
-        # shares the parent's last-step confidence; siblings get geometrically less)
-        step = float(np.clip(np.max(state.step_probs), 1e-6, 1.0))
-        frontier = np.exp(state.frontier_scores)
-        child = np.outer(frontier, step * (1.0 - step) ** np.arange(self.tree_width)).ravel()
-        nxt_probs = np.sort(np.concatenate([probs, child]))[::-1]
+        # next level: every frontier node gets `width` children (``speedup_model.next_level_probs``)
+        nxt_probs = next_level_probs(probs, np.exp(state.frontier_scores), state.step_probs, self.tree_width)
         nxt, _ = self._best(nxt_probs, state.depth + 1, ctx)
         return nxt > now
 

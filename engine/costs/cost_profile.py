@@ -4,7 +4,8 @@ Replay environments take their time from a ``CostProfile`` instead of a clock: d
 frontier width and context, the first draft step by the number of pending tokens, verification time by
 the number of verified nodes and context, the fixed per-cycle overhead, the controller call, prefill,
 each with its measured noise. This is the article's c and g(gamma) made empirical. ``engine.costs.measure_costs``
-measures one (``python -m engine.costs.measure_costs``); this module only holds, queries and stores it.
+measures one (``python -m engine.costs.measure_costs``); this module holds and queries it (its file:
+``engine.costs.profile_io``; its report: ``engine.costs.profile_report``).
 
 *Context* everywhere is the committed token count at the start of the cycle (``CycleRecord.context_len``).
 Queries interpolate piecewise-linearly; below the grid they clamp, above it they extrapolate linearly
@@ -13,7 +14,6 @@ with the last segment's slope (never decreasing: noise must not make a longer co
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -21,20 +21,24 @@ from typing import Any
 
 import numpy as np
 
-from engine.backends.files import atomic_write
+from engine.costs.profile_io import PROFILE_VERSION, ProfileError, read_profile, write_profile
+from engine.costs.profile_report import format_profile
 from engine.errors import DraftpilotError, InputError
 
-PROFILE_VERSION = 1
 _IQR_PER_SIGMA = 0.6744897501960817  # standard normal quartile: IQR/median of lognormal = 2 sinh(q sigma)
-
-
-class ProfileError(DraftpilotError, ValueError):
-    """A cost profile file is unreadable, malformed or from another format version."""
 
 
 def spread_to_sigma(spread: float) -> float:
     """Lognormal sigma whose IQR/median equals ``spread``."""
     return math.asinh(max(float(spread), 0.0) / 2.0) / _IQR_PER_SIGMA
+
+
+def median_spread(samples: list[float]) -> tuple[float, float]:
+    """(median, IQR / median) of timed samples: a profile cell's time and spread."""
+    arr = np.asarray(samples, dtype=np.float64)
+    med = float(np.median(arr))
+    iqr = float(np.percentile(arr, 75) - np.percentile(arr, 25))
+    return med, (iqr / med if med > 0 else 0.0)
 
 
 def _lerp(xs: np.ndarray, table: np.ndarray, x: float, extrapolate: bool = True) -> np.ndarray:
@@ -377,9 +381,14 @@ class CostProfile:
             raise ProfileError(
                 "this profile has no batch axis: measure it with `python -m engine.costs.measure_costs --batch-axis`"
             )
-        r_grid, s_grid = self._arrays["batched_" + model + "_grid"]
-        table = self._arrays["batched_" + model]
+        r_grid, s_grid, table = self.batched_grid(model)
         return _lerp2(r_grid, s_grid, table, rows / max(sequences, 1), sequences)
+
+    def batched_grid(self, model: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The batch axis of ``model`` as arrays: (rows per sequence, sequences, seconds [rows per sequence,
+        sequences])."""
+        r_grid, s_grid = self._arrays["batched_" + model + "_grid"]
+        return r_grid, s_grid, self._arrays["batched_" + model]
 
     def c_ratio(self, context: int) -> float:
         """The article's c: one draft step (W = 1) over one target step (V = 0) at ``context``."""
@@ -390,135 +399,23 @@ class CostProfile:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def save(self, path: str | Path) -> Path:
-        """Write the profile as JSON, atomically (``engine.backends.files.atomic_write``: a kill leaves the old file
-        or the new one, never part of one)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # one top-level key per line, each value compact: diffable, and tables stay one line per table
-        items = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in _plain(self.to_dict()).items()]
-        return atomic_write(path, "{\n" + ",\n".join(items) + "\n}\n")
+        """Write the profile as JSON, atomically (``engine.costs.profile_io.write_profile``)."""
+        return write_profile(self.to_dict(), path)
 
     @classmethod
     def load(cls, path: str | Path) -> CostProfile:
         """Read a profile written by ``save``; raises ``FileNotFoundError`` or ``ProfileError``."""
         path = Path(path)
-        if path.is_dir():
-            raise IsADirectoryError(f"{path} is a directory, not a cost profile (a .json file)")
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"no cost profile at {path}: measure one with `python -m engine.costs.measure_costs --out {path}`"
-            )
+        kwargs = read_profile(path, (f.name for f in fields(cls)))
         try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ProfileError(f"{path} is not a readable cost profile (invalid JSON: {err})") from err
-        if not isinstance(data, dict):
-            raise ProfileError(f"{path} is not a cost profile (top level is {type(data).__name__})")
-        if data.get("version") != PROFILE_VERSION:
-            raise ProfileError(
-                f"{path} has cost profile format version {data.get('version')!r}; this code "
-                f"reads version {PROFILE_VERSION}: measure it again with `python -m engine.costs.measure_costs`"
-            )
-        known = {f.name for f in fields(cls)}
-        missing = [
-            f.name
-            for f in fields(cls)
-            if f.name not in data
-            and f.name in ("contexts", "widths", "draft_step_table", "sizes", "verify_table")
-        ]
-        if missing:
-            raise ProfileError(f"{path} is not a complete cost profile: missing {missing}")
-        try:
-            return cls(**{k: v for k, v in data.items() if k in known})
+            return cls(**kwargs)
         except (TypeError, ValueError) as err:
             raise ProfileError(f"{path} is not a valid cost profile: {err}") from err
 
     # ----------------------------------------------------------------------------------------- display
     def format_table(self) -> str:
-        """A compact plain-text report: times in ms with the spread in percent."""
-        ctx_head = "".join(f"{'ctx ' + str(c):>16}" for c in self.contexts)
-
-        def block(title: str, label: str, grid: list[int], table, spread) -> list[str]:
-            rows = [f"{title}", f"{label:>8}{ctx_head}"]
-            for i, g in enumerate(grid):
-                cells = "".join(
-                    f"{1e3 * table[i][j]:>9.2f} ±{100 * spread[i][j]:>3.0f}%"
-                    for j in range(len(self.contexts))
-                )
-                rows.append(f"{g:>8}{cells}")
-            return rows
-
-        zeros = lambda grid: [[0.0] * len(self.contexts) for _ in grid]  # noqa: E731
-        lines = [
-            f"cost profile: {self.meta.get('pair', '?')} {self.meta.get('dtype', '?')} on "
-            f"{self.meta.get('device_name', '?')} ({self.meta.get('num_threads', '?')} threads"
-            f"{', RANDOM WEIGHTS' if self.meta.get('random_weights') else ''}) -- ms, ±IQR/median"
-        ]
-        lines += block(
-            "draft step vs frontier width W",
-            "W",
-            self.widths,
-            self.draft_step_table,
-            self.draft_step_spread or zeros(self.widths),
-        )
-        if self.chunks:
-            lines += block(
-                "first draft step vs pending tokens P",
-                "P",
-                self.chunks,
-                self.draft_chunk_table,
-                self.draft_chunk_spread or zeros(self.chunks),
-            )
-        lines += block(
-            "verify vs verified nodes V (1 + V rows)",
-            "V",
-            self.sizes,
-            self.verify_table,
-            self.verify_spread or zeros(self.sizes),
-        )
-        lines.append(
-            "c = draft step(W=1) / verify(V=0): "
-            + ", ".join(f"ctx {c}: {self.c_ratio(c):.3f}" for c in self.contexts)
-        )
-        if self.prefill_lengths:
-            lines.append(
-                "prefill target / draft (ms): "
-                + ", ".join(
-                    f"{n}: {1e3 * t:.1f} / {1e3 * d:.1f}"
-                    for n, t, d in zip(
-                        self.prefill_lengths,
-                        self.prefill_target_s,
-                        self.prefill_draft_s or [0.0] * len(self.prefill_lengths),
-                    )
-                )
-            )
-        if self.batched:
-            lines += self._format_batched()
-        lines.append(
-            f"overhead (ms): {1e3 * self.overhead_base_s:.2f} + {1e3 * self.overhead_per_node_s:.3f}/verified node"
-            f" + {1e3 * self.overhead_per_draft_row_s:.3f}/draft row (±{100 * self.overhead_spread:.0f}%);"
-            f" autoregressive step {1e3 * self.ar_overhead_s:.2f}; controller call {1e3 * self.policy_call_s:.3f}"
-        )
-        return "\n".join(lines)
-
-    def _format_batched(self) -> list[str]:
-        """The batch axis: ms per forward by rows per sequence (r) and sequences (S), and in brackets the time
-        over S forwards of one sequence (below 1: batching pays)."""
-        lines = [
-            f"batched forwards at context {self.batched['context']} -- ms (/ S single-sequence forwards)"
-        ]
-        for model in ("target", "draft"):
-            r_grid, s_grid = self._arrays["batched_" + model + "_grid"]
-            table = self._arrays["batched_" + model]
-            lines.append(f"{model:>8} r" + "".join(f"{'S ' + str(int(x)):>18}" for x in s_grid))
-            for i, r in enumerate(r_grid):
-                cells = ""
-                for j, sequences in enumerate(s_grid):
-                    alone = sequences * table[i, 0] if s_grid[0] == 1 else 0.0
-                    ratio = f"({table[i, j] / alone:.2f})" if alone > 0 else ""
-                    cells += f"{1e3 * table[i, j]:>11.2f} {ratio:>6}"
-                lines.append(f"{int(r):>10}{cells}")
-        return lines
+        """A compact plain-text report: times in ms with the spread in percent (``profile_report``)."""
+        return format_profile(self)
 
 
 def load_profile_arg(path: str | Path) -> CostProfile:
@@ -527,16 +424,3 @@ def load_profile_arg(path: str | Path) -> CostProfile:
         return CostProfile.load(path)
     except (DraftpilotError, OSError) as err:
         raise InputError(f"--profile: {err}") from None
-
-
-def _plain(obj: Any) -> Any:
-    """JSON-ready copy (numpy scalars and arrays to Python)."""
-    if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    if isinstance(obj, np.ndarray):
-        return _plain(obj.tolist())
-    if isinstance(obj, np.generic):
-        return obj.item()
-    return obj

@@ -17,6 +17,7 @@ import numpy as np
 from engine.control import DraftState
 from engine.costs.cost_profile import CostProfile
 from engine.costs.load_model import LoadedProfiles, per_load
+from engine.costs.speedup_model import next_level_probs, relative_speedups, verify_curve
 from engine.results import CycleRecord
 
 FEATURE_VERSION = 6
@@ -113,45 +114,33 @@ def history_features(history: Sequence[CycleRecord]) -> np.ndarray:
     )
 
 
-# nodes at which the device features give the verification cost (over verifying one node): 0, 1, 2, 4, 16, 64
-_COST_NODES = np.asarray([0.0, 1.0, 2.0, 4.0, 16.0, 64.0])
-
-
-def _verify_curve(device: np.ndarray, nodes: np.ndarray) -> np.ndarray:
-    """Verification cost of ``nodes`` nodes over one node's, interpolated linearly between the points the
-    device features hold (beyond 64 extrapolated along the last segment)."""
-    known = np.asarray([device[3], 1.0, device[4], device[5], device[1], device[2]], dtype=np.float64)
-    out = np.interp(nodes, _COST_NODES, known)
-    slope = (known[5] - known[4]) / 48.0
-    return np.where(nodes > 64, known[5] + slope * (nodes - 64), out)
-
-
 _SIZES = np.asarray(MODEL_SIZES)
 _curves: dict[bytes, np.ndarray] = {}
 
 
 def _verify_table(device: np.ndarray) -> np.ndarray:
-    """``_verify_curve`` at 0..max(MODEL_SIZES) nodes, computed once per device (this runs every decision)."""
+    """The verification cost over one node's at 0..max(MODEL_SIZES) nodes, read from the device features
+    (``speedup_model.verify_curve`` through their points: the root alone, 1, 2, 4, 16 and 64 nodes), computed
+    once per device (this runs every decision)."""
     key = device.tobytes()
     table = _curves.get(key)
     if table is None:
         if len(_curves) > 64:
             _curves.clear()
-        table = _curves[key] = _verify_curve(device, np.arange(MODEL_SIZES[-1] + 1, dtype=np.float64))
+        known = np.asarray([device[3], 1.0, device[4], device[5], device[1], device[2]], dtype=np.float64)
+        table = _curves[key] = verify_curve(known, np.arange(MODEL_SIZES[-1] + 1, dtype=np.float64))
     return table
 
 
 def _speedups(path_probs: np.ndarray, depth: int, device: np.ndarray) -> np.ndarray:
     """[len(MODEL_SIZES)] the cost model's speedup over an autoregressive step of verifying the best V nodes
-    now (``policies.analytic`` without its online calibration): (1 + sum of their path probabilities) /
-    (depth draft steps + verifying V) x (one autoregressive step); V above the node count as that count.
-    ``path_probs`` sorted best first."""
+    now (``policies.analytic`` without its online calibration and the overhead), from the device features:
+    ``speedup_model.relative_speedups`` in units of verifying one node. ``path_probs`` sorted best first."""
     if device[3] <= 0:  # no profile: no model
         return np.zeros(len(MODEL_SIZES))
-    sizes = np.minimum(_SIZES, len(path_probs))
-    cum = np.concatenate([[0.0], np.cumsum(path_probs[: MODEL_SIZES[-1]])])
-    cost = depth * float(device[0]) + _verify_table(device)[sizes]
-    return (1.0 + cum[sizes]) / np.maximum(cost, 1e-6) * float(device[3])
+    return relative_speedups(
+        path_probs, depth, _SIZES, float(device[0]), _verify_table(device), float(device[3])
+    )
 
 
 def cost_model_features(state: DraftState, device: np.ndarray) -> tuple[np.ndarray, float, float]:
@@ -166,9 +155,8 @@ def cost_model_features(state: DraftState, device: np.ndarray) -> tuple[np.ndarr
     if state.depth == 0 or not len(state.step_probs):  # before the first draft step: no prediction
         best_next = 0.0
     else:
-        step = float(np.clip(np.max(state.step_probs), 1e-6, 1.0))
-        child = np.exp(np.asarray(state.frontier_scores, dtype=np.float64)) * step
-        nxt = np.sort(np.concatenate([probs, child]))[::-1]
+        frontier = np.exp(np.asarray(state.frontier_scores, dtype=np.float64))
+        nxt = next_level_probs(probs, frontier, state.step_probs)
         best_next = float(_speedups(nxt, state.depth + 1, device).max())
     return (
         np.clip(now, 0.0, MAX_MODEL_SPEEDUP).astype(np.float32),
