@@ -153,8 +153,6 @@ def test_the_batch_axis_is_measured_on_request_and_round_trips(tiny_pair_f32, me
         assert len(table[key + "_spread"]) == len(entries) and min(table[key + "_spread"]) >= 0
         for s, rows, t in entries:  # the grid points themselves
             assert profile.batched_forward_s(key, s, rows) == pytest.approx(t, rel=1e-12)
-        # 12 rows over 4 caches against 1 row over 1: more work (no timing threshold, just an order)
-        assert profile.batched_forward_s(key, 4, 12) > profile.batched_forward_s(key, 1, 1)
     assert "batched forwards at context 32" in profile.format_table()
 
     path = profile.save(tmp_path / "batched.json")
