@@ -83,11 +83,12 @@ from engine.batch_api import (
 )
 from engine.batch_forward import Rows, forward_rows
 from engine.control import Controller
-from engine.engine import SpeculativeEngine, _Request
+from engine.engine import SpeculativeEngine
 from engine.errors import DraftpilotError, InputError, is_int, short_repr
 from engine.forward import Forward, Steps, VerifyRows, chunked_prefill
 from engine.load import LoadState, LoadTracker
 from engine.lookup import NgramIndex
+from engine.prefill import _Request
 from engine.results import CycleRecord, GenerationResult
 from engine.sampling import SamplingConfig
 from engine.scheduling import grant_rows, plan_prefills

@@ -22,8 +22,8 @@ from engine.sampling import check_finite, logits_to_probs, score_logprobs
 from engine.tree import DraftTree, expand_topk, tree_attention_mask
 
 if TYPE_CHECKING:
-    from engine.engine import _Request
     from engine.inputs import EngineConfig
+    from engine.prefill import _Request
 
 
 class DraftPhase:

@@ -17,20 +17,19 @@ forwards together. The cycle code is the same for both. What a cycle is (lookup,
 speculative), what its controller is asked and when, and which cycles it observes are
 ``engine.cycle.cycle_rules``, the rules the trace replay (``envs.replay``) drives too; this module does the
 forwards, the verification and the commit. Around it: ``engine.inputs`` (``EngineConfig``, the request
-checks), ``engine.forward`` (``forward_logits``, ``Forward``, ``VerifyRows``) and ``engine.drafting`` (the
-draft levels).
+checks), ``engine.forward`` (``forward_logits``, ``Forward``, ``VerifyRows``), ``engine.prefill`` (``_Request``,
+the target's prefill and the draft's lazy one) and ``engine.drafting`` (the draft levels).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from engine.backends.kvcache import keep_entries, new_cache
+from engine.backends.kvcache import keep_entries
 from engine.backends.pair import ModelPair
 from engine.control import Controller, DraftState
 from engine.cycle import (
@@ -51,8 +50,8 @@ from engine.forward import (
 )
 from engine.inputs import MAX_SEED as MAX_SEED  # re-exported: the command lines and the server use it
 from engine.inputs import EngineConfig, check_request, prompt_ids_of
-from engine.load import LoadState
 from engine.lookup import NgramIndex
+from engine.prefill import PrefillPhase, _Request
 from engine.results import CycleRecord, GenerationResult
 from engine.sampling import (
     SamplingConfig,
@@ -74,29 +73,7 @@ if TYPE_CHECKING:
     from transformers import DynamicCache
 
 
-@dataclass
-class _Request:
-    tokens: list[int]
-    target_cache: object
-    draft_cache: object | None
-    draft_len: int
-    generator: torch.Generator
-    sampling: SamplingConfig
-    stop_ids: frozenset[int]
-    """Token ids that end the request (the pair's EOS ids and the request's stop tokens), committed included."""
-    cycles: list[CycleRecord] = field(default_factory=list)
-    draft_prompt: list[int] | None = None
-    """The prompt, until the draft has run all of it (its prefill waits for the first drafting cycle; under
-    load catch-up cycles may run it in chunks first: ``draft_len`` of it so far)."""
-    draft_prefill_s: float = 0.0
-    """Time the draft's (lazy) prefill took: reported as prefill, not as the cycle's drafting (the prompt
-    chunks of catch-up cycles are those cycles' drafting)."""
-    load: LoadState | None = None
-    """The load of the step the current cycle runs in (``engine.load``; set by the batched engine, None
-    alone): what ``DraftState.load`` shows the controller."""
-
-
-class SpeculativeEngine(DraftPhase):
+class SpeculativeEngine(PrefillPhase, DraftPhase):
     """Exact speculative decoding over a ``ModelPair`` with a pluggable per-cycle ``Controller``."""
 
     stepwise = False
@@ -259,71 +236,6 @@ class SpeculativeEngine(DraftPhase):
         if self.config.validate_caches:
             validate_caches(self.pair, req, self._forward)
         return record
-
-    def _prefill(self, prompt_ids: list[int], generator: torch.Generator, with_draft: bool) -> _Request:
-        return self._prefill_request(
-            prompt_ids, generator, with_draft, self.sampling, self.pair.eos_token_ids
-        )
-
-    def _prefill_request(
-        self,
-        prompt_ids: list[int],
-        generator: torch.Generator,
-        with_draft: bool,
-        sampling: SamplingConfig,
-        stop_ids: frozenset[int],
-        capacity: tuple[int, int] | None = None,
-    ) -> _Request:
-        """The target's prefill (one forward of the prompt) and the first token, drawn with ``sampling``.
-        ``capacity``: the (target, draft) cache entries reserved for the request (``engine.backends.kvcache.
-        new_cache``; ``engine.batch``), None: caches that grow as needed."""
-        target_cap, draft_cap = capacity if capacity is not None else (None, None)
-        target_cache = new_cache(self.pair.target, target_cap)
-        logits = self._forward(self.pair.target, prompt_ids, 0, target_cache, keep=1)  # [1, V]
-        return self._prefilled_request(
-            prompt_ids, logits, target_cache, generator, with_draft, sampling, stop_ids, draft_cap
-        )
-
-    def _prefilled_request(
-        self,
-        prompt_ids: list[int],
-        logits: torch.Tensor,
-        target_cache: object,
-        generator: torch.Generator,
-        with_draft: bool,
-        sampling: SamplingConfig,
-        stop_ids: frozenset[int],
-        draft_capacity: int | None = None,
-    ) -> _Request:
-        """The request once its prompt is in ``target_cache``: the first token drawn from ``logits`` (the
-        prompt's last row, [1, V]) with ``sampling``; the draft's cache made, empty."""
-        if self.config.check_finite:
-            check_finite(logits, "target")
-        first = make_target_drawer(logits, sampling, generator)(0)
-        # the draft's prefill waits for the first drafting cycle (``_draft``): a request a controller
-        # decodes autoregressively never pays for it
-        draft_cache = new_cache(self.pair.draft, draft_capacity) if with_draft else None
-        return _Request(
-            prompt_ids + [first],
-            target_cache,
-            draft_cache,
-            0,
-            generator,
-            sampling,
-            frozenset(stop_ids),
-            draft_prompt=list(prompt_ids),
-        )
-
-    def _prefill_draft(self, req: _Request) -> Steps:
-        """The draft's lazy prefill, at the request's first drafting cycle: one forward of exactly the prompt
-        (what an eager prefill would run, so the draft's cache, and every tree it drafts, is the same
-        whenever it happens), or of the rest of it after catch-up cycles ran its first chunks; the tokens
-        committed since stay pending. Timed as prefill, not as drafting."""
-        t0 = self.clock()
-        start = req.draft_len
-        yield Forward(self.pair.draft, req.draft_prompt[start:], start, req.draft_cache, keep=1)
-        req.draft_len, req.draft_prompt = len(req.draft_prompt), None
-        req.draft_prefill_s += self.clock() - t0
 
     def _catch_up_cycle(self, req: _Request, size: int) -> Steps:
         """A catch-up cycle (``EngineConfig.draft_catch_up_tokens``): one draft forward of the next chunk of

@@ -20,7 +20,7 @@ from engine.backends.pair import ModelPair
 if TYPE_CHECKING:
     from transformers import DynamicCache
 
-    from engine.engine import _Request as Request
+    from engine.prefill import _Request as Request
 
 Steps = Generator["Forward | VerifyRows", Any, Any]
 """A cycle (or one of its phases) as a generator: it yields the forwards and verification rows it needs
