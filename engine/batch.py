@@ -10,7 +10,7 @@ request, its own ``SamplingConfig``) and stop tokens. ``step()`` runs one cycle 
    chunk rows of the step's target forward (step 4) next to the running requests' rows; the chunk that ends
    a prompt gives its first token. The native decoder computes every row alone, so a prompt's cache and first
    token are bitwise what ``generate``'s prefill gives, whatever the chunk boundaries and batch mates
-   (``engine.engine.chunked_prefill``). Where it does not apply (the torch path) a prompt is prefilled whole,
+   (``engine.forward.chunked_prefill``). Where it does not apply (the torch path) a prompt is prefilled whole,
    in the step's forwards, at least one prompt a step;
 2. every request starts its cycle: the very cycle code ``generate`` runs (``SpeculativeEngine._cycle``, a
    generator of the forwards it needs): lookup, depth-0 decision, draft steps, verification size;
@@ -64,123 +64,35 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from engine.backends.attention import MAX_ROWWISE_ROWS
 from engine.backends.kvcache import cache_bytes, kv_bytes_per_entry, new_cache
 from engine.backends.pair import ModelPair
+from engine.batch_api import (
+    BatchConfig,
+    BatchRequest,
+    CapacityError,
+    EngineFailed,
+    MemoryFull,
+    RequestFailed,
+    StepEvent,
+    format_bytes,
+    one_line,
+)
 from engine.batch_forward import Rows, forward_rows
 from engine.control import Controller
-from engine.engine import (
-    EngineConfig,
-    Forward,
-    SpeculativeEngine,
-    Steps,
-    VerifyRows,
-    _Request,
-    chunked_prefill,
-)
+from engine.engine import SpeculativeEngine
 from engine.errors import DraftpilotError, InputError, is_int, short_repr
+from engine.forward import Forward, Steps, VerifyRows, chunked_prefill
 from engine.load import LoadState, LoadTracker
 from engine.lookup import NgramIndex
+from engine.prefill import _Request
 from engine.results import CycleRecord, GenerationResult
 from engine.sampling import SamplingConfig
+from engine.scheduling import grant_rows, plan_prefills
 from engine.tree import depth_limit
-
-
-class CapacityError(DraftpilotError):
-    """A request was refused because the batch holds ``BatchConfig.max_requests`` requests already."""
-
-
-class MemoryFull(CapacityError):
-    """A request's KV reservation does not fit next to those of the admitted requests
-    (``BatchConfig.max_kv_bytes``): retry when one finishes."""
-
-
-class RequestFailed(DraftpilotError):
-    """One request failed alone on an error that is not one of the project's own (a bug in its controller, an
-    allocation failure in its forward); the original exception is the ``__cause__``."""
-
-
-class EngineFailed(DraftpilotError):
-    """A forward shared by several requests failed, and so did each one's forward alone: the engine, not one
-    request, is broken (``step`` raises it; build a new ``BatchedEngine``)."""
-
-
-def one_line(err: BaseException, limit: int = 300) -> str:
-    """``Type: message`` of an exception on one line, cut to ``limit`` characters."""
-    text = " ".join(str(err).split()) or "(no message)"
-    text = f"{type(err).__name__}: {text}"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-@dataclass(frozen=True)
-class BatchConfig:
-    max_requests: int = 8
-    """Requests admitted at once (added and not finished); ``add`` past it raises ``CapacityError``."""
-    max_rows: int = 64
-    """Rows of one target forward (each request's root plus its granted nodes; the rule is in the module
-    docstring) and of one draft forward; at least ``max_requests``."""
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    """Caps, draft mode and lookup, as for ``SpeculativeEngine`` (every request shares them)."""
-    max_prefill_tokens: int = 16
-    """Prompt tokens prefilled in one step (the module docstring, step 1): chunks of the waiting prompts, in
-    admission order, ride in the step's target forward, so a long prompt or a burst of arrivals costs every
-    running request a bounded delay a step instead of a stall for all the prefills. Without chunks (the
-    torch path) whole prompts while they fit, at least one a step."""
-    max_kv_bytes: int | None = None
-    """KV cache bytes the admitted requests may reserve together (module docstring, "Memory"); None: no
-    bound (each request still reserves, and its caches never outgrow, what it can reach)."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_requests", "max_rows", "max_prefill_tokens"):
-            value = getattr(self, name)
-            if not is_int(value) or value < 1:
-                raise InputError(f"BatchConfig.{name} must be an integer >= 1, got {short_repr(value)}")
-        if self.max_kv_bytes is not None and (not is_int(self.max_kv_bytes) or self.max_kv_bytes < 1):
-            raise InputError(
-                f"BatchConfig.max_kv_bytes must be an integer >= 1 or None, got {short_repr(self.max_kv_bytes)}"
-            )
-        if self.max_rows < self.max_requests:
-            raise InputError(
-                f"BatchConfig.max_rows ({self.max_rows}) must be >= max_requests ({self.max_requests}): every "
-                "request needs a row in each target forward"
-            )
-        if not isinstance(self.engine, EngineConfig):
-            raise InputError(f"BatchConfig.engine must be an EngineConfig, got {short_repr(self.engine)}")
-
-
-@dataclass
-class BatchRequest:
-    """One request: the arguments of ``SpeculativeEngine.generate`` plus its own sampling and stop tokens."""
-
-    prompt: str | list[int]
-    max_new_tokens: int = 128
-    controller: Controller | None = None
-    """None: autoregressive. A controller instance serves one request at a time (it keeps per-request state)."""
-    seed: int = 0
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    stop_token_ids: Iterable[int] = frozenset()
-    """Token ids that end the request (committed, finish reason "stop"), besides the pair's EOS ids."""
-    ignore_eos: bool = False
-    """Decode past the pair's EOS ids (to ``max_new_tokens``, the context or a stop token): fixed-length
-    outputs for benchmarks; the law of every token is still the target's."""
-
-
-@dataclass(frozen=True)
-class StepEvent:
-    """What one ``step`` did for one request."""
-
-    rid: int
-    tokens: tuple[int, ...]
-    """Tokens committed by this step (the prefill's first token included)."""
-    finished: bool
-    finish_reason: str | None
-    """As ``GenerationResult.finish_reason``, or "error" (the request failed alone: ``result`` raises why)."""
-    record: CycleRecord | None
-    """The cycle this step ran for the request (None: it finished at its prefill)."""
 
 
 @dataclass
@@ -618,56 +530,3 @@ def _restore(cache: object, state: list[tuple[object, dict]] | None) -> None:
     for layer, attrs in state:
         vars(layer).clear()
         vars(layer).update(attrs)
-
-
-def format_bytes(n: int) -> str:
-    """``n`` bytes in binary units (``12.5 MiB``)."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
-
-
-def plan_prefills(left: list[int], budget: int, chunked: bool) -> list[int]:
-    """Prompt tokens each waiting request (in admission order, ``left`` of its prompt still to prefill) gets this
-    step, under ``budget`` tokens (module docstring, step 1): chunked, at most ``MAX_ROWWISE_ROWS`` of one prompt
-    and nothing for a prompt until the one ahead of it is in; else whole prompts while they fit, at least one.
-    Only the requests that get tokens are listed (a prefix of ``left``)."""
-    takes: list[int] = []
-    for n in left:
-        if chunked:
-            take = min(n, budget, MAX_ROWWISE_ROWS)
-        else:
-            take = n if not takes or n <= budget else 0
-        if take <= 0:
-            break
-        takes.append(take)
-        budget -= take
-        if take < n:
-            break
-    return takes
-
-
-def grant_rows(wants: list[int], budget: int) -> list[int]:
-    """Nodes granted to requests asking ``wants`` when ``budget`` nodes fit (the row cap, module docstring):
-    all they ask if it fits, else min(asked, L) for the largest fitting L, and what remains one node each to
-    those asking more than L, in order."""
-    budget = max(budget, 0)
-    if sum(wants) <= budget:
-        return list(wants)
-    low, high = 0, max(wants)
-    while low < high:  # the largest level L with sum(min(w, L)) <= budget
-        mid = (low + high + 1) // 2
-        if sum(min(w, mid) for w in wants) <= budget:
-            low = mid
-        else:
-            high = mid - 1
-    granted = [min(w, low) for w in wants]
-    left = budget - sum(granted)
-    for i, w in enumerate(wants):
-        if left and w > low:
-            granted[i] += 1
-            left -= 1
-    return granted

@@ -1,6 +1,6 @@
 """One forward carrying the rows of several sequences, each on top of its own KV cache (``engine.batch``).
 
-A ``Rows`` item is what ``engine.engine.forward_logits`` takes for one sequence (ids, positions, its cache, a
+A ``Rows`` item is what ``engine.forward.forward_logits`` takes for one sequence (ids, positions, its cache, a
 tree mask or None for causal, the rows to keep); ``forward_rows(model, items)`` returns each item's logits as
 ``forward_logits`` of that item alone would, computing the linear layers over every item's rows at once (one
 pass over the weights for all sequences: the throughput of batching) and everything else per sequence:
@@ -32,7 +32,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM, apply_rot
 from engine.backends import lean
 from engine.backends.attention import MAX_ROWWISE_ROWS, rowwise_attention
 from engine.backends.kvcache import GrowingLayer
-from engine.engine import forward_logits
+from engine.forward import forward_logits
 
 
 @dataclass

@@ -27,6 +27,7 @@ from engine.costs.features import (
     device_features,
     size_observation,
 )
+from engine.cycle import answer
 from engine.errors import DraftpilotError
 from envs.backends import Backend
 from envs.replay import SIZE_LADDER
@@ -171,8 +172,6 @@ class _DecisionEnv(gym.Env):
                 reward += self._cycle_reward(payload)
                 self.ep_tokens += payload.emitted
                 self.ep_seconds += payload.total_s - payload.controller_s
-                if not payload.lookup:  # as in the engine: a lookup cycle is no controller's decision
-                    self.other.observe(payload)
                 info = {
                     "accepted": payload.accepted,
                     "emitted": payload.emitted,
@@ -180,15 +179,9 @@ class _DecisionEnv(gym.Env):
                     "num_verified": payload.num_verified,
                     "cycle_s": payload.total_s - payload.controller_s,
                 }
-                reply = None
-            elif kind == "depth":  # at depth 0 only a controller that decides depth 0 is asked
-                reply = (
-                    self.other.should_continue(payload)
-                    if payload.depth or self.other.decides_depth_zero
-                    else True
-                )
-            else:
-                reply = self.other.num_to_verify(payload)
+            # the other decision's controller answers and observes as in the engine (``engine.cycle.answer``:
+            # at depth 0 only a controller that decides depth 0 is asked; a lookup cycle is not observed)
+            reply = answer(self.other, (kind, payload))
 
     @property
     def decision_state(self):

@@ -4,7 +4,8 @@ live in ``envs.oracle``).
 ``ReplayTrace`` turns a recorded ``Trace`` into what the live engine would see and do at each position:
 the ``DraftState`` a controller is shown after each draft step, and the number of tokens accepted for
 any (depth, size). ``replay_generate`` runs a controller through the same loop as
-``SpeculativeEngine.generate`` (same depth cap, same EOS/budget rules) and returns the same
+``SpeculativeEngine.generate`` (same depth cap, same EOS/budget rules: each cycle is decided by the engine's
+own ``engine.cycle.cycle_rules``, the controller asked through ``engine.cycle.answer``) and returns the same
 ``CycleRecord``s, with times taken from a cost profile instead of a clock. Under load (the server replay,
 ``envs.server``) it makes the engine's catch-up cycles (``EngineConfig.draft_catch_up_tokens``) where the live
 engine makes them: it tracks what the draft is behind by (the prompt it has not run, its pending tokens).
@@ -25,9 +26,9 @@ from typing import Literal
 import numpy as np
 
 from engine.backends.attention import MAX_VERIFY_NODES
-from engine.control import Controller, DraftState, decision, verify_size
+from engine.control import Controller, DraftState
 from engine.costs.cost_profile import CostProfile
-from engine.engine import DRAFT_CATCH_UP_TOKENS, shares_its_step
+from engine.cycle import DRAFT_CATCH_UP_TOKENS, DraftLag, answer, cycle_rules, draft_budget
 from engine.errors import InputError
 from engine.load import LoadState
 from engine.lookup import LookupConfig, NgramIndex
@@ -138,11 +139,10 @@ class ReplayTrace:
         return self.trace.prompt_len + t + 1
 
     def budget_cap(self, t: int) -> int:
-        """Drafted tokens a cycle at position t may add, as the engine computes it: min(engine max depth,
-        remaining budget - 1, context room - 1)."""
+        """Drafted tokens a cycle at position t may add, by the engine's own rule (``engine.cycle.
+        draft_budget``): min(engine max depth, remaining budget - 1, context room - 1)."""
         remaining = self.max_new_tokens - (t + 1)
-        room = self.max_context - self.context_len(t)
-        return min(self.engine_max_depth, remaining - 1, room - 1)
+        return draft_budget(self.engine_max_depth, remaining, self.max_context - self.context_len(t))
 
     def depth_cap(self, t: int) -> int:
         """The engine's cap: min(``budget_cap``, the tree-node cap's depth, recorded depth)."""
@@ -260,69 +260,60 @@ def replay_cycles(
     lookup: LookupConfig | None = None,
     load: Callable[[], LoadState | None] | None = None,
     catch_up: int = DRAFT_CATCH_UP_TOKENS,
+    lag: DraftLag | None = None,
 ) -> Generator[Message, Reply, None]:
     """The engine's cycle loop on a trace, as a coroutine: yields ``("depth", DraftState)`` (send a bool:
     continue?), ``("size", DraftState)`` (send the number of nodes to verify) and ``("cycle",
-    CycleRecord)`` (send None) after every cycle. Times come from ``profile`` (expected values, or with
-    sampled noise when ``rng`` is given). ``speculative=False`` decodes autoregressively.
-    ``depth_zero``: also ask ``("depth", state at depth 0)`` before drafting (the engine does so for
-    controllers with ``decides_depth_zero``); False makes the cycle an autoregressive step. ``lookup``: the
-    engine's context lookup (``EngineConfig.lookup``): where it proposes (and its load limit lets it run),
-    the cycle is a lookup cycle and nothing is asked. ``load``: called at each cycle's start, the load its
-    states show (the server replay, ``envs.server``); None: alone. ``catch_up``: the engine's
-    ``EngineConfig.draft_catch_up_tokens``: under load (``engine.engine.shares_its_step``: other requests
+    CycleRecord)`` (send None) after every cycle. Each cycle is decided by the engine's own rules
+    (``engine.cycle.cycle_rules``), its questions answered from the trace. Times come from ``profile``
+    (expected values, or with sampled noise when ``rng`` is given). ``speculative=False`` decodes
+    autoregressively. ``depth_zero``: also ask ``("depth", state at depth 0)`` before drafting (the engine
+    does so for controllers with ``decides_depth_zero``); False makes the cycle an autoregressive step.
+    ``lookup``: the engine's context lookup (``EngineConfig.lookup``): where it proposes (and its load limit
+    lets it run), the cycle is a lookup cycle and nothing is asked. ``load``: called at each cycle's start,
+    the load its states show (the server replay, ``envs.server``); None: alone. ``catch_up``: the engine's
+    ``EngineConfig.draft_catch_up_tokens``: under load (``engine.cycle.shares_its_step``: other requests
     decoding or prefilling in the step) a cycle that would draft while the draft is behind by more than that
     (the prompt it has not run plus its pending tokens) is a catch-up cycle, as in the engine: an
-    autoregressive step recorded with ``catch_up`` = the chunk's tokens (the prompt's first); alone never."""
+    autoregressive step recorded with ``catch_up`` = the chunk's tokens (the prompt's first); alone never.
+    ``lag``: what the draft is behind by (``engine.cycle.DraftLag``), updated once each cycle's message has
+    been answered (a server replay reads it while it times the step); None: the loop's own."""
     records: list[CycleRecord] = []
-    t, pending = 0, 1
-    prompt_left = rt.trace.prompt_len  # prompt tokens the draft has not run (its prefill is lazy)
+    t = 0
+    lag = lag if lag is not None else DraftLag(rt.trace.prompt_len)  # its prefill is lazy: the whole prompt
     rules = lookup.rules if lookup is not None else None  # the proposals (the load limit aside)
     while not rt.done(t):
         now = load() if load is not None else None
-        looks = lookup is not None and lookup.runs_at(now)  # the load limit, as the engine applies it
-        proposed, accepted = rt.lookup(t, rules) if looks else (0, 0)
-        if proposed:
+        decide = cycle_rules(rt.depth_cap(t), now, lookup, speculative, depth_zero, lag.behind, catch_up)
+        reply, accepted = None, 0
+        while True:
+            try:
+                kind, depth = decide.send(reply)
+            except StopIteration as stop:
+                plan = stop.value
+                break
+            if kind == "lookup":
+                proposed, accepted = rt.lookup(t, rules)
+                reply = proposed
+            else:
+                reply = yield (kind, rt.state(t, depth, records, now))
+        ctx, pending = rt.context_len(t), lag.pending
+        if plan.kind == "lookup":
             rec = CycleRecord(
-                rt.context_len(t), 0, proposed, proposed, accepted, rt.emitted(t, accepted), lookup=True
+                ctx, 0, plan.proposed, plan.proposed, accepted, rt.emitted(t, accepted), lookup=True
             )
-            charge_times(rec, profile, rng, pending=0, width=rt.width)
-            pending += rec.emitted
-            records.append(rec)
-            yield ("cycle", rec)
-            t += rec.emitted
-            continue
-        cap = rt.depth_cap(t)
-        if speculative and cap >= 1 and depth_zero and not (yield ("depth", rt.state(t, 0, records, now))):
-            cap = 0  # depth 0 chosen: an autoregressive step, the draft falls one more token behind
-        if not speculative or cap < 1:
-            rec = CycleRecord(rt.context_len(t), 0, 0, 0, 0, 1)
-            charge_times(rec, profile, rng, pending=0, width=rt.width)
-            pending += 1
-        elif shares_its_step(now) and prompt_left + pending > catch_up:
-            # a catch-up cycle (``SpeculativeEngine._catch_up_cycle``): the draft runs the next ``catch_up``
-            # tokens it is behind by (never the last committed one), next to an autoregressive step
-            from_prompt = min(catch_up, prompt_left)
-            prompt_left -= from_prompt
-            pending -= catch_up - from_prompt
-            rec = CycleRecord(rt.context_len(t), 0, 0, 0, 0, 1, catch_up=catch_up)
-            charge_times(rec, profile, rng, pending=0, width=rt.width)
-            pending += 1
-        else:
-            depth = 1
-            while depth < cap and (yield ("depth", rt.state(t, depth, records, now))):
-                depth += 1
-            num_drafted = rt.num_drafted(t, depth)
-            num_verify = yield ("size", rt.state(t, depth, records, now))
-            num_verify = rt.verified(num_verify, num_drafted)
-            accepted = rt.accepted(t, depth, num_verify)
-            rec = CycleRecord(
-                rt.context_len(t), depth, num_drafted, num_verify, accepted, rt.emitted(t, accepted)
-            )
-            charge_times(rec, profile, rng, pending=pending, width=rt.width)
-            pending, prompt_left = rt.pending_after(t, depth, accepted), 0
+        elif plan.kind == "speculative":
+            num_drafted = rt.num_drafted(t, plan.depth)
+            num_verify = rt.verified(plan.size, num_drafted)
+            accepted = rt.accepted(t, plan.depth, num_verify)
+            emitted = rt.emitted(t, accepted)
+            rec = CycleRecord(ctx, plan.depth, num_drafted, num_verify, accepted, emitted)
+        else:  # an autoregressive step; a catch-up cycle's draft chunk next to it
+            rec, pending = CycleRecord(ctx, 0, 0, 0, 0, 1, catch_up=plan.catch_up), 0
+        charge_times(rec, profile, rng, pending=pending if plan.kind == "speculative" else 0, width=rt.width)
         records.append(rec)
         yield ("cycle", rec)
+        lag.commit(rec, rt.pending_after(t, rec.depth, rec.accepted) if rec.depth else 0)
         t += rec.emitted
 
 
@@ -336,8 +327,9 @@ def replay_generate(
 ) -> list[CycleRecord]:
     """Run ``controller`` through ``replay_cycles`` (None: autoregressive); returns the cycle records,
     as ``SpeculativeEngine.generate`` would. ``measure_controller`` charges the controller's real call
-    time to ``controller_s``. ``lookup``: the engine's context lookup (``EngineConfig.lookup``); lookup
-    cycles are not shown to the controller's ``observe``, as in the engine."""
+    time to ``controller_s``. ``lookup``: the engine's context lookup (``EngineConfig.lookup``); the
+    controller is asked and shown the cycles as the engine does (``engine.cycle.answer``: lookup cycles are
+    not shown to its ``observe``)."""
     if controller is not None:
         if controller.tree_width != rt.width:
             raise ValueError(f"controller tree_width {controller.tree_width} != trace tree_width {rt.width}")
@@ -353,22 +345,17 @@ def replay_generate(
     records, ctrl_s, reply = [], 0.0, None
     while True:
         try:
-            kind, payload = loop.send(reply)
+            message = loop.send(reply)
         except StopIteration:
             return records
-        t0 = time.perf_counter()
-        if kind == "depth":  # answers are checked as the engine checks them
-            reply = decision(controller.should_continue(payload), controller)
-        elif kind == "size":
-            reply = verify_size(controller.num_to_verify(payload), controller)
-        else:
-            reply = None
+        if message[0] == "cycle":
             if measure_controller:
-                payload.controller_s, ctrl_s = ctrl_s, 0.0
-            if controller is not None and not payload.lookup:
-                controller.observe(payload)
-            records.append(payload)
+                message[1].controller_s, ctrl_s = ctrl_s, 0.0
+            records.append(message[1])
+            reply = answer(controller, message)
             continue
+        t0 = time.perf_counter()
+        reply = answer(controller, message)  # answers are checked as the engine checks them
         ctrl_s += time.perf_counter() - t0
 
 

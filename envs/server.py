@@ -16,7 +16,7 @@ prefill); a prompt's last chunk gives its first token, and it decodes from the n
 Every request's decision changes the step time of all of them.
 
 The draft catches up as the engine's does (``EngineConfig.draft_catch_up_tokens``, ``draft_catch_up_tokens``
-here): in a step shared with other requests' work (``engine.engine.shares_its_step``), a cycle that would draft while the draft is behind by more than C tokens
+here): in a step shared with other requests' work (``engine.cycle.shares_its_step``), a cycle that would draft while the draft is behind by more than C tokens
 (the prompt it has not run plus its pending tokens) is a catch-up cycle (``replay_cycles`` makes it: an
 autoregressive step whose record has ``catch_up`` = C), its C tokens charged as that request's rows of the
 step's level-1 draft forward (where the live engine runs them, next to the other requests' first draft step),
@@ -47,75 +47,21 @@ from typing import Any
 
 import numpy as np
 
-from engine.batch import BatchConfig, grant_rows, plan_prefills
-from engine.control import Controller, StaticController, decision, verify_size
+from engine.batch_api import BatchConfig
+from engine.control import Controller, StaticController
 from engine.costs.cost_profile import CostProfile, ProfileError
-from engine.costs.load_model import batch_table, split_forward
-from engine.engine import DRAFT_CATCH_UP_TOKENS
+from engine.costs.load_model import batch_table
+from engine.cycle import DRAFT_CATCH_UP_TOKENS, DraftLag, answer
 from engine.errors import InputError, is_int
 from engine.load import LoadState, LoadTracker
 from engine.lookup import LookupConfig
 from engine.results import CycleRecord
+from engine.scheduling import grant_rows, plan_prefills
 from envs.backends import ReplayBackend
 from envs.replay import Message, ReplayTrace, Reply, replay_cycles
-
-
-@dataclass(frozen=True)
-class Arrivals:
-    """When requests arrive: a closed loop of ``concurrency`` clients (each sends its next request when its
-    last one finishes), or Poisson arrivals whose rate changes at the given times (``rates``: (from second,
-    requests per second) pieces, the first from 0). ``requests``: how many in all."""
-
-    concurrency: int = 0
-    rates: tuple[tuple[float, float], ...] = ()
-    requests: int = 16
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if (self.concurrency > 0) == bool(self.rates):
-            raise InputError("Arrivals needs exactly one of concurrency (closed loop) and rates (Poisson)")
-        if self.requests < 1:
-            raise InputError(f"Arrivals.requests must be >= 1, got {self.requests}")
-        if self.rates and (
-            self.rates[0][0] != 0
-            or any(r < 0 for _, r in self.rates)
-            or not any(r > 0 for _, r in self.rates)
-        ):
-            raise InputError(f"Poisson rates must start at 0 and hold a positive rate, got {self.rates}")
-
-    @classmethod
-    def closed(cls, concurrency: int, requests: int | None = None, seed: int = 0) -> Arrivals:
-        return cls(concurrency=concurrency, requests=requests or 2 * concurrency, seed=seed)
-
-    @classmethod
-    def poisson(cls, rates: Sequence[tuple[float, float]], requests: int, seed: int = 0) -> Arrivals:
-        return cls(rates=tuple((float(a), float(b)) for a, b in rates), requests=requests, seed=seed)
-
-    @property
-    def label(self) -> str:
-        if self.concurrency:
-            return f"N={self.concurrency}"
-        return "poisson " + ",".join(f"{r:g}/s@{t:g}s" for t, r in self.rates)
-
-    def poisson_times(self) -> list[float]:
-        """The arrival times of a Poisson run (piecewise constant rate, thinning-free: exponential gaps
-        drawn at the rate in force)."""
-        rng = np.random.default_rng(self.seed)
-        out, now = [], 0.0
-        pieces = list(self.rates) + [(float("inf"), 0.0)]
-        while len(out) < self.requests:
-            i = max(k for k, (start, _) in enumerate(pieces) if start <= now)
-            rate, end = pieces[i][1], pieces[i + 1][0]
-            if rate <= 0:
-                now = end
-                continue
-            gap = float(rng.exponential(1.0 / rate))
-            if now + gap > end:
-                now = end
-                continue
-            now += gap
-            out.append(now)
-        return out
+from envs.server_costs import charge_step
+from envs.server_costs import draft_prefill_s as draft_prefill_s  # re-exported
+from envs.server_runs import Arrivals, ServerRun
 
 
 @dataclass
@@ -132,9 +78,9 @@ class _Request:
     filled: int = 0  # prompt tokens prefilled so far
     done: bool = False
     t: int = 0  # position in the trajectory (tokens committed after the first)
-    pending: int = 1
-    prompt_left: int = 0
-    """Prompt tokens the draft has not run (set at its start: the draft's prefill is lazy); 0 once it drafted."""
+    lag: DraftLag | None = None
+    """What the draft is behind by (set at its start: the draft's prefill is lazy), as its ``replay_cycles``
+    counts it: updated when the loop resumes after a cycle, so a step is timed with its cycles' lags before."""
     load: LoadState | None = None
     record: CycleRecord | None = None
     want: int | None = None
@@ -144,59 +90,6 @@ class _Request:
     finished: float | None = None
     token_times: list[float] = field(default_factory=list)
     records: list[CycleRecord] = field(default_factory=list)
-
-
-@dataclass
-class ServerRun:
-    """What one server replay measured."""
-
-    arrivals: Arrivals
-    requests: list[_Request]
-    steps: list[tuple[float, int, int]]
-    """(step seconds, requests in the step, target rows) per step."""
-    start: float
-    end: float
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(r.token_times) for r in self.requests)
-
-    @property
-    def tokens_per_s(self) -> float:
-        span = self.end - self.start
-        return self.tokens / span if span > 0 else float("nan")
-
-    def itl(self) -> np.ndarray:
-        """Inter-token latencies (s) of every request: the gaps between the steps that committed its tokens,
-        each spread over the tokens of the later step (as a streaming client sees them)."""
-        gaps = []
-        for r in self.requests:
-            times = np.asarray(r.token_times)
-            steps, counts = np.unique(times, return_counts=True)
-            for a, b, n in zip(steps, steps[1:], counts[1:]):
-                gaps += [(b - a) / n] * int(n)
-        return np.asarray(gaps) if gaps else np.zeros(1)
-
-    def ttft(self) -> np.ndarray:
-        return np.asarray([r.first_token - r.arrival for r in self.requests if r.first_token is not None])
-
-    def summary(self) -> dict:
-        itl, ttft = self.itl(), self.ttft()
-        decided = [rec for r in self.requests for rec in r.records if not rec.lookup]
-        return {
-            "arrivals": self.arrivals.label,
-            "tokens_per_s": self.tokens_per_s,
-            "requests": len(self.requests),
-            "tokens": self.tokens,
-            "seconds": self.end - self.start,
-            "mean_batch": float(np.mean([s[1] for s in self.steps])) if self.steps else 0.0,
-            "itl_p50_ms": 1e3 * float(np.percentile(itl, 50)),
-            "itl_p99_ms": 1e3 * float(np.percentile(itl, 99)),
-            "ttft_p50_s": float(np.percentile(ttft, 50)) if len(ttft) else float("nan"),
-            "ttft_p99_s": float(np.percentile(ttft, 99)) if len(ttft) else float("nan"),
-            "drafting_share": float(np.mean([rec.depth > 0 for rec in decided])) if decided else 0.0,
-            "mean_depth": float(np.mean([rec.depth for rec in decided])) if decided else 0.0,
-        }
 
 
 class ServerReplay:
@@ -345,7 +238,7 @@ class ServerReplay:
             if (
                 running
             ):  # the prefill seconds of steps nobody decoded in go to the next decoding step's records
-                step_s += self._charge(running, shared + carry)
+                step_s += charge_step(self, running, shared + carry)
                 carry = 0.0
             else:
                 carry += shared
@@ -363,8 +256,8 @@ class ServerReplay:
                 self._commit(req, rec, now)
                 if req.external:
                     yield ("cycle", rec)
-                elif req.controller is not None and not rec.lookup:
-                    req.controller.observe(rec)
+                else:
+                    answer(req.controller, ("cycle", rec))
                 if req.done:
                     req.finished = now
                     finished_ext = finished_ext or req.external
@@ -414,10 +307,10 @@ class ServerReplay:
             if ctrl.tree_width != self.width:
                 raise InputError(f"controller tree_width {ctrl.tree_width} != trace tree_width {self.width}")
             ctrl.reset()
-        req.prompt_left = req.trace.trace.prompt_len
+        req.lag = DraftLag(req.trace.trace.prompt_len)
         req.loop = replay_cycles(
             req.trace, None, None, speculative=speculative, depth_zero=depth_zero, lookup=self.lookup,
-            load=lambda: req.load, catch_up=self.draft_catch_up_tokens,
+            load=lambda: req.load, catch_up=self.draft_catch_up_tokens, lag=req.lag,
         )  # fmt: skip
         if req.trace.done(0):
             req.done = True
@@ -432,80 +325,14 @@ class ServerReplay:
                 return
             if req.external:
                 reply = yield (kind, payload)
-            elif kind == "depth":
-                reply = decision(req.controller.should_continue(payload), req.controller)
             else:
-                reply = verify_size(req.controller.num_to_verify(payload), req.controller)
+                reply = answer(req.controller, (kind, payload))
             if kind == "size":
                 req.want = req.trace.verified(int(reply), req.trace.num_drafted(req.t, payload.depth))
                 return
 
-    def _charge(self, running: list[_Request], shared: float) -> float:
-        """Time the step's forwards and overheads; write each request's charge into its record. Returns the
-        step's time without the prefills (``shared``, split equally here)."""
-        profile, table, ctx_b, width = self.profile, self.table, self.context, self.width
-        recs = [r.record for r in running]
-        total = 0.0
-        for rec in recs:
-            rec.draft_s = rec.verify_s = rec.overhead_s = 0.0
-        # draft prefills (a request's first drafting cycle runs the draft over its prompt, or over what
-        # catch-up cycles left of it)
-        for req, rec in zip(running, recs):
-            if rec.depth > 0 and req.prompt_left > 0:
-                extra = draft_prefill_s(profile, req.trace.trace.prompt_len, req.prompt_left)
-                rec.draft_s += extra
-                total += extra
-        depth = max((1 if rec.catch_up else rec.depth for rec in recs), default=0)
-        for level in range(1, depth + 1):
-            # level 1: each drafting request's pending tokens, and each catch-up cycle's chunk
-            members = [i for i, rec in enumerate(recs) if rec.depth >= level or (level == 1 and rec.catch_up)]
-            rows = [(recs[i].catch_up or running[i].pending) if level == 1 else width for i in members]
-            t, shares = split_forward(table, "draft", rows)
-            total += t
-            for i, r, c in zip(members, rows, shares):
-                ctx = recs[i].context_len
-                if recs[i].catch_up:  # the chunk sees the draft's cache so far and itself
-                    req = running[i]
-                    ctx = ctx - req.prompt_left - req.pending + r
-                if level == 1:
-                    fix = profile.draft_chunk_s(r, ctx) - profile.draft_chunk_s(r, ctx_b)
-                else:
-                    fix = profile.draft_step_s(r, ctx) - profile.draft_step_s(r, ctx_b)
-                recs[i].draft_s += c + fix
-                total += fix
-        rows = [1 + rec.num_verified for rec in recs]
-        t, shares = split_forward(table, "target", rows, [1] * len(rows))
-        total += t
-        for i, (rec, c) in enumerate(zip(recs, shares)):
-            chain = rec.lookup or width == 1
-            fix = profile.verify_s(rec.num_verified, rec.context_len, chain) - profile.verify_s(
-                rec.num_verified, ctx_b, chain
-            )
-            over = profile.overhead_s(rec.num_verified, depth=0 if rec.depth == 0 and not rec.lookup else max(rec.depth, 1), tree_width=width)  # fmt: skip
-            rec.verify_s = c + fix + shared / len(running)
-            rec.overhead_s = over
-            total += fix + over
-            running[i].target_rows = rows[i]
-            running[i].drafted = rec.depth > 0 or rec.catch_up > 0  # as the engine counts draft forwards
-        for rec in recs:
-            rec.forward_s = rec.draft_s + rec.verify_s
-            rec.overhead_s += self.step_overhead_s / len(recs)
-        return total + self.step_overhead_s
-
     def _commit(self, req: _Request, rec: CycleRecord, now: float) -> None:
-        t0 = req.t
-        if rec.lookup:
-            req.pending += rec.emitted
-        elif rec.depth == 0:
-            if rec.catch_up:  # the chunk: the prompt's tokens first, then pending ones (as replay_cycles)
-                from_prompt = min(rec.catch_up, req.prompt_left)
-                req.prompt_left -= from_prompt
-                req.pending -= rec.catch_up - from_prompt
-            req.pending += 1
-        else:
-            req.pending = req.trace.pending_after(t0, rec.depth, rec.accepted)
-            req.prompt_left = 0
-        req.t += rec.emitted
+        req.t += rec.emitted  # the draft's lag moves when its loop resumes (``replay_cycles``)
         req.records.append(rec)
         req.token_times.extend([now] * rec.emitted)
         if req.trace.done(req.t):
@@ -514,19 +341,6 @@ class ServerReplay:
                 req.loop.send(None)
             except StopIteration:
                 pass
-
-
-def draft_prefill_s(profile: CostProfile, prompt_len: int, left: int) -> float:
-    """The draft's prefill of the last ``left`` tokens of a ``prompt_len``-token prompt: the profile's prefill
-    with the draft minus without, at the prompt's end less at the start of those tokens (the whole prompt:
-    the difference at ``prompt_len``, as before chunks); never below 0 (a noisy profile's curve can dip)."""
-
-    def draft_part(n: int) -> float:
-        return profile.prefill_s(n, with_draft=True) - profile.prefill_s(n, with_draft=False)
-
-    if left >= prompt_len:
-        return draft_part(prompt_len)
-    return max(draft_part(prompt_len) - draft_part(prompt_len - left), 0.0)
 
 
 # ------------------------------------------------------------------------------------ tuning and scores

@@ -1,0 +1,50 @@
+"""The batched engine's scheduling rules of a step, shared with its replay (``envs.server``): which prompt
+tokens are prefilled (``plan_prefills``) and how many drafted nodes each request verifies under the row cap
+(``grant_rows``); the rules in words are in ``engine.batch``'s docstring (step 1, "Row cap")."""
+
+from __future__ import annotations
+
+from engine.backends.attention import MAX_ROWWISE_ROWS
+
+
+def plan_prefills(left: list[int], budget: int, chunked: bool) -> list[int]:
+    """Prompt tokens each waiting request (in admission order, ``left`` of its prompt still to prefill) gets this
+    step, under ``budget`` tokens (module docstring, step 1): chunked, at most ``MAX_ROWWISE_ROWS`` of one prompt
+    and nothing for a prompt until the one ahead of it is in; else whole prompts while they fit, at least one.
+    Only the requests that get tokens are listed (a prefix of ``left``)."""
+    takes: list[int] = []
+    for n in left:
+        if chunked:
+            take = min(n, budget, MAX_ROWWISE_ROWS)
+        else:
+            take = n if not takes or n <= budget else 0
+        if take <= 0:
+            break
+        takes.append(take)
+        budget -= take
+        if take < n:
+            break
+    return takes
+
+
+def grant_rows(wants: list[int], budget: int) -> list[int]:
+    """Nodes granted to requests asking ``wants`` when ``budget`` nodes fit (the row cap, module docstring):
+    all they ask if it fits, else min(asked, L) for the largest fitting L, and what remains one node each to
+    those asking more than L, in order."""
+    budget = max(budget, 0)
+    if sum(wants) <= budget:
+        return list(wants)
+    low, high = 0, max(wants)
+    while low < high:  # the largest level L with sum(min(w, L)) <= budget
+        mid = (low + high + 1) // 2
+        if sum(min(w, mid) for w in wants) <= budget:
+            low = mid
+        else:
+            high = mid - 1
+    granted = [min(w, low) for w in wants]
+    left = budget - sum(granted)
+    for i, w in enumerate(wants):
+        if left and w > low:
+            granted[i] += 1
+            left -= 1
+    return granted
