@@ -20,8 +20,6 @@ from engine.backends.pair import ModelPair
 if TYPE_CHECKING:
     from transformers import DynamicCache
 
-    from engine.prefill import _Request as Request
-
 Steps = Generator["Forward | VerifyRows", Any, Any]
 """A cycle (or one of its phases) as a generator: it yields the forwards and verification rows it needs
 and returns its result (``SpeculativeEngine._run`` drives one alone, ``engine.batch`` several at once)."""
@@ -126,8 +124,8 @@ def _in_chunks(
     return torch.cat(out)
 
 
-def validate_caches(pair: ModelPair, req: Request, forward: Callable[..., torch.Tensor]) -> None:
-    """Raise AssertionError unless each of ``req``'s caches equals a fresh forward (``forward``: the engine's)
+def validate_caches(pair: ModelPair, req: Any, forward: Callable[..., torch.Tensor]) -> None:
+    """Raise AssertionError unless each of ``req``'s caches (an ``engine.prefill._Request``) equals a fresh forward (``forward``: the engine's)
     over the tokens it should hold (``EngineConfig.validate_caches``)."""
     for name, model, cache, length in (
         ("target", pair.target, req.target_cache, len(req.tokens) - 1),

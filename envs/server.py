@@ -42,7 +42,6 @@ from __future__ import annotations
 import copy
 from collections import deque
 from collections.abc import Callable, Generator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -61,35 +60,7 @@ from envs.backends import ReplayBackend
 from envs.replay import Message, ReplayTrace, Reply, replay_cycles
 from envs.server_costs import charge_step
 from envs.server_costs import draft_prefill_s as draft_prefill_s  # re-exported
-from envs.server_runs import Arrivals, ServerRun
-
-
-@dataclass
-class _Request:
-    rid: int
-    trace: ReplayTrace
-    arrival: float
-    controller: Controller | None
-    external: bool = False
-    depth_zero: bool = False
-    loop: Generator[Message, Reply, None] | None = None
-    admitted: float | None = None
-    prefilled: bool = False
-    filled: int = 0  # prompt tokens prefilled so far
-    done: bool = False
-    t: int = 0  # position in the trajectory (tokens committed after the first)
-    lag: DraftLag | None = None
-    """What the draft is behind by (set at its start: the draft's prefill is lazy), as its ``replay_cycles``
-    counts it: updated when the loop resumes after a cycle, so a step is timed with its cycles' lags before."""
-    load: LoadState | None = None
-    record: CycleRecord | None = None
-    want: int | None = None
-    target_rows: int = 0
-    drafted: bool = False
-    first_token: float | None = None
-    finished: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    records: list[CycleRecord] = field(default_factory=list)
+from envs.server_runs import Arrivals, ServerRun, _Request
 
 
 class ServerReplay:

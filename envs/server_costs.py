@@ -7,17 +7,15 @@ request's."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from engine.costs.cost_profile import CostProfile
 from engine.costs.load_model import split_forward
-
-if TYPE_CHECKING:
-    from envs.server import ServerReplay, _Request
+from envs.server_runs import _Request
 
 
-def charge_step(sim: ServerReplay, running: list[_Request], shared: float) -> float:
-    """Time the step of ``sim`` whose requests ``running`` ran their cycles: its forwards and overheads; write
+def charge_step(sim: Any, running: list[_Request], shared: float) -> float:
+    """Time the step of ``sim`` (an ``envs.server.ServerReplay``, which imports this module) whose requests ``running`` ran their cycles: its forwards and overheads; write
     each request's charge into its record. Returns the step's time without the prefills (``shared``, split
     equally here)."""
     profile, table, ctx_b, width = sim.profile, sim.table, sim.context, sim.width

@@ -1,19 +1,20 @@
 """What a server replay (``envs.server``) runs and what it measures: ``Arrivals`` (a closed loop of clients,
-or Poisson arrivals whose rate changes) and ``ServerRun`` (the requests and steps of a run: system tokens/s,
+or Poisson arrivals whose rate changes), one replayed request's state (``_Request``) and ``ServerRun`` (the requests and steps of a run: system tokens/s,
 inter-token latencies, time to first token)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.control import Controller
+from engine.cycle import DraftLag
 from engine.errors import InputError
-
-if TYPE_CHECKING:
-    from envs.server import _Request
+from engine.load import LoadState
+from engine.results import CycleRecord
+from envs.replay import Message, ReplayTrace, Reply
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,34 @@ class Arrivals:
             now += gap
             out.append(now)
         return out
+
+
+@dataclass
+class _Request:
+    rid: int
+    trace: ReplayTrace
+    arrival: float
+    controller: Controller | None
+    external: bool = False
+    depth_zero: bool = False
+    loop: Generator[Message, Reply, None] | None = None
+    admitted: float | None = None
+    prefilled: bool = False
+    filled: int = 0  # prompt tokens prefilled so far
+    done: bool = False
+    t: int = 0  # position in the trajectory (tokens committed after the first)
+    lag: DraftLag | None = None
+    """What the draft is behind by (set at its start: the draft's prefill is lazy), as its ``replay_cycles``
+    counts it: updated when the loop resumes after a cycle, so a step is timed with its cycles' lags before."""
+    load: LoadState | None = None
+    record: CycleRecord | None = None
+    want: int | None = None
+    target_rows: int = 0
+    drafted: bool = False
+    first_token: float | None = None
+    finished: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    records: list[CycleRecord] = field(default_factory=list)
 
 
 @dataclass

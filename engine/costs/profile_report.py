@@ -4,14 +4,11 @@ axis and the overhead."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from engine.costs.cost_profile import CostProfile
+from typing import Any
 
 
-def format_profile(profile: CostProfile) -> str:
-    """A compact plain-text report: times in ms with the spread in percent."""
+def format_profile(profile: Any) -> str:
+    """A compact plain-text report of ``profile`` (a ``CostProfile``): times in ms with the spread in percent."""
     ctx_head = "".join(f"{'ctx ' + str(c):>16}" for c in profile.contexts)
 
     def block(title: str, label: str, grid: list[int], table, spread) -> list[str]:
@@ -78,7 +75,7 @@ def format_profile(profile: CostProfile) -> str:
     return "\n".join(lines)
 
 
-def _format_batched(profile: CostProfile) -> list[str]:
+def _format_batched(profile: Any) -> list[str]:
     """The batch axis: ms per forward by rows per sequence (r) and sequences (S), and in brackets the time
     over S forwards of one sequence (below 1: batching pays)."""
     lines = [f"batched forwards at context {profile.batched['context']} -- ms (/ S single-sequence forwards)"]
