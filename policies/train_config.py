@@ -15,7 +15,8 @@ from engine.errors import DraftpilotError
 from engine.lookup import LookupConfig, describe_lookup, parse_lookup, resolve_lookup
 from envs.record_traces import MAX_TRACE_DEPTH
 from policies.learned import load_policy
-from policies.ppo import PPOConfig, has_checkpoint
+from policies.ppo_checkpoint import has_checkpoint
+from policies.ppo_config import PPOConfig
 
 
 @dataclass
