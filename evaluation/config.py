@@ -10,7 +10,7 @@ from pathlib import Path
 from engine.cli import ModelConfig
 from engine.lookup import LookupConfig, resolve_lookup
 from envs.prompts import interleave_languages, load_suite
-from envs.record_traces import MAX_TRACE_DEPTH, read_prompts
+from envs.recording import MAX_TRACE_DEPTH, read_prompts
 from evaluation.llama_peer import parse_lookup_setting, parse_spec_setting
 
 ENGINE_CONTROLLERS = (

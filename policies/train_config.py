@@ -13,7 +13,7 @@ from engine.backends.files import atomic_write_json
 from engine.cli import ModelConfig, save_config
 from engine.errors import DraftpilotError
 from engine.lookup import LookupConfig, describe_lookup, parse_lookup, resolve_lookup
-from envs.record_traces import MAX_TRACE_DEPTH
+from envs.recording import MAX_TRACE_DEPTH
 from policies.learned import load_policy
 from policies.ppo_checkpoint import has_checkpoint
 from policies.ppo_config import PPOConfig
