@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,9 +16,6 @@ from stable_baselines3.common.running_mean_std import RunningMeanStd
 from stable_baselines3.common.torch_layers import FlattenExtractor
 
 from policies.learned import Actor
-
-if TYPE_CHECKING:
-    from policies.ppo import CoTrainer
 
 ACTIVATION_NAMES = {torch.nn.Tanh: "tanh", torch.nn.ReLU: "relu"}
 CLIP_OBS, OBS_EPS = 10.0, 1e-8
@@ -140,7 +136,8 @@ def actor_from_model(
 class TrainCallback(BaseCallback):
     """rho update, charts, action histograms and validation (SB3 callback: ``_on_step`` and rollout end)."""
 
-    def __init__(self, trainer: CoTrainer, name: str, other_name: str, log: PhaseLog):
+    def __init__(self, trainer, name: str, other_name: str, log: PhaseLog):
+        """``trainer``: the ``policies.ppo.CoTrainer`` whose phase ``name`` runs (``other_name``: the other policy)."""
         super().__init__()
         self.trainer, self.name, self.other_name, self.log = trainer, name, other_name, log
         self.since_eval = 0

@@ -35,7 +35,6 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -45,11 +44,8 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.backends.pair import ModelPair
-from engine.control import Controller
 from engine.errors import InputError
 from engine.sampling import SamplingConfig
-from serving.metrics import ServerMetrics
 from serving.request_checks import (
     ApiError,
     ChatBody,
@@ -60,11 +56,10 @@ from serving.request_checks import (
     max_tokens,
     stop_strings,
 )
+from serving.state import ServerState
 from serving.streams import TextStream, sse_events
-from serving.worker import EngineWorker, Failed, Job, Overloaded, Unavailable
+from serving.worker import Failed, Job, Overloaded, Unavailable
 
-MAX_BODY_BYTES = 4 * 1024 * 1024
-"""Request bodies larger than this are refused (413) unless ``ServerState.max_body_bytes`` says otherwise."""
 TOKENIZE_THREADS = 1
 """Threads that check and tokenize prompts off the event loop. One: prompts are tokenized in arrival order,
 and a tokenizer (a Hugging Face fast tokenizer among them) is never called from two threads at once."""
@@ -105,26 +100,6 @@ class BodyLimit:
             return message
 
         await self.app(scope, limited, send)
-
-
-@dataclass
-class ServerState:
-    """What the routes need: the pair (tokenizer, limits), the worker, the controller of each request."""
-
-    pair: ModelPair
-    worker: EngineWorker
-    metrics: ServerMetrics
-    model_names: tuple[str, ...] = ("draftpilot",)
-    """Names a request may give as ``model``; the first is the one ``/v1/models`` lists."""
-    make_controller: Callable[[], Controller | None] = lambda: None
-    """A fresh controller for each request (None: autoregressive)."""
-    max_context: int = 4096
-    """Prompt plus generated tokens of one request at most."""
-    description: dict = field(default_factory=dict)
-    """Shown by ``/health`` (pair, weights, controller, batch limits)."""
-    created: int = field(default_factory=lambda: int(time.time()))
-    max_body_bytes: int = MAX_BODY_BYTES
-    """Request bodies larger than this are refused with a 413 before they are parsed."""
 
 
 def create_app(state: ServerState) -> FastAPI:

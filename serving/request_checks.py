@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from engine.engine import MAX_SEED
-
-if TYPE_CHECKING:
-    from serving.app import ServerState
+from serving.state import ServerState
 
 SURROGATE = re.compile("[\ud800-\udfff]")
 """A lone UTF-16 surrogate: JSON can carry one (``"\\ud800"``), UTF-8 cannot encode it."""

@@ -8,15 +8,12 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 from fastapi import Request
 
+from serving.state import ServerState
 from serving.text import Detokenizer, StopMatcher
 from serving.worker import Failed, Finished, Job, Tokens
-
-if TYPE_CHECKING:
-    from serving.app import ServerState
 
 DISCONNECT_POLL_S = 0.5
 """How often a non-streaming request checks that its client is still there."""
