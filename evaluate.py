@@ -40,8 +40,9 @@ from engine.cli import CLI_ERRORS, ArgumentParser, add_dataclass_args, apply_pre
 from evaluation import shift, shift_config, shift_report
 from evaluation.checkpoint import prepare_output, stored_config
 from evaluation.config import QUICK, EvalConfig
+from evaluation.eval_setup import Setup
 from evaluation.report import summary_lines, write_exactness_report, write_report
-from evaluation.runner import Setup, evaluate, exactness_only
+from evaluation.runner import evaluate, exactness_only
 
 
 def build_parser(prog: str = "python evaluate.py") -> argparse.ArgumentParser:
