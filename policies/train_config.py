@@ -55,8 +55,8 @@ class TrainConfig(ModelConfig):
     MIN-MAX:K+L:J, or "auto": "on" with the replay backend, "off" with the live one (which has no lookup);
     stored resolved (MIN-MAX:K+L:J). Lookup cycles happen in the episodes, the static baselines and
     validation as in the engine (the policy decides the other cycles); deploy the policy on an engine with
-    the same setting (evaluate.py's learned+lookup row, generate.py --lookup auto). The default: a policy
-    trained with lookup is the faster one on the lookup engine (docs/architecture.md, "Context lookup").
+    the same setting (evaluate.py's learned+lookup row, generate.py --lookup auto). Why this default:
+    docs/architecture.md, "Why the defaults are what they are".
     Load-aware training tunes the load limit (@N: lookup only while at most N requests decode; the policy
     file carries it) unless the setting names one."""
     temperature: float = 0.0
@@ -85,9 +85,8 @@ class TrainConfig(ModelConfig):
     profile_perturbation: float | None = None
     """Randomised device: each episode also scales the draft cost, the verification slope and the overhead by
     independent log-uniform factors in [1/(1+p), 1+p] (0: the profiles as measured); none: 1.0 with the replay
-    backend, 0 with the live one (stored resolved). The default keeps a policy fit for its device when the
-    device's profile drifts between measurements, at no cost on the profile itself (docs/architecture.md,
-    "Training")."""
+    backend, 0 with the live one (stored resolved): a policy fit for its device when the device's profile
+    drifts between measurements. Why this default: docs/architecture.md, "Why the defaults are what they are"."""
     backend: str = "replay"
     """replay (exact traces + cost profile) or live (the real engine, wall-clock reward)."""
     load_aware: bool = True

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from serving.load_client import arrival_times
+from serving.load_client import Outcome, arrival_times
 from serving.vllm_peer import write_batch_size_table
 from tests_evaluation_helpers import load_benchmark
 
@@ -95,7 +95,6 @@ def test_the_long_mix_gap_is_the_largest_wait_overlapping_the_long_prefill(serve
     """A short stream's waits between chunks count when they overlap the long prompt's wait for its first token
     (sent at 10 s, first token at 12 s); the largest is set against the streams' median inter-token latency; a
     short request that waited for its first token then counts apart."""
-    Outcome = serve_load.Outcome
     long = Outcome(-1, True, ttft=2.0, start=10.0)
     before = Outcome(
         0, True, ttft=0.5, start=8.0, times=[8.5, 8.6, 9.9, 10.2], itl=[0.1] * 3
