@@ -118,13 +118,13 @@ def ensure_long_traces(config: TrainConfig, pair, prompts: list[dict], tag: str)
 
 
 # ----------------------------------------------------------------------------------------- training
-def replay_eval(traces, profile, lookup: LookupConfig | None = None):
+def replay_eval(traces, profile: CostProfile, lookup: LookupConfig | None = None):
     return lambda controller: throughput(
         [replay_generate(rt, controller, profile, lookup=lookup) for rt in traces]
     )
 
 
-def profile_mix(config: TrainConfig, profile) -> ProfileMix | None:
+def profile_mix(config: TrainConfig, profile: CostProfile) -> ProfileMix | None:
     """The randomised-device mix (``envs.profiles``) of --train-profiles / --profile-perturbation, or None."""
     paths = [p.strip() for p in config.train_profiles.split(",") if p.strip()]
     if not paths and not config.profile_perturbation:
@@ -138,7 +138,7 @@ def profile_mix(config: TrainConfig, profile) -> ProfileMix | None:
     return ProfileMix(members or [profile], reference=profile, perturbation=config.profile_perturbation)
 
 
-def validation(val_traces, profile, mix: ProfileMix | None, lookup: LookupConfig | None = None):
+def validation(val_traces, profile: CostProfile, mix: ProfileMix | None, lookup: LookupConfig | None = None):
     """Validation throughput of a controller: on ``profile``, or the mean over the mix's measured profiles
     (each unperturbed, the controller conditioned on each one's device features)."""
     if mix is None:
@@ -158,7 +158,7 @@ def validation(val_traces, profile, mix: ProfileMix | None, lookup: LookupConfig
     return mean_over_mix
 
 
-def baselines(train_traces, val_traces, profile, config: TrainConfig) -> dict:
+def baselines(train_traces, val_traces, profile: CostProfile, config: TrainConfig) -> dict:
     """Static grid (train: the baseline depth; validation: the best static a user could tune there),
     analytic, autoregressive and the oracle on the validation traces (all with the config's context
     lookup: the oracle plans around its cycles, so it bounds every controller replayed with it)."""
