@@ -37,11 +37,12 @@ from pathlib import Path
 
 from engine.backends.files import DirectoryLock, atomic_write_json
 from engine.cli import CLI_ERRORS, ArgumentParser, add_dataclass_args, apply_preset, from_args, report_error
-from evaluation import shift
+from evaluation import shift, shift_config, shift_report
 from evaluation.checkpoint import prepare_output, stored_config
 from evaluation.config import QUICK, EvalConfig
+from evaluation.eval_setup import Setup
 from evaluation.report import summary_lines, write_exactness_report, write_report
-from evaluation.runner import Setup, evaluate, exactness_only
+from evaluation.runner import evaluate, exactness_only
 
 
 def build_parser(prog: str = "python evaluate.py") -> argparse.ArgumentParser:
@@ -66,14 +67,14 @@ def config_from_argv(argv: list[str], prog: str = "python evaluate.py") -> EvalC
 def shift_main(argv: list[str]) -> int:
     """``python evaluate.py shift``: the shift evaluation (``evaluation.shift``)."""
     ap = ArgumentParser(prog="python evaluate.py shift", description=shift.__doc__)
-    add_dataclass_args(ap, shift.ShiftConfig)
+    add_dataclass_args(ap, shift_config.ShiftConfig)
     try:
-        config = from_args(shift.ShiftConfig, ap.parse_args(argv))
+        config = from_args(shift_config.ShiftConfig, ap.parse_args(argv))
         config.check()
-        out = shift.check_out(config)
+        out = shift_config.check_out(config)
         with DirectoryLock(out, "output directory (--out)"):
             results = shift.run_shift(config)
-            path = shift.write_shift_report(results, out)
+            path = shift_report.write_shift_report(results, out)
     except (*CLI_ERRORS, ValueError) as err:
         return report_error(err)
     s = results["summary"]

@@ -267,9 +267,9 @@ def kv_budget(config: ServeConfig, pair) -> int | None:
 
 def build_state(config: ServeConfig, pair=None):
     """The server's state for ``config`` (loads the pair unless given): worker not started yet."""
-    from serving.app import ServerState
     from serving.faults import FAULTS_ENV, faulty_engine_factory
     from serving.metrics import ServerMetrics
+    from serving.state import ServerState
     from serving.worker import EngineWorker
 
     pair = pair if pair is not None else config.load()

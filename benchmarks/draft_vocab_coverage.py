@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from envs.prompts import language_of, load_suite
-from envs.record_traces import load_traces
+from envs.recording import load_traces
 
 
 def kept_sets(counts: collections.Counter, sizes: list[int]) -> dict[str, dict[int, np.ndarray]]:

@@ -24,7 +24,7 @@ from engine.control import Controller
 from engine.costs.cost_profile import CostProfile
 from envs import ReplayBackend, ReplayTrace, replay_generate, throughput
 from envs.oracle import oracle_throughput, static_grid
-from envs.record_traces import load_traces
+from envs.recording import load_traces
 from policies import AnalyticController, ConfidenceController, StaticController, load_policy
 
 

@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
-import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -36,7 +34,6 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.backends.files import DirectoryLock
-from engine.backends.kvcache import keep_entries, new_cache
 from engine.backends.models import pair_name
 from engine.backends.pair import ModelPair
 from engine.cli import (
@@ -49,63 +46,27 @@ from engine.cli import (
     report_error,
 )
 from engine.control import StaticController
-from engine.engine import MAX_SEED, SpeculativeEngine, forward_logits
-from engine.errors import DraftpilotError, InputError, is_int
-from engine.sampling import SamplingConfig, check_finite, score_logprobs
-from engine.tree import DraftTree, expand_topk
-from envs.trace import Trace, TraceError
+from engine.engine import SpeculativeEngine
+from engine.errors import InputError
+from engine.sampling import SamplingConfig
+from envs.draft_trees import draft_trees
+from envs.recording import (
+    DEFAULT_CHUNK,
+    SETTING_KEYS,
+    check_prompts,
+    check_record_settings,
+    mismatched_traces,
+    read_prompts,
+    refuse_mismatched,
+    trace_matches,
+    trace_path,
+)
+from envs.trace import Trace
 
-DEFAULT_CHUNK = 64
-"""Positions whose frontiers share each draft forward (at most chunk * tree_width queries). Larger chunks
-batch better and share more nodes; memory grows with them (kept logits rows: about 12 per position on
-real text at depth 8, width 4). 64 beat 16 and 32 on the 2-core CPU by 1.3-1.9x."""
 TRAJECTORY_CONTROLLER = {"depth": 4, "verify": 4, "tree_width": 1}
 """Controller that generates the trajectory. It changes only the speed of recording: the engine draws one
 target sample per emitted token, so for a given seed the trajectory is the same for every controller
 (tests/envs/test_record_traces.py checks this, greedy and sampled)."""
-MATCH_KEYS = ("pair", "dtype", "sampling", "tree_width", "max_depth", "max_new_tokens", "seed", "prompt_ids")
-"""An existing trace is kept on resume only if these meta entries equal the requested ones."""
-SETTING_KEYS = ("pair", "sampling", "tree_width", "max_depth", "max_new_tokens", "seed")
-"""The ``MATCH_KEYS`` the command line knows before any model loads (dtype and prompt ids need the pair)."""
-_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-MAX_TRACE_DEPTH = 127
-"""Depths are stored as int8 and parents as int16: max_depth <= 127, tree_width^2 * max_depth <= 32767."""
-
-
-class RecordError(DraftpilotError, ValueError):
-    """A prompt file or recording request that cannot be recorded as asked (bad prompts, settings that do not
-    fit the trace format, an --out holding traces recorded with other settings)."""
-
-
-def check_record_settings(
-    *,
-    max_depth: int,
-    tree_width: int,
-    max_new_tokens: int = 1,
-    seed: int = 0,
-    samples_per_prompt: int = 1,
-    chunk: int = DEFAULT_CHUNK,
-) -> None:
-    """Every recording setting in range (``InputError`` naming it, with its command-line flag)."""
-    for name, value, low in (
-        ("max_depth", max_depth, 1),
-        ("tree_width", tree_width, 1),
-        ("max_new_tokens", max_new_tokens, 1),
-        ("seed", seed, 0),
-        ("samples_per_prompt", samples_per_prompt, 1),
-        ("chunk", chunk, 1),
-    ):
-        if not is_int(value) or value < low:
-            raise InputError(
-                f"{name} (--{name.replace('_', '-')}) must be an integer >= {low}, got {value!r}"
-            )
-    if seed + samples_per_prompt - 1 > MAX_SEED:
-        raise InputError(f"seed (--seed) + samples_per_prompt - 1 must stay below 2**64, got seed {seed}")
-    if max_depth > MAX_TRACE_DEPTH or tree_width * tree_width * max_depth > 32767:
-        raise InputError(
-            f"--max-depth {max_depth}, --tree-width {tree_width} do not fit the trace format (max_depth "
-            f"<= {MAX_TRACE_DEPTH} and tree_width^2 * max_depth <= 32767)"
-        )
 
 
 @dataclass
@@ -125,100 +86,6 @@ class RecordSummary:
     @property
     def positions_per_min(self) -> float:
         return 60.0 * self.positions / self.wall_s if self.wall_s > 0 else float("nan")
-
-
-# ------------------------------------------------------------------------------------------------ trees
-@torch.inference_mode()
-def draft_trees(
-    pair: ModelPair,
-    prompt_ids: Sequence[int],
-    tokens: Sequence[int],
-    sampling: SamplingConfig,
-    max_depth: int,
-    tree_width: int,
-    chunk: int = DEFAULT_CHUNK,
-    progress: Callable[[int], None] | None = None,
-) -> list[DraftTree]:
-    """The draft tree at every position t of ``tokens`` (root ``tokens[t]``, committed prefix
-    ``prompt_ids + tokens[:t+1]``), drafted to ``max_depth`` with width ``tree_width``.
-
-    Chunks of positions [c0, c1) go in order; the cache holds the prefix ``seq[:n0 + c1]`` the chunk's
-    last position needs (the others mask the rest), then the chunk's nodes, cropped off afterwards.
-    Within a chunk a node is identified by its *canonical* form: a node of position t whose path starts
-    with the trajectory's own next tokens is the node of a later position (same context, same position
-    id), so it is forwarded once and shared (on two real prompts at depth 8, width 4, only 36% and 47% of
-    the forwards remain). ``progress(n)`` is called after each chunk of n positions.
-    """
-    check_record_settings(max_depth=max_depth, tree_width=tree_width, chunk=chunk)
-    model, device = pair.draft, pair.device
-    seq = [int(t) for t in prompt_ids] + [int(t) for t in tokens]
-    n0, trees = len(prompt_ids), []
-    cache = new_cache(model)
-    forward_logits(model, seq[:n0], range(n0), cache, device, keep=1)  # the prompt; tokens[0] comes next
-    for c0 in range(0, len(tokens), chunk):
-        c1 = min(c0 + chunk, len(tokens))
-        # roots: row i predicts the children of tokens[c0 + i]; the forward extends the cache to the prefix
-        logits = forward_logits(
-            model, seq[n0 + c0 : n0 + c1], range(n0 + c0, n0 + c1), cache, device
-        )  # [C, V]
-        check_finite(logits, "draft")
-        rows = {(t, ()): logits[t - c0] for t in range(c0, c1)}  # canonical node -> its logits row
-        slots: dict[tuple, int] = {}  # canonical node -> its cache entry after the prefix
-        chunk_trees = [DraftTree() for _ in range(c0, c1)]
-        frontiers = [[-1] for _ in chunk_trees]  # -1: the root
-        for _ in range(max_depth):
-            keys = [
-                [_canonical(seq, n0, c1, c0 + i, tree, node) for node in frontier]
-                for i, (tree, frontier) in enumerate(zip(chunk_trees, frontiers))
-            ]
-            missing = list(dict.fromkeys(k for ks in keys for k in ks if k not in rows))
-            if missing:
-                rows.update(_forward_nodes(model, missing, slots, n0, n0 + c1, cache, pair.dtype, device))
-            for i, (tree, parents) in enumerate(zip(chunk_trees, frontiers)):
-                parent_logits = torch.stack([rows[k] for k in keys[i]])  # [P, V]: the engine's call shape
-                scores = [tree.scores[n] if n >= 0 else 0.0 for n in parents]
-                logprobs = score_logprobs(parent_logits, sampling)
-                frontiers[i] = expand_topk(tree, parents, scores, logprobs, tree_width)
-        keep_entries(cache, n0 + c1, [])  # drop the chunk's nodes
-        trees.extend(chunk_trees)
-        if progress is not None:
-            progress(c1 - c0)
-    return trees
-
-
-def _canonical(seq: list[int], n0: int, end: int, t: int, tree: DraftTree, node: int) -> tuple:
-    """(t', path') for the node of position t: strip path tokens equal to the trajectory's next tokens
-    (the node of position t with path (tokens[t+1], *rest) is the node of t+1 with path rest); t' < end."""
-    path = tuple(tree.tokens[n] for n in tree.path_to(node)) if node >= 0 else ()
-    while path and t + 1 < end and path[0] == seq[n0 + t + 1]:
-        path, t = path[1:], t + 1
-    return t, path
-
-
-def _forward_nodes(model, nodes, slots, n0, prefix, cache, dtype, device) -> dict:
-    """One draft forward over canonical ``nodes`` (t, path), appended to the cache after the ``prefix``
-    entries and the earlier nodes; returns their logits rows. Node (t, path) sees the committed entries
-    < n0 + t + 1 and, among the nodes, its own path prefixes (all forwarded at earlier depths) and itself."""
-    tail = len(slots)
-    slots.update({node: tail + j for j, node in enumerate(nodes)})
-    allowed = np.zeros((len(nodes), prefix + tail + len(nodes)), dtype=bool)  # [Q, prefix + tail + Q]
-    ctx = np.asarray([n0 + t + 1 for t, _ in nodes])
-    allowed[:, :prefix] = np.arange(prefix)[None, :] < ctx[:, None]
-    rows, cols = [], []
-    for j, (t, path) in enumerate(nodes):
-        for k in range(1, len(path) + 1):
-            rows.append(j)
-            cols.append(prefix + slots[(t, path[:k])])
-    allowed[rows, cols] = True
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(
-        torch.from_numpy(~allowed), torch.finfo(dtype).min
-    )
-    positions = [n0 + t + len(path) for t, path in nodes]
-    logits = forward_logits(
-        model, [path[-1] for _, path in nodes], positions, cache, device, mask=mask[None, None].to(device)
-    )  # [Q, V]
-    check_finite(logits, "draft")
-    return dict(zip(nodes, logits))
 
 
 # ----------------------------------------------------------------------------------------------- traces
@@ -296,87 +163,6 @@ def record_trace(
     return trace
 
 
-def read_prompts(path: str | Path) -> list[dict]:
-    """Prompts from JSONL: ``{"id": ..., "prompt": ..., optional "language", "task"}`` per line (errors name
-    ``--prompts``, the flag of every command line that reads such a file)."""
-    prompts = []
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        reason = getattr(err, "strerror", None) or err
-        raise RecordError(f"prompt file {path} (--prompts) cannot be read: {reason}") from err
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise RecordError(f"--prompts {path}:{lineno}: not JSON ({err})") from err
-        if not isinstance(item, dict) or "id" not in item or not isinstance(item.get("prompt"), str):
-            raise RecordError(f"--prompts {path}:{lineno}: each line needs an 'id' and a string 'prompt'")
-        prompts.append(item)
-    return _check_prompts(prompts, f"--prompts {path}")
-
-
-def _check_prompts(prompts: list[dict], where: str) -> list[dict]:
-    """Every prompt has a string 'prompt' and an id (a string or an integer) usable in a file name, once."""
-    seen = set()
-    for item in prompts:
-        if not isinstance(item, dict):
-            raise RecordError(
-                f"{where}: each prompt must be a dict with 'id' and 'prompt', got {type(item).__name__}"
-            )
-        raw = item.get("id")
-        if not (isinstance(raw, str) or is_int(raw)):
-            raise RecordError(f"{where}: prompt id must be a string or an integer, got {raw!r}")
-        pid = str(raw)
-        if not _ID_RE.fullmatch(pid) or pid in seen or not isinstance(item.get("prompt"), str):
-            raise RecordError(
-                f"{where}: prompt id {pid!r} is duplicate, not usable in a file name "
-                "([A-Za-z0-9._-]) or has no string 'prompt'"
-            )
-        seen.add(pid)
-    if not prompts:
-        raise RecordError(f"{where}: no prompts")
-    return prompts
-
-
-def trace_path(out_dir: str | Path, prompt_id: object, sample: int) -> Path:
-    """Where the trace of one prompt and sample lives: ``DIR/<id>__s<sample>.npz``."""
-    return Path(out_dir) / f"{prompt_id}__s{sample}.npz"
-
-
-def mismatched_traces(
-    out_dir: str | Path,
-    wants: Iterable[tuple[Path, dict]],
-    keys: Sequence[str] = MATCH_KEYS,
-) -> list[tuple[Path, list[str]]]:
-    """(path, differing keys) of every readable trace among ``wants`` ((path, wanted meta)) whose meta differs
-    from the wanted one in ``keys``; missing and unreadable files are not listed (recording them loses nothing)."""
-    found = []
-    for path, want in wants:
-        if not path.is_file():
-            continue
-        try:
-            meta = Trace.load(path).meta
-        except TraceError:
-            continue
-        differ = [key for key in keys if meta.get(key) != want[key]]
-        if differ:
-            found.append((path, differ))
-    return found
-
-
-def _refuse(found: list[tuple[Path, list[str]]], out_dir: Path) -> None:
-    if found:
-        path, differ = found[0]
-        raise RecordError(
-            f"--out {out_dir} already holds {len(found)} trace(s) recorded with other settings "
-            f"(e.g. {path.name}: {', '.join(differ)} differ) that this run would record over; use "
-            "another --out, or --overwrite (replace_mismatched=True) to record them again"
-        )
-
-
 def record_prompts(
     pair: ModelPair,
     prompts: str | Path | Iterable[dict],
@@ -409,9 +195,7 @@ def record_prompts(
         chunk=chunk,
     )
     items = (
-        read_prompts(prompts)
-        if isinstance(prompts, (str, Path))
-        else _check_prompts(list(prompts), "prompts")
+        read_prompts(prompts) if isinstance(prompts, (str, Path)) else check_prompts(list(prompts), "prompts")
     )
     out = Path(out_dir)
     with DirectoryLock(out, "--out") if not replace_mismatched else contextlib.nullcontext():
@@ -466,7 +250,7 @@ def _record_into(
             )
         )
     if not replace_mismatched:
-        _refuse(
+        refuse_mismatched(
             mismatched_traces(out, [(path, want) for _, samples in plan for *_, path, want in samples]), out
         )
     summary = RecordSummary(paths=[])
@@ -476,7 +260,7 @@ def _record_into(
             extra = {k: item[k] for k in ("language", "task") if k in item}
             for ids, s, path, want in samples:
                 summary.paths.append(path)
-                if _matches(path, want):
+                if trace_matches(path, want):
                     summary.skipped += 1
                     continue
                 bar.set_postfix_str(f"prompt {index + 1}/{len(items)} {item['id']} s{s}")
@@ -501,31 +285,6 @@ def _record_into(
                 summary.trees_s += trace.meta["timing"]["trees_s"]
     summary.wall_s = time.perf_counter() - start
     return summary
-
-
-def _matches(path: Path, want: dict) -> bool:
-    if not path.is_file():
-        return False
-    try:
-        meta = Trace.load(path).meta
-    except TraceError:
-        return False  # corrupt or old format: record it again
-    return all(meta.get(key) == want[key] for key in MATCH_KEYS)
-
-
-def load_traces(directory: str | Path) -> list[Trace]:
-    """Every trace in ``directory`` (sorted by file name); ``TraceError`` if there are none or one is bad."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise TraceError(f"trace directory not found: {directory}")
-    paths = sorted(
-        p for p in directory.glob("*.npz") if not p.name.endswith(".tmp.npz")
-    )  # .tmp: crashed save
-    if not paths:
-        raise TraceError(
-            f"no trace files (*.npz) in {directory}: record some with python -m envs.record_traces"
-        )
-    return [Trace.load(p) for p in paths]
 
 
 # ---------------------------------------------------------------------------------------------- command line
@@ -603,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                 for item in prompts
                 for s in range(config.samples_per_prompt)
             ]
-            _refuse(mismatched_traces(out, wants, SETTING_KEYS), out)
+            refuse_mismatched(mismatched_traces(out, wants, SETTING_KEYS), out)
         pair = config.load()
         summary = record_prompts(
             pair,

@@ -10,7 +10,7 @@ from pathlib import Path
 from engine.cli import ModelConfig
 from engine.lookup import LookupConfig, resolve_lookup
 from envs.prompts import interleave_languages, load_suite
-from envs.record_traces import MAX_TRACE_DEPTH, read_prompts
+from envs.recording import MAX_TRACE_DEPTH, read_prompts
 from evaluation.llama_peer import parse_lookup_setting, parse_spec_setting
 
 ENGINE_CONTROLLERS = (
@@ -62,8 +62,8 @@ class EvalConfig(ModelConfig):
     llama_lookup: str = "3:3"
     """llama_cpp_lookup's N:M (--spec-type ngram-simple: lookup the last N tokens, draft up to M >= N)."""
     llama_spec: str = "16,0.75"
-    """llama_cpp_spec's --spec-draft-n-max,--spec-draft-p-min (its fastest setting on the default pair in
-    benchmarks/llama_cpp.py's grid)."""
+    """llama_cpp_spec's --spec-draft-n-max,--spec-draft-p-min (the default comes from benchmarks/llama_cpp.py's
+    grid on the default pair)."""
     prompts: str | None = None
     """Prompt suite JSONL ({"id", "language", "task", "prompt"} per line, optional "split"); none: the built-in
     suite. A file without split keys is all test set, and the static grid is then tuned on the same prompts

@@ -6,7 +6,9 @@ then the depth policy (size from the trained size policy), alternating for ``rou
 SB3 ``PPO.learn`` on vectorised replay (or live) environments whose *other* decision is a
 ``LearnedController`` built from the other policy's current actor. A callback moves the average reward's
 rho toward the policy's throughput after every rollout, logs charts to TensorBoard and validates the joint
-controller (both current actors) on held-out traces, keeping the best by validation throughput.
+controller (both current actors) on held-out traces, keeping the best by validation throughput. ``PPOConfig``, the
+callback and the actor export are in ``policies.ppo_config``, the checkpoint files' checks in
+``policies.ppo_checkpoint``.
 
 Checkpoints (``CoTrainer.save`` / ``load``, a directory, ``<run>/checkpoint`` in ``train.py``) are for
 resuming *your own* interrupted run and are trusted-only: the SB3 models are SB3's zip format, whose
@@ -21,172 +23,50 @@ planted checkpoint whose manifest was rewritten to match, unless its author can 
 
 from __future__ import annotations
 
-import hmac
-import json
-import math
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from stable_baselines3 import PPO
-from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.running_mean_std import RunningMeanStd
-from stable_baselines3.common.torch_layers import FlattenExtractor
 from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 
 from engine.backends.files import (
     atomic_path,
     atomic_write_json,
-    load_plain,
     sha256_file,
     user_hmac,
-    user_key_path,
 )
 from engine.control import Controller
 from engine.costs.cost_profile import CostProfile
 from engine.costs.features import DEPTH_OBS_DIM, SIZE_OBS_DIM
-from engine.errors import DraftpilotError
 from envs.backends import Backend
 from envs.environments import DepthEnv, EnvConfig, NoDecisionError, SizeEnv, reference_rho
 from policies import imitation
 from policies.learned import Actor, LearnedController
+from policies.ppo_checkpoint import (
+    CHECKPOINT_FORMAT,
+    CHECKPOINT_VERSION,
+    MANIFEST,
+    CheckpointError,
+    is_checkpoint_file,
+    manifest_bytes,
+    read_trainer_state,
+    verify_checkpoint,
+)
+from policies.ppo_config import CLIP_OBS, OBS_EPS, PhaseLog, PPOConfig, TrainCallback, actor_from_model
 
 if TYPE_CHECKING:  # tensorboard is imported where a run writes its logs
     from torch.utils.tensorboard import SummaryWriter
 
-ACTIVATION_NAMES = {torch.nn.Tanh: "tanh", torch.nn.ReLU: "relu"}
-CLIP_OBS, OBS_EPS = 10.0, 1e-8
-CHECKPOINT_FORMAT, CHECKPOINT_VERSION = "draftpilot-checkpoint", 1
 IMITATION_LR = 1e-3
 """Adam's learning rate for the imitation fit, whatever PPO's (a supervised fit: fixed, not PPO's schedule;
 fitted with PPO's 3e-4, the depth actor agreed with the teacher on 94.8% of its decisions instead of 96.5%
 and validated 2% lower, docs/architecture.md "Imitation start")."""
-MANIFEST = "manifest.json"
-CHECKPOINT_ENTRIES = ("trainer.pt", "size.zip", "depth.zip")
-"""The files of a checkpoint by role; on disk each is ``<stem>.<phases>-<random><ext>`` (a new name per save,
-so a kill between two files leaves the previous manifest and the files it names untouched)."""
-
-
-class CheckpointError(DraftpilotError, ValueError):
-    """A training checkpoint that is not loaded: no manifest, a file that does not match it, or trainer state
-    that is not plain tensors and numbers."""
-
-
-@dataclass
-class PPOConfig:
-    """PPO hyperparameters, one set shared by both policies except gamma."""
-
-    n_envs: int = 8
-    """Vectorised environments per policy (replay envs share one backend)."""
-    n_steps: int = 256
-    """Steps per environment per rollout (rollout = n_envs * n_steps transitions)."""
-    batch_size: int = 256
-    """Minibatch size."""
-    n_epochs: int = 5
-    """Passes over each rollout."""
-    learning_rate: float = 1e-3
-    """Initial Adam learning rate (decays linearly to 10% over each phase when lr_decay)."""
-    lr_decay: bool = True
-    """Decay the learning rate linearly within each phase."""
-    ent_coef: float = 0.001
-    """Entropy bonus."""
-    clip_range: float = 0.2
-    """PPO clipping."""
-    gae_lambda: float = 0.95
-    """GAE lambda."""
-    gamma_size: float = 0.5
-    """Discount per cycle for the size policy (a size choice barely changes later cycles: short horizon)."""
-    gamma_depth: float = 0.99
-    """Discount per draft step for the depth policy (a cycle's reward arrives after its last draft step:
-    discounting inside the cycle would bias the policy toward stopping)."""
-    net_arch: str = "64,64"
-    """Hidden layer widths of actor and critic (separate networks)."""
-    activation: str = "tanh"
-    """tanh or relu."""
-    rho_smoothing: float = 0.5
-    """After each rollout rho moves this fraction toward the rollout's throughput (average reward)."""
-    imitation_steps: int = 24_000
-    """Before PPO, both actors (and critics) are fitted to a teacher controller's decisions (the analytic
-    controller in ``train.py``), this many decisions of each policy collected on the training episodes:
-    PPO then starts from the teacher's behaviour and learns where it is wrong, and the imitated pair is
-    the first export candidate. 0: PPO from scratch (the depth policy's first phase then runs against the
-    baseline controller)."""
-    imitation_epochs: int = 30
-    """Passes over the imitation data (cross-entropy for the actor, squared error on the teacher's
-    discounted returns for the critic)."""
-
-    def __post_init__(self) -> None:
-        for name in ("n_envs", "n_steps", "batch_size", "n_epochs", "imitation_epochs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.imitation_steps < 0:
-            raise ValueError(f"imitation_steps (--imitation-steps) must be >= 0, got {self.imitation_steps}")
-        if self.activation not in ("tanh", "relu"):
-            raise ValueError(f"activation must be tanh or relu, got {self.activation!r}")
-        try:
-            arch = [int(x) for x in self.net_arch.split(",") if x.strip()]
-        except ValueError:
-            arch = [0]
-        if not arch or min(arch) < 1:
-            raise ValueError(f"net_arch must be comma-separated layer widths >= 1, got {self.net_arch!r}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
-        for name, low, high, low_open in (
-            ("gamma_size", 0.0, 1.0, True),
-            ("gamma_depth", 0.0, 1.0, True),
-            ("gae_lambda", 0.0, 1.0, False),
-            ("clip_range", 0.0, float("inf"), True),
-            ("ent_coef", 0.0, float("inf"), False),
-            ("rho_smoothing", 0.0, 1.0, False),
-        ):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and (low < value if low_open else low <= value) and value <= high):
-                bound = (
-                    f"{'(' if low_open else '['}{low:g}, {high:g}]" if high < float("inf") else f"> {low:g}"
-                )
-                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be in {bound}, got {value}")
-
-
-@dataclass
-class PhaseLog:
-    policy: str
-    round: int
-    steps: int
-    seconds: float
-    validation: list[tuple[int, float]] = field(default_factory=list)
-
-
-def actor_from_model(
-    model: PPO, obs_rms: RunningMeanStd | None = None, clip_obs: float = CLIP_OBS, epsilon: float = OBS_EPS
-) -> Actor:
-    """The deterministic actor of an SB3 PPO model and its observation normaliser (``VecNormalize.obs_rms``,
-    None: identity) as a torch-only ``Actor``."""
-    policy = model.policy
-    if not isinstance(policy.features_extractor, FlattenExtractor):
-        raise TypeError("only MLP policies on flat observations can be exported")
-    layers = [m for m in policy.mlp_extractor.policy_net if isinstance(m, torch.nn.Linear)] + [
-        policy.action_net
-    ]
-    obs_dim = policy.observation_space.shape[0]
-    if obs_rms is not None:
-        mean, var, clip, eps = obs_rms.mean, obs_rms.var, clip_obs, epsilon
-    else:
-        mean, var, clip, eps = np.zeros(obs_dim), np.ones(obs_dim), np.inf, 0.0
-    spec = {
-        "weights": [m.weight.detach().cpu().clone() for m in layers],
-        "biases": [m.bias.detach().cpu().clone() for m in layers],
-        "activation": ACTIVATION_NAMES[policy.activation_fn],
-        "obs_mean": torch.as_tensor(mean, dtype=torch.float32),
-        "obs_var": torch.as_tensor(var, dtype=torch.float32),
-        "clip_obs": float(clip),
-        "epsilon": float(eps),
-    }
-    return Actor(spec, obs_dim, int(policy.action_space.n))
 
 
 class CoTrainer:
@@ -322,7 +202,7 @@ class CoTrainer:
         else:
             model = self.models[name] = self._new_model(name, venv)
         log = PhaseLog(name, round_index, steps, 0.0)
-        callback = _TrainCallback(self, name, other_name, log)
+        callback = TrainCallback(self, name, other_name, log)
         start = time.perf_counter()
         try:
             model.learn(
@@ -443,11 +323,11 @@ class CoTrainer:
             "phases": len(self.history),
             "files": files,
         }
-        manifest["hmac"] = user_hmac(_manifest_bytes(manifest))  # only this user's runs can sign it
+        manifest["hmac"] = user_hmac(manifest_bytes(manifest))  # only this user's runs can sign it
         atomic_write_json(directory / MANIFEST, manifest)
         current = {entry["file"] for entry in files.values()}
         for path in directory.iterdir():
-            if path.name not in current and (_is_checkpoint_file(path.name) or path.name == "trainer.pt.tmp"):
+            if path.name not in current and (is_checkpoint_file(path.name) or path.name == "trainer.pt.tmp"):
                 path.unlink(missing_ok=True)
 
     def load(self, directory: str | Path) -> None:
@@ -489,178 +369,3 @@ class CoTrainer:
             )
             for h in state["history"]
         ]
-
-
-def _is_checkpoint_file(name: str) -> bool:
-    """A file ``save`` writes (any generation), or one an older version wrote (``trainer.pt``, ``size.zip``, ...)."""
-    if name in CHECKPOINT_ENTRIES:
-        return True
-    stem, _, ext = name.rpartition(".")
-    return any(
-        stem.startswith(role.rpartition(".")[0] + ".") and ext == role.rpartition(".")[2]
-        for role in CHECKPOINT_ENTRIES
-    )
-
-
-def has_checkpoint(directory: str | Path) -> bool:
-    """Whether ``directory`` holds anything of a checkpoint (a manifest or checkpoint files; temporary files
-    of an interrupted write do not count)."""
-    directory = Path(directory)
-    return directory.is_dir() and any(
-        p.name == MANIFEST or _is_checkpoint_file(p.name) for p in directory.iterdir()
-    )
-
-
-def verify_checkpoint(directory: str | Path) -> dict[str, Path] | None:
-    """The checkpoint's files by role (``trainer.pt``, ``size.zip``, ``depth.zip``) after checking each one's
-    sha256 against ``manifest.json``; None when ``directory`` holds no checkpoint at all. Raises
-    ``CheckpointError`` (naming the file) for a missing or unreadable manifest or a file that does not match
-    it. Reads no file but the manifest as anything other than bytes."""
-    directory = Path(directory)
-    manifest = directory / MANIFEST
-    if not manifest.is_file():
-        if has_checkpoint(directory):
-            raise CheckpointError(
-                f"{directory} has no {MANIFEST}, so its files cannot be checked and are not loaded "
-                "(a checkpoint this code did not write, or an older version's); delete the "
-                "directory to train from the start"
-            )
-        return None
-    try:
-        data = json.loads(manifest.read_text(encoding="utf-8"))
-        ok = data.get("format") == CHECKPOINT_FORMAT and isinstance(data.get("files"), dict)
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as err:
-        raise CheckpointError(f"{manifest} is not a readable checkpoint manifest ({err})") from err
-    if not ok or data.get("version") != CHECKPOINT_VERSION:
-        raise CheckpointError(
-            f"{manifest} is not a draftpilot checkpoint manifest (version {CHECKPOINT_VERSION})"
-        )
-    signature = data.get("hmac")
-    if not isinstance(signature, str) or not hmac.compare_digest(signature, user_hmac(_manifest_bytes(data))):
-        raise CheckpointError(
-            f"{manifest} is not signed with this user's key ({user_key_path()}): written by another user or "
-            "machine, or edited; its files are not unpickled"
-        )
-    files: dict[str, Path] = {}
-    for role, entry in data["files"].items():
-        name = entry.get("file") if isinstance(entry, dict) else None
-        if (
-            role not in CHECKPOINT_ENTRIES
-            or not isinstance(name, str)
-            or Path(name).name != name
-            or name.startswith(".")
-            or not _is_checkpoint_file(name)
-        ):
-            raise CheckpointError(
-                f"{manifest}: entry {role!r} -> {name!r} is not a checkpoint file of this directory"
-            )
-        path = directory / name
-        if not path.is_file():
-            raise CheckpointError(f"{path} is missing: {manifest} lists it")
-        if sha256_file(path) != entry.get("sha256"):
-            raise CheckpointError(
-                f"{path} does not match its sha256 in {manifest}: modified or not written by this "
-                "run; refusing to load it"
-            )
-        files[role] = path
-    if "trainer.pt" not in files:
-        raise CheckpointError(f"{manifest} lists no trainer state")
-    return files
-
-
-def _manifest_bytes(manifest: dict) -> bytes:
-    """The signed part of a manifest (everything but its signature), canonically encoded."""
-    return json.dumps({k: v for k, v in manifest.items() if k != "hmac"}, sort_keys=True).encode()
-
-
-def read_trainer_state(path: str | Path) -> dict:
-    """The trainer state ``CoTrainer.save`` wrote, read with ``weights_only=True`` (tensors and plain types
-    only: anything else is refused unexecuted)."""
-    path = Path(path)
-    try:
-        state = load_plain(path)
-    except ValueError as err:
-        raise CheckpointError(f"{path} is not a plain trainer state, refusing to load it: {err}") from err
-    keys = ("rho", "total_steps", "best_tps", "best_depth", "best_size", "obs_rms", "history")
-    if (
-        not isinstance(state, dict)
-        or state.get("format") != CHECKPOINT_FORMAT
-        or state.get("version") != CHECKPOINT_VERSION
-        or any(k not in state for k in keys)
-    ):
-        raise CheckpointError(f"{path} is not a draftpilot trainer state (version {CHECKPOINT_VERSION})")
-    return state
-
-
-class _TrainCallback(BaseCallback):
-    """rho update, charts, action histograms and validation (SB3 callback: ``_on_step`` and rollout end)."""
-
-    def __init__(self, trainer: CoTrainer, name: str, other_name: str, log: PhaseLog):
-        super().__init__()
-        self.trainer, self.name, self.other_name, self.log = trainer, name, other_name, log
-        self.since_eval = 0
-        self._reset_window()
-
-    def _reset_window(self) -> None:
-        self.ep_tokens, self.ep_seconds, self.accepted, self.actions = 0, 0.0, [], []
-
-    def _on_step(self) -> bool:
-        self.trainer.total_steps += self.training_env.num_envs
-        self.since_eval += self.training_env.num_envs
-        self.actions.extend(np.asarray(self.locals["actions"]).ravel().tolist())
-        for info, done in zip(self.locals["infos"], self.locals["dones"]):
-            if "accepted" in info:
-                self.accepted.append(info["accepted"])
-            if done and "episode_tokens" in info:
-                self.ep_tokens += info["episode_tokens"]
-                self.ep_seconds += info["episode_s"]
-        if self.trainer.evaluate is not None and self.since_eval >= self.trainer.eval_every:
-            self.since_eval = 0
-            self.validate()
-        return True
-
-    def _on_rollout_end(self) -> None:
-        trainer = self.trainer
-        if self.ep_seconds > 0:
-            tps = self.ep_tokens / self.ep_seconds
-            self.logger.record("charts/episode_tokens_per_s", tps)
-            # rho estimates the best achievable throughput (the average reward's fixed point). The rollout's
-            # own throughput comes from the exploring stochastic policy and is well below that; a low rho
-            # makes time look cheap and teaches over-long drafts and over-large verifications, so rho never
-            # drops below what the baseline controller already achieves.
-            target = max(tps, trainer.rho_floor)
-            trainer.rho += trainer.ppo.rho_smoothing * (target - trainer.rho)
-            self.training_env.env_method("set_rho", trainer.rho)
-        self.logger.record("charts/rho", trainer.rho)
-        if self.accepted:
-            self.logger.record("charts/mean_accepted", float(np.mean(self.accepted)))
-        if self.actions:
-            self.logger.record(
-                f"actions/{self.name}",
-                torch.as_tensor(self.actions, dtype=torch.float32),
-                exclude=("stdout", "log", "json", "csv"),
-            )
-            self.logger.record(f"actions/{self.name}_mean", float(np.mean(self.actions)))
-        rewards = self.model.rollout_buffer.rewards
-        self.logger.record("charts/mean_reward", float(np.mean(rewards)))
-        self._reset_window()
-
-    def validate(self) -> float | None:
-        trainer = self.trainer
-        if trainer.evaluate is None:
-            return None
-        current = trainer.actor(self.name)
-        other = trainer.actor(self.other_name)
-        depth, size = (other, current) if self.name == "size" else (current, other)
-        tps = float(trainer.evaluate(trainer.controller(depth, size)))
-        self.logger.record("eval/validation_tokens_per_s", tps)
-        if trainer.writer is not None:
-            trainer.writer.add_scalar("eval/validation_tokens_per_s", tps, trainer.total_steps)
-            trainer.writer.add_scalar(
-                f"eval/validation_tokens_per_s_{self.name}_phase", tps, trainer.total_steps
-            )
-        self.log.validation.append((trainer.total_steps, tps))
-        # only complete controllers (both policies learned) are export candidates
-        if depth is not None and size is not None and tps > trainer.best[0]:
-            trainer.best = (tps, depth, size)
-        return tps

@@ -34,6 +34,8 @@ ALLOWED = {
     ("policies/ppo.py", "envs"),  # training code: PPO on the environments (never on the inference path)
     ("policies/imitation.py", "envs"),  # training code: the imitation start, on the same environments
     ("policies/load_training.py", "envs"),  # training code: the load-aware main job on the server replay
+    ("policies/train_config.py", "envs"),  # training code: train.py's config (the trace format's depth cap)
+    ("policies/train_data.py", "envs"),  # training code: train.py's prompts, traces, baselines
 }
 ENGINE_LAYERS = ("engine.backends", "engine.costs", "engine.errors")  # else: the loop ("engine")
 ENGINE_FORBIDDEN = {

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from engine.backends import native, quant
+from engine.backends import draft_head, native, quant
 from engine.backends.pair import ModelPair, eos_ids, make_pair
 from engine.backends.quant import INTEGER_FORMATS, WEIGHT_FORMATS
 from engine.backends.random_pair import build_random_pair, published_source_types
@@ -146,7 +146,7 @@ def load_pair(
     the draft's (default: the target's format; with both on "auto" on the CPU, kquant-strict, else
     int4-strict). Integer formats of the default pair are converted
     from the GGUF blocks once and cached; other pairs are quantized from their float weights at load.
-    ``draft_vocab``: the draft's LM head keeps only this many tokens (``engine.backends.quant.draft_vocab_ids``;
+    ``draft_vocab``: the draft's LM head keeps only this many tokens (``engine.backends.draft_head.draft_vocab_ids``;
     a cheaper draft step, exactness untouched); None or 0 keeps the whole vocabulary.
     """
     if name is not None and (paths := split_pair(str(name))) is not None:
@@ -252,7 +252,7 @@ def _head_rows(model: torch.nn.Module, tokenizer: Any, draft_vocab: int | None) 
     if not draft_vocab:
         return None
     always = set(getattr(tokenizer, "all_special_ids", None) or []) | eos_ids(model, tokenizer)
-    return quant.draft_vocab_ids(draft_vocab, model.get_output_embeddings().out_features, always)
+    return draft_head.draft_vocab_ids(draft_vocab, model.get_output_embeddings().out_features, always)
 
 
 def _convert(
@@ -271,5 +271,5 @@ def _convert(
             return load_quantized_spec(model, spec, fmt, progress=progress, head_rows=head_rows)
         return quant.quantize_model(model, fmt, head_rows, source_types)
     if head_rows is not None:
-        quant.restrict_dense_head(model, head_rows)
+        draft_head.restrict_dense_head(model, head_rows)
     return None

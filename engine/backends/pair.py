@@ -34,7 +34,7 @@ class ModelPair:
     quant_info: dict | None = None
     """Per-module conversion info of quantized models (kind, source type), {"target": ..., "draft": ...}."""
     draft_vocab: int = 0
-    """Tokens the draft's LM head keeps (0: the whole vocabulary; ``engine.backends.quant.RestrictedHead``)."""
+    """Tokens the draft's LM head keeps (0: the whole vocabulary; ``engine.backends.draft_head.RestrictedHead``)."""
 
     @property
     def precision(self) -> str:

@@ -29,32 +29,25 @@ to autoregressive decoding by construction, not only by measurement.
 
 Converted weights are cached next to the float32 checkpoint (``<cache>/quant/<name>/<format>/``) as
 plain 4-bit / 8-bit codes and scales in safetensors (portable: the kernel's packed layout is made at load
-time), with a stamp written last; a missing or unreadable cache is rebuilt.
+time), with a stamp written last; a missing or unreadable cache is rebuilt (``engine.backends.quant_cache``).
+A restricted draft head is ``engine.backends.draft_head.RestrictedHead``.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
-import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
 from engine.backends import kquant
+from engine.backends.draft_head import RestrictedHead
 from engine.backends.gguf import (
     SUB_BLOCK,
-    SUPPORTED_GGUF_TYPES,
     QuantizationError,
-    gguf_linears,
     q4_k_decode,
 )
-from engine.errors import InputError
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4", "int4-strict", "kquant", "kquant-strict")
 INTEGER_FORMATS = ("int8", "int4", "int4-strict", "kquant", "kquant-strict")
@@ -63,8 +56,6 @@ KQUANT_FORMATS = ("kquant", "kquant-strict")
 KERNEL_DTYPE = torch.bfloat16  # the integer kernels' activation and scale dtype (their fast path)
 GROUP_SIZE = SUB_BLOCK  # int4 quantisation group along the input dimension (a Q4_K sub-block)
 INNER_K_TILES = 8  # the CPU packing's k-tiling (any of 2, 4, 8; the kernel reads what the packing wrote)
-QUANT_STAMP = "draftpilot-quantized.json"
-QUANT_VERSION = 2  # bump when the cached layout changes: older caches are rebuilt
 
 
 # ----------------------------------------------------------------------------------------------- modules
@@ -329,61 +320,6 @@ def build_module(
     raise QuantizationError(f"no quantized weights for {module}")
 
 
-class RestrictedHead(nn.Module):
-    """An LM head over a subset of the vocabulary: logits of the kept tokens from a smaller linear layer,
-    ``MASKED_LOGIT`` for every other token (probability exactly 0 after softmax, yet finite, so the
-    engine's NaN/inf guard still means what it says). For a draft model only: the exact sampler accepts
-    any draft distribution, so the output law is untouched; what changes is the cost of a draft step
-    (the head is the largest matrix of a small model) and how often a draft can propose the target's token."""
-
-    MASKED_LOGIT = -1.0e30
-
-    def __init__(self, inner: nn.Module, keep: torch.Tensor, vocab_size: int):
-        super().__init__()
-        self.inner = inner
-        self.register_buffer("keep", keep.to(torch.long).clone())
-        self.in_features, self.out_features = inner.in_features, int(vocab_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        sub = self.inner(x)
-        out = sub.new_full((*sub.shape[:-1], self.out_features), self.MASKED_LOGIT)
-        out[..., self.keep] = sub
-        return out
-
-    def extra_repr(self) -> str:
-        return f"kept={self.keep.numel()} of {self.out_features} tokens"
-
-
-def draft_vocab_ids(
-    size: int, vocab_size: int, always: set[int] | frozenset[int] = frozenset()
-) -> torch.Tensor:
-    """The token ids a restricted draft head keeps: the ``size`` lowest ids (in a byte-level BPE vocabulary
-    the 256 bytes, then merges in the order they were learned, most frequent pair first on the
-    tokenizer's own training corpus) plus ``always`` (end-of-sequence and other special tokens), topped up
-    with the next ids to a multiple of 16 rows (the int4 packing's granularity); sorted."""
-    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= vocab_size:
-        raise InputError(f"draft vocabulary size must be an integer in [1, {vocab_size}], got {size!r}")
-    ids = set(range(size)) | {int(i) for i in always if 0 <= int(i) < vocab_size}
-    extra = size
-    while len(ids) % 16 and extra < vocab_size:  # the int4 packing needs a multiple of 16 output rows
-        ids.add(extra)
-        extra += 1
-    return torch.tensor(sorted(ids), dtype=torch.long)
-
-
-def restrict_dense_head(model: nn.Module, keep: torch.Tensor) -> None:
-    """Replace a dense ``lm_head`` by a ``RestrictedHead`` over the ``keep`` token ids."""
-    head = model.lm_head
-    if not isinstance(head, nn.Linear):
-        raise QuantizationError(f"lm_head is a {type(head).__name__}; restrict it while converting instead")
-    inner = nn.Linear(head.in_features, len(keep), bias=head.bias is not None, dtype=head.weight.dtype)
-    with torch.no_grad():
-        inner.weight.copy_(head.weight[keep])
-        if head.bias is not None:
-            inner.bias.copy_(head.bias[keep])
-    model.lm_head = RestrictedHead(inner.requires_grad_(False), keep, head.out_features)
-
-
 def replace_linears(
     model: nn.Module,
     state: dict[str, torch.Tensor],
@@ -444,100 +380,6 @@ def quantize_model(
     model.to(torch.float32)
     replace_linears(model, state, names, head_rows)
     return info
-
-
-# ------------------------------------------------------------------------------------------ the cache
-def quant_cache_dir(root: Path, name: str, fmt: str) -> Path:
-    return root / "quant" / name / fmt
-
-
-def ensure_quantized_gguf(
-    gguf_path: Path, name: str, sha256: str, fmt: str, root: Path, progress: bool = True
-) -> Path:
-    """The cached ``fmt`` conversion of a GGUF's linear weights (built once; rebuilt if incomplete,
-    unreadable or from another source/version). Returns the directory holding ``weights.safetensors``
-    and the stamp."""
-    from safetensors.torch import save_file
-
-    final = quant_cache_dir(root, name, fmt)
-    if _cache_valid(final, sha256, fmt):
-        return final
-    start = time.perf_counter()
-
-    def source():
-        from tqdm.auto import tqdm
-
-        for lin in tqdm(list(gguf_linears(gguf_path)), desc=f"{name} -> {fmt}", disable=not progress):
-            exact = None
-            if fmt in KQUANT_FORMATS and lin.qtype in ("Q4_K", "Q6_K"):
-                convert = kquant.q4_k_to_k4 if lin.qtype == "Q4_K" else kquant.q6_k_to_k6
-                exact = lambda lin=lin, convert=convert: convert(lin.raw, lin.rows, lin.cols)  # noqa: E731
-            elif lin.qtype == "Q4_K":
-                exact = lambda lin=lin: q4_k_to_int4(lin.raw, lin.rows, lin.cols)  # noqa: E731
-            elif lin.qtype not in SUPPORTED_GGUF_TYPES:
-                raise QuantizationError(
-                    f"{gguf_path.name}: tensor {lin.gguf_name} has GGUF type {lin.qtype}, which cannot be "
-                    f"converted (supported: {', '.join(SUPPORTED_GGUF_TYPES)})"
-                )
-            yield lin.module, lin.qtype, lin.rows, lin.cols, exact, lin.dequantize
-
-    tensors, info = quantized_state(source(), fmt)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{fmt}-", dir=final.parent))
-    try:
-        save_file(tensors, str(tmp / "weights.safetensors"))
-        stamp = {
-            "version": QUANT_VERSION,
-            "format": fmt,
-            "source": gguf_path.name,
-            "sha256": sha256,
-            "modules": info,
-            "seconds": round(time.perf_counter() - start, 1),
-        }
-        (tmp / QUANT_STAMP).write_text(json.dumps(stamp, indent=1) + "\n")  # last: marks completion
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
-
-
-def _cache_valid(path: Path, sha256: str, fmt: str) -> bool:
-    try:
-        stamp = json.loads((path / QUANT_STAMP).read_text())
-    except (OSError, ValueError):
-        return False
-    return (
-        stamp.get("version") == QUANT_VERSION
-        and stamp.get("sha256") == sha256
-        and stamp.get("format") == fmt
-        and (path / "weights.safetensors").is_file()
-    )
-
-
-def load_quantized(model: nn.Module, path: Path, head_rows: torch.Tensor | None = None) -> dict[str, dict]:
-    """Swap ``model``'s linears for the cached quantized ones at ``path``; returns the stamp's module info.
-    Raises ``QuantizationError`` if the cache is unreadable or does not fit the model."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        stamp = json.loads((path / QUANT_STAMP).read_text())
-        state = load_file(str(path / "weights.safetensors"))
-    except (OSError, ValueError, SafetensorError) as err:
-        raise QuantizationError(f"unreadable quantized cache {path}: {err}") from err
-    modules = sorted(stamp["modules"])
-    expected = set(linear_names(model))
-    if set(modules) != expected:
-        missing, extra = sorted(expected - set(modules))[:3], sorted(set(modules) - expected)[:3]
-        raise QuantizationError(
-            f"quantized cache {path} does not fit the model (missing {missing}, extra {extra})"
-        )
-    model.to(torch.float32)
-    replace_linears(model, state, modules, head_rows)
-    return stamp["modules"]
 
 
 def weight_bytes(model: nn.Module) -> int:

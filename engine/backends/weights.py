@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from engine.backends.files import cache_dir
 from engine.backends.gguf import QuantizationError
-from engine.backends.quant import ensure_quantized_gguf, load_quantized
+from engine.backends.quant_cache import ensure_quantized_gguf, load_quantized
 from engine.errors import DraftpilotError
 
 CONVERTED_STAMP = "draftpilot-converted.json"

@@ -19,7 +19,7 @@ from engine.cli import ArgumentParser, ModelConfig, add_dataclass_args, from_arg
 from engine.costs import measure_costs
 from engine.errors import InputError
 from envs import record_traces
-from evaluation import shift
+from evaluation import shift_config
 from tests_helpers import one_error_line
 
 
@@ -91,7 +91,7 @@ HISTORY = re.compile(r"\b20\d\d-\d\d\b|\b\d+\.\d+ ?[x×]|\bXeon\b|\bEPYC\b|\bZen
 
 def _shift_parser() -> argparse.ArgumentParser:
     ap = ArgumentParser(prog="python evaluate.py shift")
-    add_dataclass_args(ap, shift.ShiftConfig)
+    add_dataclass_args(ap, shift_config.ShiftConfig)
     return ap
 
 

@@ -26,7 +26,7 @@ from engine.backends.kquant import (
     unpack_k4,
     unpack_k6,
 )
-from engine.backends.quant import QUANT_STAMP, ensure_quantized_gguf, load_quantized
+from engine.backends.quant_cache import QUANT_STAMP, ensure_quantized_gguf, load_quantized
 from policies import HeuristicController, StaticController
 from tests_helpers import assert_greedy_identity, random_q4_k, random_q6_k, write_gguf
 

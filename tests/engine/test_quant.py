@@ -16,16 +16,14 @@ from engine.backends.gguf import QuantizationError, gguf_linears, q4_k_decode
 from engine.backends.kvcache import keep_entries, new_cache
 from engine.backends.quant import (
     INTEGER_FORMATS,
-    QUANT_STAMP,
     Int4Linear,
     Int8Linear,
     effective_weight,
-    ensure_quantized_gguf,
-    load_quantized,
     q4_k_to_int4,
     quantize_int4,
     quantize_int8,
 )
+from engine.backends.quant_cache import QUANT_STAMP, ensure_quantized_gguf, load_quantized
 from engine.engine import forward_logits
 from engine.tree import tree_attention_mask
 from policies import HeuristicController, StaticController

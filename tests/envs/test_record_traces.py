@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from engine import SamplingConfig, SpeculativeEngine
-from envs.record_traces import draft_trees, load_traces, main, read_prompts, record_prompts, record_trace
+from envs.draft_trees import draft_trees
+from envs.record_traces import main, record_prompts, record_trace
+from envs.recording import load_traces, read_prompts
 from envs.trace import FORMAT_VERSION, Trace, TraceError
 from policies import StaticController
 

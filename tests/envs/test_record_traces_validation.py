@@ -11,7 +11,9 @@ import pytest
 from engine import SamplingConfig
 from engine.backends.files import DirectoryBusyError, DirectoryLock
 from engine.errors import InputError
-from envs.record_traces import RecordError, draft_trees, load_traces, main, read_prompts, record_prompts
+from envs.draft_trees import draft_trees
+from envs.record_traces import main, record_prompts
+from envs.recording import RecordError, load_traces, read_prompts
 from tests_helpers import one_error_line
 
 pytestmark = pytest.mark.usefixtures("single_thread")

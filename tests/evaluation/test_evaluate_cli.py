@@ -456,7 +456,7 @@ def test_learned_lookup_alone_loads_the_policy(workdir, tiny_policy):
 
 def test_lookup_mismatch_warnings():
     from engine.lookup import LookupConfig
-    from evaluation.runner import lookup_mismatches
+    from evaluation.eval_setup import lookup_mismatches
 
     plain = {"train_config": {}}  # stored before the setting: trained without lookup
     looked = {"train_config": {"lookup": "3-4:2+8:4"}}

@@ -17,8 +17,8 @@ from engine import load_pair
 from evaluation import llama_cpp as lc
 from evaluation import llama_cpp_build as lcb
 from evaluation.config import EvalConfig
+from evaluation.eval_setup import Setup
 from evaluation.llama_peer import LlamaPeer
-from evaluation.runner import Setup
 from tests_evaluation_helpers import load_benchmark
 
 # Captured verbatim (stderr, with llama.cpp's timestamp prefixes): llama-completion -n 32, 2 threads.
@@ -351,7 +351,7 @@ def test_a_peer_that_crashes_on_its_warm_up_leaves_its_row_out(fake_bin, workdir
 
     from test_evaluate_cli import small_eval
 
-    from evaluation import runner
+    from evaluation import eval_setup
 
     completion = fake_bin / "llama-completion"
     lines = completion.read_text().splitlines()
@@ -365,7 +365,7 @@ def test_a_peer_that_crashes_on_its_warm_up_leaves_its_row_out(fake_bin, workdir
         binaries = _benchmark_find(fake_bin)
         return LlamaPeer(binaries, fake_bin / "t.gguf", fake_bin / "d.gguf", (16, 0.75), threads, pair), None
 
-    monkeypatch.setattr(runner.LlamaPeer, "find", staticmethod(find))
+    monkeypatch.setattr(eval_setup.LlamaPeer, "find", staticmethod(find))
     rc, stderr, res = small_eval(
         workdir, tiny_policy, "llama-crash", "autoregressive,llama_cpp,llama_cpp_spec", "--no-replay"
     )

@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from serving.load_client import Outcome, arrival_times
 from serving.vllm_peer import write_batch_size_table
 from tests_evaluation_helpers import load_benchmark
 
@@ -31,10 +32,10 @@ def test_a_schedule_is_rates_and_request_counts_in_order(serve_load):
 
 def test_arrivals_are_seeded_and_drawn_at_each_pieces_rate(serve_load):
     schedule = [(0.5, 3), (50.0, 4), (0.5, 2)]
-    times = serve_load.arrival_times(schedule, seed=3)
+    times = arrival_times(schedule, seed=3)
     assert len(times) == 9 and times[0] == 0.0 and times == sorted(times)
-    assert times == serve_load.arrival_times(schedule, seed=3)  # seeded
-    assert times != serve_load.arrival_times(schedule, seed=4)
+    assert times == arrival_times(schedule, seed=3)  # seeded
+    assert times != arrival_times(schedule, seed=4)
     rng = random.Random(3)  # the gap before each request: one draw of one generator at that request's rate
     rates = [0.5] * 3 + [50.0] * 4 + [0.5] * 2
     gaps = [b - a for a, b in zip(times, times[1:])]
@@ -45,7 +46,7 @@ def test_arrivals_are_seeded_and_drawn_at_each_pieces_rate(serve_load):
     for _ in range(5):
         plain.append(now)
         now += rng.expovariate(2.0)
-    assert serve_load.arrival_times([(2.0, 5)], seed=0) == pytest.approx(plain)
+    assert arrival_times([(2.0, 5)], seed=0) == pytest.approx(plain)
 
 
 def test_a_bad_schedule_is_one_error_line_before_anything_loads(serve_load, capsys, monkeypatch):
@@ -94,7 +95,6 @@ def test_the_long_mix_gap_is_the_largest_wait_overlapping_the_long_prefill(serve
     """A short stream's waits between chunks count when they overlap the long prompt's wait for its first token
     (sent at 10 s, first token at 12 s); the largest is set against the streams' median inter-token latency; a
     short request that waited for its first token then counts apart."""
-    Outcome = serve_load.Outcome
     long = Outcome(-1, True, ttft=2.0, start=10.0)
     before = Outcome(
         0, True, ttft=0.5, start=8.0, times=[8.5, 8.6, 9.9, 10.2], itl=[0.1] * 3

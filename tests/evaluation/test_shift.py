@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "envs"))
 
 from envs.replay import ReplayTrace  # noqa: E402
-from evaluation import shift  # noqa: E402
+from evaluation import shift, shift_config  # noqa: E402
 from policies import ConfidenceController, StaticController  # noqa: E402
 from tests_envs_helpers import LinearProfile, make_synthetic_trace  # noqa: E402
 from tests_evaluation_helpers import CACHE, run_cli  # noqa: E402
@@ -25,7 +25,7 @@ def _traces(seeds, follow):
 
 def test_task_families_and_slices():
     assert [
-        shift.task_family({"task": t}) for t in ("code", "math", "qa", "rewrite", "explanation", "x")
+        shift_config.task_family({"task": t}) for t in ("code", "math", "qa", "rewrite", "explanation", "x")
     ] == [
         "code",
         "math",

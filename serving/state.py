@@ -1,0 +1,36 @@
+"""What the HTTP API's routes share (``serving.app``, ``serving.request_checks``, ``serving.streams``):
+``ServerState``, the pair, the worker, the metrics and the limits of one server."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.backends.pair import ModelPair
+from engine.control import Controller
+from serving.metrics import ServerMetrics
+from serving.worker import EngineWorker
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+"""Request bodies larger than this are refused (413) unless ``ServerState.max_body_bytes`` says otherwise."""
+
+
+@dataclass
+class ServerState:
+    """What the routes need: the pair (tokenizer, limits), the worker, the controller of each request."""
+
+    pair: ModelPair
+    worker: EngineWorker
+    metrics: ServerMetrics
+    model_names: tuple[str, ...] = ("draftpilot",)
+    """Names a request may give as ``model``; the first is the one ``/v1/models`` lists."""
+    make_controller: Callable[[], Controller | None] = lambda: None
+    """A fresh controller for each request (None: autoregressive)."""
+    max_context: int = 4096
+    """Prompt plus generated tokens of one request at most."""
+    description: dict = field(default_factory=dict)
+    """Shown by ``/health`` (pair, weights, controller, batch limits)."""
+    created: int = field(default_factory=lambda: int(time.time()))
+    max_body_bytes: int = MAX_BODY_BYTES
+    """Request bodies larger than this are refused with a 413 before they are parsed."""
