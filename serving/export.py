@@ -2,7 +2,10 @@
 baseline's table beside them.
 
 * vLLM: ``speculative_config.num_speculative_tokens_per_batch_size``, a JSON list of ``[first, last, k]``
-  (``serving.vllm_peer.write_batch_size_table``, checked as vLLM 0.32.0 checks it).
+  (``serving.vllm_peer.write_batch_size_table``, checked as vLLM 0.32.0 checks it). A range where the policy
+  does not draft carries 1, not 0: in vLLM a 0 there still runs the draft model over every committed token
+  and keeps the speculative step on, for no drafted token (measured on the CPU: 0.64x vLLM's autoregressive
+  row at 4 clients, where a draft length of 1 was 0.99x; docs/results/2026-12-06-vllm-peer.md).
 * SGLang: the adaptive speculative decoding config (``--speculative-adaptive-config FILE``): a JSON object
   whose keys are batch-size lower bounds (``"1"``, ``"8"``: batch sizes 1-7 use the first entry, 8 and up the
   second), each entry holding the tier settings SGLang reads (``candidate_steps``, ``ema_alpha``,
@@ -78,12 +81,18 @@ EXPORTS = (VLLM_FILE, SGLANG_FILE, TUNED_FILE)
 """The files ``write_exports`` writes into a run directory."""
 
 
+def vllm_lengths(table: Mapping[tuple[int, int], int]) -> dict[tuple[int, int], int]:
+    """The policy's per-load draft lengths as the vLLM file carries them: a 0 becomes 1 (module docstring)."""
+    return {key: max(int(k), 1) for key, k in table.items()}
+
+
 def write_exports(
     table: Mapping[tuple[int, int], int],
     directory: str | Path,
     tuned: Mapping[tuple[int, int], int] | None = None,
 ) -> dict[str, str]:
-    """Write ``vllm_batch_size_table.json`` (when the policy drafts anywhere: vLLM refuses an all-zero table)
+    """Write ``vllm_batch_size_table.json`` (``vllm_lengths``; when the policy drafts anywhere, else vLLM runs
+    best without speculation)
     and ``sglang_adaptive_config.json`` into ``directory``, and with ``tuned`` (the per-load baseline's
     ranges, as ``table``) ``tuned_batch_size_table.json`` (when it drafts anywhere); returns what was written
     (name -> path, or a reason)."""
@@ -91,7 +100,7 @@ def write_exports(
     directory.mkdir(parents=True, exist_ok=True)
     out = {}
     if any(table.values()):
-        out["vllm"] = str(write_batch_size_table(table, directory / VLLM_FILE))
+        out["vllm"] = str(write_batch_size_table(vllm_lengths(table), directory / VLLM_FILE))
     else:
         out["vllm"] = "not written: the policy drafts at no load level (run vLLM without speculation)"
     config = sglang_adaptive_config(table)

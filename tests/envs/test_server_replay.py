@@ -160,7 +160,8 @@ def test_the_batch_size_table_controller_reads_the_load():
 def test_exports_have_the_formats_vllm_and_sglang_read(tmp_path):
     table = {(1, 1): 3, (2, 3): 1, (4, 256): 0}
     written = write_exports(table, tmp_path)
-    assert read_batch_size_table(written["vllm"]) == [[1, 1, 3], [2, 3, 1], [4, 256, 0]]
+    # a range without drafting carries 1 in vLLM's file (its 0 still runs the draft model), as in SGLang's
+    assert read_batch_size_table(written["vllm"]) == [[1, 1, 3], [2, 3, 1], [4, 256, 1]]
     config = json.loads((tmp_path / "sglang_adaptive_config.json").read_text())
     assert config == {
         "1": {"candidate_steps": [3]},
