@@ -28,6 +28,7 @@ import numpy as np
 from engine.backends.attention import MAX_VERIFY_NODES
 from engine.control import Controller, DraftState
 from engine.costs.cost_profile import CostProfile
+from engine.costs.speedup_model import SIZE_LADDER as SIZE_LADDER  # re-exported: the size action space
 from engine.cycle import DRAFT_CATCH_UP_TOKENS, DraftLag, answer, cycle_rules, draft_budget
 from engine.errors import InputError
 from engine.load import LoadState
@@ -35,8 +36,6 @@ from engine.lookup import LookupConfig, NgramIndex
 from engine.results import CycleRecord
 from engine.tree import MAX_TREE_NODES, clamp_verify, depth_limit
 from envs.trace import Trace, TraceError
-
-from engine.costs.speedup_model import SIZE_LADDER as SIZE_LADDER  # isort: skip
 
 Message = tuple[Literal["depth", "size"], DraftState] | tuple[Literal["cycle"], CycleRecord]
 """What an episode yields: ``("depth", state)`` after each draft step (and at depth 0 when asked), ``("size",

@@ -62,7 +62,6 @@ class LookupProposer:
         model = getattr(vllm_config, "model_config", None)
         self.max_model_len = getattr(model, "max_model_len", None) or 1 << 62
         self._rows: dict[int, tuple[NgramIndex, np.ndarray]] = {}
-        self.steps = self.proposed = 0  # steps asked, tokens proposed (for logs and tests)
 
     def __repr__(self) -> str:
         return f"LookupProposer({describe_lookup(self.config)!r})"
@@ -81,7 +80,6 @@ class LookupProposer:
         """One proposal per request of the step (module docstring): empty for a request that skips
         speculation, at the end of its context room, without a match, or for every request while the step's
         load is over the limit."""
-        self.steps += 1
         decoding = [i for i, ids in enumerate(sampled_token_ids) if len(ids)]
         out: list[list[int]] = [[] for _ in sampled_token_ids]
         if not self.config.runs_at(LoadState(requests=len(decoding))):
@@ -92,7 +90,6 @@ class LookupProposer:
             if room < 1:
                 continue
             out[i] = self._index(i, token_ids_cpu[i, :n]).propose(room)
-            self.proposed += len(out[i])
         return out
 
     def _index(self, row: int, tokens: np.ndarray) -> NgramIndex:
