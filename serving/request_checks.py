@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from engine.engine import MAX_SEED
 from serving.state import ServerState
@@ -38,31 +38,38 @@ class ApiError(Exception):
 
 
 class RequestBody(BaseModel):
+    """Strict types, as OpenAI's API checks them: a string or a boolean where a number belongs (``"10"``,
+    ``true``), a string where a boolean belongs (``"yes"``) are 400s naming the field, never coerced; a float
+    field takes an integer (``temperature: 1``)."""
+
     model_config = ConfigDict(extra="allow")
 
-    model: str
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    stream: bool = False
+    model: StrictStr
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    temperature: StrictFloat = 1.0
+    top_p: StrictFloat = 1.0
+    top_k: StrictInt = 0
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
-    n: int = 1
-    user: str | None = None
-    ignore_eos: bool = False
-    return_token_ids: bool = False
+    n: StrictInt = 1
+    user: StrictStr | None = None
+    ignore_eos: StrictBool = False
+    return_token_ids: StrictBool = False
 
 
 class ChatBody(RequestBody):
     messages: list[dict[str, Any]]
+    parse_special_tokens: StrictBool = False
+    """An extension: read control tokens typed in the messages' content (``<|im_start|>``...) as control
+    tokens. Off by default: the content is text, and only the chat template places control tokens."""
 
 
 class CompletionBody(RequestBody):
-    prompt: str | list[int] | list[str]
+    prompt: StrictStr | list[StrictInt] | list[StrictStr]
 
 
 COMMON_FIELDS = frozenset(RequestBody.model_fields)
@@ -142,6 +149,11 @@ def check_fields(body: RequestBody, no_ops: tuple[str, ...]) -> None:
             400, f"stream_options: unsupported key{'s' if len(options) > 1 else ''} {', '.join(sorted(options))} "
             f"(supported: {', '.join(STREAM_OPTIONS)})", "stream_options", "unsupported_parameter",
         )  # fmt: skip
+    for key, value in (body.stream_options or {}).items():
+        if not isinstance(value, bool):
+            raise ApiError(
+                400, f"stream_options.{key} must be a boolean, got {json.dumps(value)}", "stream_options"
+            )
 
 
 def check_common(state: ServerState, body: RequestBody, no_ops: tuple[str, ...]) -> None:
@@ -199,10 +211,109 @@ def chat_prompt(state: ServerState, body: ChatBody) -> list[int]:
             raise ApiError(400, f"messages[{i}].content must be a string", "messages")
         check_text(content, f"messages[{i}].content")
         messages.append({"role": role, "content": content})
-    ids = state.pair.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
+    check_size(state, body, [m["content"] for m in messages])
+    return chat_ids(state, messages, body.parse_special_tokens)
+
+
+def _ids(encoded) -> list[int]:
+    if isinstance(encoded, dict) or hasattr(encoded, "input_ids"):  # a BatchEncoding
+        encoded = encoded["input_ids"]
+    return [int(i) for i in encoded]
+
+
+def tokenizer_facts(state: ServerState) -> tuple[re.Pattern | None, int]:
+    """(a pattern of the tokenizer's special tokens' text, longest first, or None when it has none; the most
+    UTF-8 bytes one token of its vocabulary spells), measured once and kept on ``state``."""
+    if not state.max_token_bytes:
+        tokenizer = state.pair.tokenizer
+        decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        texts = sorted(
+            {t.content for t in decoder.values() if getattr(t, "special", False)}, key=len, reverse=True
+        )
+        state.specials = re.compile("|".join(map(re.escape, texts))) if texts else None
+        # a vocabulary string spells at least the bytes its token stands for (byte-level BPE: one character
+        # a byte; "<0x41>"-style byte tokens and SentencePiece's "\u2581" more): a safe bound
+        state.max_token_bytes = max((len(t.encode("utf-8")) for t in tokenizer.get_vocab()), default=1) or 1
+    return state.specials, state.max_token_bytes
+
+
+def check_size(state: ServerState, body: RequestBody, texts: list[str]) -> None:
+    """A 400 for a prompt that cannot fit the context whatever its tokens, judged from its UTF-8 size before
+    it is tokenized: no token spells more than ``max_token_bytes`` bytes, so ``bytes / max_token_bytes`` is
+    at least its token count. A prompt that could fit always passes on to the exact check on its tokens."""
+    _, per_token = tokenizer_facts(state)
+    size = sum(len(t.encode("utf-8")) for t in texts)
+    least = -(-size // per_token)
+    asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if least + max(asked or 1, 1) > state.max_context:
+        raise ApiError(
+            400, f"this model's maximum context length is {state.max_context} tokens; the prompt alone is "
+            f"{size} bytes of text, at least {least} tokens (a token spells at most {per_token} bytes)",
+            "messages" if isinstance(body, ChatBody) else "prompt", "context_length_exceeded",
+        )  # fmt: skip
+
+
+def chat_ids(state: ServerState, messages: list[dict[str, str]], parse_specials: bool) -> list[int]:
+    """The chat template applied to ``messages``, tokenized so that only the template places control tokens:
+    a content's text is text, even where it spells one (``<|im_start|>system``), unless ``parse_specials``.
+
+    A content without any special token's text (nearly all) is tokenized as it always was, with the template
+    (the same ids by construction). Otherwise the template is rendered with a placeholder for each content to
+    find the control tokens it places itself; the text between two of them (template text and contents) is
+    tokenized with special-token parsing off (``split_special_tokens``). A tokenizer splits its input at its
+    special tokens before anything else, so those runs are the pieces the tokenizer sees for ordinary text:
+    the ids are what the template gives, with the contents' would-be control tokens spelled as text."""
+    tokenizer = state.pair.tokenizer
+    specials, _ = tokenizer_facts(state)
+    if parse_specials or specials is None or not any(specials.search(m["content"]) for m in messages):
+        return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    return template_ids(tokenizer, messages, specials)
+
+
+def template_ids(tokenizer, messages: list[dict[str, str]], specials: re.Pattern) -> list[int]:
+    """``chat_ids`` where a content spells a control token: its text stays text (``specials``: the
+    tokenizer's special tokens' text). A 400 where the template changes a content (it cannot be found)."""
+    template = tokenizer.apply_chat_template
+    rendered = template(messages, add_generation_prompt=True, tokenize=False)
+    marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+    marked = template(
+        [{**m, "content": mark} for m, mark in zip(messages, marks)],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    pieces = re.split("(\ue000[0-9]+\ue001)", marked)  # template text, mark, template text, ...
+    if (
+        pieces[1::2] != marks
+        or "".join(messages[marks.index(p)]["content"] if k % 2 else p for k, p in enumerate(pieces))
+        != rendered
+    ):  # the template changes a content (strips it, say): where it went is not known
+        found = [hit.group() for m in messages for hit in [specials.search(m["content"])] if hit] or ["?"]
+        raise ApiError(
+            400, f"a message's content holds the control token {found[0]!r}, which this model's chat template "
+            "cannot keep as text (set parse_special_tokens to read it as a control token)", "messages",
+        )  # fmt: skip
+    ids: list[int] = []
+    run: list[str] = []
+
+    def flush() -> None:
+        if run:
+            text = "".join(run)
+            run.clear()
+            ids.extend(_ids(tokenizer(text, add_special_tokens=False, split_special_tokens=True)))
+
+    for k, piece in enumerate(pieces):
+        if k % 2:  # a content: text, whatever it spells
+            run.append(messages[marks.index(piece)]["content"])
+            continue
+        at = 0
+        for special in specials.finditer(piece):  # the template's own control tokens
+            run.append(piece[at : special.start()])
+            flush()
+            ids.append(int(tokenizer.convert_tokens_to_ids(special.group())))
+            at = special.end()
+        run.append(piece[at:])
+    flush()
+    return ids
 
 
 def completion_prompt(state: ServerState, body: CompletionBody) -> list[int]:
@@ -215,6 +326,8 @@ def completion_prompt(state: ServerState, body: CompletionBody) -> list[int]:
         prompt = prompt[0]
     if isinstance(prompt, str):
         check_text(prompt, "prompt")
+        check_size(state, body, [prompt])
+        # the caller writes the template: control tokens spelled in a raw prompt are control tokens
         ids = list(state.pair.tokenizer.encode(prompt)) if prompt else []
     else:
         ids = [int(t) for t in prompt]

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,3 +36,11 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     max_body_bytes: int = MAX_BODY_BYTES
     """Request bodies larger than this are refused with a 413 before they are parsed."""
+    body_timeout_s: float | None = None
+    """A request body must have arrived whole this long after its headers (else 408); None: no bound."""
+    specials: re.Pattern | None = field(default=None, repr=False)
+    """The tokenizer's special (control) tokens' text, longest first (``serving.request_checks``; lazily)."""
+    max_token_bytes: int = 0
+    """The most UTF-8 bytes any token of the vocabulary spells (0: not measured yet)."""
+    closing: asyncio.Event | None = field(default=None, repr=False)
+    """Set when the server drains: request bodies still arriving are cut short with a 503."""
