@@ -103,6 +103,27 @@ class ServeConfig(ModelConfig):
     """Request body size at most, in bytes; a larger body gets HTTP 413 before it is parsed."""
     log_level: str = "info"
     """uvicorn's log level (critical, error, warning, info, debug)."""
+    api_key: str | None = None
+    """API key every /v1/* request must give as "Authorization: Bearer KEY"; several: comma-separated or the
+    flag repeated (the environment variable DRAFTPILOT_API_KEY adds more, likewise)."""
+    api_key_file: str | None = None
+    """A file of API keys, one a line (blank lines and lines starting with # skipped)."""
+    allow_unauthenticated: bool = False
+    """Listen on a non-loopback --host without an API key (refused otherwise)."""
+    metrics_auth: bool = False
+    """With API keys, /metrics needs one too (open by default, as vLLM's; /health is always open)."""
+    allowed_hosts: str | None = None
+    """Host header names the server answers to, comma-separated ("*.example.com": its subdomains; "*": any);
+    others get HTTP 400, a guard against DNS rebinding. Default: localhost, 127.0.0.1, ::1 and --host."""
+    api_docs: bool = False
+    """Serve the interactive API pages (/docs, /redoc, /openapi.json)."""
+    header_timeout: float = 10.0
+    """Seconds a connection has to send a whole request header, from its opening or its previous response;
+    then it is closed."""
+    body_timeout: float = 30.0
+    """Seconds a request body has to arrive whole after its header (HTTP 408 past it)."""
+    max_connections: int = 256
+    """Open connections served at most; a request on a connection past it gets HTTP 503."""
 
 
 def build_parser() -> ArgumentParser:
@@ -301,7 +322,7 @@ def build_state(config: ServeConfig, pair=None):
         "max_requests": config.max_requests,
         "max_rows": config.max_rows,
         "max_prefill_tokens": config.max_prefill_tokens,
-        "max_context": config.max_context,
+        "max_context": min(config.max_context, pair.max_context),  # the bound enforced
         "kv_budget_bytes": batch.max_kv_bytes,
     }
     return ServerState(
@@ -310,10 +331,47 @@ def build_state(config: ServeConfig, pair=None):
         metrics,
         names,
         make,
-        min(config.max_context, pair.max_context),
+        description["max_context"],
         description,
         max_body_bytes=config.max_body_bytes,
+        body_timeout_s=config.body_timeout,
+        allowed_hosts=allowed_hosts(config),
+        api_keys=api_keys(config),
+        metrics_auth=config.metrics_auth,
+        api_docs=config.api_docs,
     )
+
+
+API_KEY_ENV = "DRAFTPILOT_API_KEY"
+"""Environment variable of more API keys (comma-separated), next to --api-key and --api-key-file."""
+
+
+def api_keys(config: ServeConfig) -> tuple[str, ...]:
+    """Every API key the server accepts: --api-key (comma-separated), DRAFTPILOT_API_KEY, --api-key-file."""
+    keys = (config.api_key or "").split(",") + os.environ.get(API_KEY_ENV, "").split(",")
+    if config.api_key_file is not None:
+        try:
+            with open(config.api_key_file, encoding="utf-8") as f:
+                keys += [line for line in f.read().splitlines() if not line.lstrip().startswith("#")]
+        except (OSError, UnicodeDecodeError) as err:
+            raise InputError(f"--api-key-file: cannot read {config.api_key_file}: {err}") from None
+    keys = [k.strip() for k in keys if k.strip()]
+    if any(any(c.isspace() for c in k) or not k.isprintable() for k in keys):
+        raise InputError("an API key must be printable and hold no spaces")
+    return tuple(dict.fromkeys(keys))
+
+
+def allowed_hosts(config: ServeConfig) -> tuple[str, ...] | None:
+    """The Host header names the server answers to (None: any)."""
+    from serving.access import LOOPBACK_HOSTS, host_name
+
+    if config.allowed_hosts is not None:
+        names = tuple(dict.fromkeys(host_name(h) for h in config.allowed_hosts.split(",") if h.strip()))
+        if not names:
+            raise InputError("--allowed-hosts must name at least one host (or *)")
+        return None if "*" in names else names
+    extra = () if config.host in ("0.0.0.0", "::", "") else (host_name(config.host),)
+    return tuple(dict.fromkeys(LOOPBACK_HOSTS + extra))
 
 
 def check(config: ServeConfig) -> ServeConfig:
@@ -326,6 +384,7 @@ def check(config: ServeConfig) -> ServeConfig:
         max_waiting=config.max_waiting,
         max_context=config.max_context,
         max_body_bytes=config.max_body_bytes,
+        max_connections=config.max_connections,
         depth=config.depth,
         tree_width=config.tree_width,
     )
@@ -351,17 +410,54 @@ def check(config: ServeConfig) -> ServeConfig:
             f"--profile is the cost profile of --policy analytic; --policy {config.policy} uses none"
         )
     resolve_lookup(config.lookup)
+    for name in ("header_timeout", "body_timeout"):
+        value = getattr(config, name)
+        if not value > 0 or value == float("inf"):
+            raise InputError(f"--{name.replace('_', '-')} must be a number of seconds > 0, got {value}")
+    from serving.access import is_loopback
+
+    keys = api_keys(config)
+    allowed_hosts(config)  # checked before the pair loads
+    if not keys and not is_loopback(config.host) and not config.allow_unauthenticated:
+        raise InputError(
+            f"--host {config.host} is reachable from other machines and no API key is set: give --api-key "
+            f"(or --api-key-file, or {API_KEY_ENV}), or --allow-unauthenticated to serve anyone"
+        )
+    if config.metrics_auth and not keys:
+        raise InputError("--metrics-auth needs an API key (--api-key, --api-key-file or DRAFTPILOT_API_KEY)")
     config.check()
     return config
 
 
+def merge_repeated(argv: list[str], flag: str = "--api-key") -> list[str]:
+    """``argv`` with every ``flag VALUE`` / ``flag=VALUE`` joined into one, comma-separated: the flag may be
+    repeated (argparse would keep the last one alone)."""
+    values, rest, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == flag and i + 1 < len(argv):
+            values.append(argv[i + 1])
+            i += 2
+            continue
+        if arg.startswith(flag + "="):
+            values.append(arg[len(flag) + 1 :])
+        else:
+            rest.append(arg)
+        i += 1
+    return rest + ([flag, ",".join(values)] if values else [])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(merge_repeated(argv))
     try:
         config = check(from_args(ServeConfig, args))
-        if config.host not in ("127.0.0.1", "localhost", "::1"):
-            warn(f"listening on {config.host}: the server has no authentication")
+        from serving.access import is_loopback
+
+        if not is_loopback(config.host) and not api_keys(config):
+            warn(
+                f"listening on {config.host} without authentication (--allow-unauthenticated): anyone may use it"
+            )
         state = off_main_thread(build_state, config)  # the main thread forks no OpenMP team
     except CLI_ERRORS as err:
         return report_error(err)
@@ -393,13 +489,23 @@ def main(argv: list[str] | None = None) -> int:
 
         async def on_tick(self, counter: int) -> bool:
             if self.draining_since is not None:
+                if state.closing is not None:
+                    state.closing.set()  # request bodies still arriving: 503 at once (serving.app.BodyLimit)
                 drained = state.worker.join(0) and not self.server_state.tasks  # no request being served
                 if drained or time.monotonic() - self.draining_since > GRACE_S:
                     self.should_exit = True
             return await super().on_tick(counter)
 
+    from serving.access import header_timeout_protocol
+
     uv = uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=GRACE_S
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        timeout_graceful_shutdown=GRACE_S,
+        http=header_timeout_protocol(config.header_timeout),
+        limit_concurrency=config.max_connections,
     )
     d = state.description
     batch_budget = d["kv_budget_bytes"]
@@ -407,6 +513,14 @@ def main(argv: list[str] | None = None) -> int:
         f"serving {d['model']} ({d['pair']}, {d['weights']}, {d['device']}) on http://{config.host}:{config.port}/v1 "
         f"controller={d['controller']} lookup={d['lookup']} max_requests={config.max_requests} "
         f"kv_memory={'unbounded' if batch_budget is None else format_bytes(batch_budget)}",
+        flush=True,
+    )
+    hosts = "any host" if state.allowed_hosts is None else ", ".join(state.allowed_hosts)
+    keys = f"{len(state.api_keys)} API key(s) on /v1/*" + (" and /metrics" if state.metrics_auth else "")
+    print(
+        f"access: {keys if state.api_keys else 'no API key'}; Host header: {hosts}; "
+        f"API pages {'on' if state.api_docs else 'off'}; header timeout {config.header_timeout:g} s, "
+        f"body timeout {config.body_timeout:g} s, {config.max_connections} connections at most",
         flush=True,
     )
     Server(uv).run()

@@ -46,6 +46,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.errors import InputError
 from engine.sampling import SamplingConfig
+from serving.access import AccessGuard
 from serving.request_checks import (
     ApiError,
     ChatBody,
@@ -66,12 +67,23 @@ and a tokenizer (a Hugging Face fast tokenizer among them) is never called from 
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over ``max_bytes`` is refused with a 413 before anything parses it, at
-    once when its Content-Length says so, else (a chunked body) as soon as the bytes received pass the limit.
+    """ASGI middleware: a request body is bounded in size and in time before anything parses it. Over
+    ``max_bytes`` it is refused with a 413, at once when its Content-Length says so, else (a chunked body) as
+    soon as the bytes received pass the limit; not arrived whole ``timeout_s`` after its header (a client
+    trickling it, or stalled), with a 408; still arriving when the server starts draining (``closing`` set),
+    with a 503 at once, so an idle client never holds a shutdown. Each answer closes the connection.
     ``on_refuse(status)`` counts each refusal."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, on_refuse: Callable[[int], None]):
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        on_refuse: Callable[[int], None],
+        timeout_s: float | None = None,
+        closing: Callable[[], asyncio.Event | None] = lambda: None,
+    ):
         self.app, self.max_bytes, self.on_refuse = app, max_bytes, on_refuse
+        self.timeout_s, self.closing = timeout_s, closing
 
     def _too_large(self, size: str) -> ApiError:
         return ApiError(
@@ -88,13 +100,42 @@ class BodyLimit:
             self.on_refuse(413)
             await self._too_large(f"{int(length)} bytes").response()(scope, receive, send)
             return
-        received = 0
+        received, whole = 0, False
+        loop = asyncio.get_running_loop()
+        deadline = None if self.timeout_s is None else loop.time() + self.timeout_s
+
+        async def next_message() -> dict:
+            """``receive()``, bounded by the deadline and cut short by the drain."""
+            closing = self.closing()
+            if deadline is None and closing is None:
+                return await receive()
+            waits = {get := asyncio.ensure_future(receive())}
+            if closing is not None:
+                waits.add(asyncio.ensure_future(closing.wait()))
+            timeout = None if deadline is None else max(deadline - loop.time(), 0.0)
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            for wait in waits - {get}:
+                wait.cancel()
+            if get.done():
+                return get.result()
+            get.cancel()
+            if closing is not None and closing.is_set():
+                raise HTTPException(
+                    503, "the server is shutting down; the request body had not arrived whole"
+                )
+            raise HTTPException(
+                408, f"the request body did not arrive whole within {self.timeout_s:g} s of its header "
+                f"({received} bytes received; serve.py --body-timeout)",
+            )  # fmt: skip
 
         async def limited() -> dict:
-            nonlocal received
-            message = await receive()
+            nonlocal received, whole
+            if whole:  # the body is in: what follows is the wait for a disconnect, never bounded
+                return await receive()
+            message = await next_message()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                whole = not message.get("more_body", False)
                 if received > self.max_bytes:  # raised into the body parser: the 413 handler answers
                     raise HTTPException(413, self._too_large(f"at least {received} bytes").message)
             return message
@@ -109,18 +150,33 @@ def create_app(state: ServerState) -> FastAPI:
     async def lifespan(app: FastAPI):
         if state.worker.state == "new":
             state.worker.start()
+        state.closing = asyncio.Event()  # set by serve.py's drain: request bodies still arriving get a 503
         yield
         state.worker.drain()
         await asyncio.to_thread(state.worker.join, 30.0)
         tokenize.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="draftpilot", lifespan=lifespan)
+    pages = {} if state.api_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="draftpilot", lifespan=lifespan, **pages)
     app.state.server = state
 
     def count(status: int) -> None:
         state.metrics.errors.labels(str(status)).inc()
 
-    app.add_middleware(BodyLimit, max_bytes=state.max_body_bytes, on_refuse=count)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=state.max_body_bytes,
+        on_refuse=count,
+        timeout_s=state.body_timeout_s,
+        closing=lambda: state.closing,
+    )
+    app.add_middleware(  # outermost: a refused request costs no body read
+        AccessGuard,
+        allowed_hosts=state.allowed_hosts,
+        api_keys=state.api_keys,
+        metrics_auth=state.metrics_auth,
+        on_refuse=count,
+    )
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, err: ApiError):
@@ -148,7 +204,7 @@ def create_app(state: ServerState) -> FastAPI:
             message = f"no route {request.url.path} (the API is under /v1)"
         elif err.status_code == 405:
             message = f"{request.method} is not allowed on {request.url.path}"
-        code = "request_too_large" if err.status_code == 413 else None
+        code = {408: "request_timeout", 413: "request_too_large", 503: "unavailable"}.get(err.status_code)
         return await _api_error(request, ApiError(err.status_code, message, None, code))
 
     @app.exception_handler(Exception)
@@ -173,6 +229,7 @@ def create_app(state: ServerState) -> FastAPI:
                 "object": "model",
                 "created": state.created,
                 "owned_by": "draftpilot",
+                "max_model_len": state.max_context,  # as vLLM names it: the context length enforced
             }
         ]
         return {"object": "list", "data": data}

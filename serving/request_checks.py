@@ -33,6 +33,10 @@ class ApiError(Exception):
             kind = "invalid_request_error" if self.status < 500 else "server_error"
         body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
         headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        if self.status == 401:
+            headers = {"WWW-Authenticate": "Bearer"}
+        elif self.status in (408, 413):  # a body left unread, or still arriving: the connection ends
+            headers = {"Connection": "close"}
         # ASCII JSON: a message quoting client text can never fail to encode
         return Response(json.dumps(body), self.status, headers, media_type="application/json")
 

@@ -36,6 +36,14 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     max_body_bytes: int = MAX_BODY_BYTES
     """Request bodies larger than this are refused with a 413 before they are parsed."""
+    allowed_hosts: tuple[str, ...] | None = None
+    """The Host header names the server answers to (``serving.access``; None: any)."""
+    api_keys: tuple[str, ...] = ()
+    """Keys a ``/v1/*`` request must give as ``Authorization: Bearer KEY`` (empty: none needed)."""
+    metrics_auth: bool = False
+    """Whether ``/metrics`` needs a key too (with ``api_keys``)."""
+    api_docs: bool = False
+    """Whether the interactive API pages (``/docs``, ``/redoc``, ``/openapi.json``) are served."""
     body_timeout_s: float | None = None
     """A request body must have arrived whole this long after its headers (else 408); None: no bound."""
     specials: re.Pattern | None = field(default=None, repr=False)

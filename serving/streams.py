@@ -52,9 +52,12 @@ class TextStream:
                 pass
 
     def abandon(self) -> None:
+        """The client left before the end: the job is cancelled and counted under status 499 (nginx's
+        "client closed request"), as the response a non-streamed request gets then."""
         if not self.done:
             self.done = True
             self.state.worker.cancel(self.job)
+            self.state.metrics.errors.labels("499").inc()
 
     def _text(self, ids: tuple[int, ...]) -> tuple[str, int]:
         """(the text of ``ids`` through the detokenizer and the stop strings, how many of ``ids`` count).
@@ -147,6 +150,7 @@ async def sse_events(
         item = first
         while True:
             if isinstance(item, Failed):  # after the 200: an error event, counted as any error
+                stream.done = True  # ended: not a client that left
                 stream.state.metrics.errors.labels(str(item.status)).inc()
                 error = {"message": item.message, "type": "server_error", "param": None, "code": None}
                 yield {"data": json.dumps({"error": error})}

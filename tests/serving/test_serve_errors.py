@@ -17,7 +17,7 @@ def app_client(served_pair):
     from serving.app import create_app
 
     state = build_state(ServeConfig(pair="tiny", policy="none"), pair=served_pair)
-    with TestClient(create_app(state), raise_server_exceptions=False) as client:
+    with TestClient(create_app(state), raise_server_exceptions=False, base_url="http://localhost") as client:
         yield client
 
 
