@@ -192,7 +192,8 @@ def create_app(state: ServerState) -> FastAPI:
         message = "; ".join(problems) or "invalid request"
         if any(e.get("type") == "json_invalid" for e in err.errors()):
             message = f"the request body is not valid JSON ({message})"
-        return await _api_error(request, ApiError(400, message))
+        fields = [p for e in err.errors() for p in e.get("loc", ())[1:2] if isinstance(p, str)]
+        return await _api_error(request, ApiError(400, message, fields[0] if fields else None))
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, err: HTTPException):
