@@ -5,9 +5,11 @@ and SSE events in ``serving.streams``.
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming or not), ``GET /v1/models``,
 ``GET /health``, ``GET /metrics``. Every error, whatever raised it (a check here, the body parser, the
 router, an unexpected exception), has OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
-and is counted in ``/metrics`` by status: 400 for bad input (malformed JSON, invalid Unicode included), 404
-for an unknown model or route, 413 for a body over ``max_body_bytes`` (refused before it is parsed), 429 when
-the waiting line is full, 503 while draining, 500 for an engine failure or a bug. Every check that can be
+and is counted in ``/metrics`` by status: 400 for bad input (malformed JSON, invalid Unicode, a value of the
+wrong type, a Host header the server does not answer to included), 401 for a missing or wrong API key
+(``serving.access``), 404 for an unknown model or route, 408 for a body that does not arrive in time, 413 for
+a body over ``max_body_bytes`` (both refused before it is parsed), 429 when the waiting line is full, 503
+while draining, 500 for an engine failure or a bug; a client that leaves before its end counts as 499. Every check that can be
 made before the engine sees a request is made here, so a bad request never reaches the batch and never
 disturbs the others.
 
@@ -15,7 +17,7 @@ Accepted parameters (``serving.request_checks``: ``CHAT_FIELDS``, ``COMPLETION_F
 string, or token ids for completions), ``max_tokens`` (``max_completion_tokens``), ``temperature`` (default
 1, as OpenAI's; below ``engine.sampling.MIN_TEMPERATURE`` greedy), ``top_p``, ``top_k`` (an extension, as
 vLLM's: 0 or -1 for no limit), ``seed``, ``stop`` (up to 4 strings), ``stop_token_ids``, ``ignore_eos``,
-``return_token_ids`` (extensions), ``stream``, ``stream_options`` (``include_usage``, and
+``return_token_ids``, ``parse_special_tokens`` (chat) (extensions), ``stream``, ``stream_options`` (``include_usage``, and
 ``continuous_usage_stats``: usage in every chunk, as vLLM's), ``n`` = 1, ``user``. OpenAI parameters the
 engine does not implement are accepted at the value that means "not used" (``NO_OPS``: ``logprobs`` false,
 penalties 0, ...) and refused otherwise; any other field is refused. A refusal is a 400 naming the
