@@ -458,6 +458,11 @@ def main(argv: list[str] | None = None) -> int:
             warn(
                 f"listening on {config.host} without authentication (--allow-unauthenticated): anyone may use it"
             )
+        if config.host in ("0.0.0.0", "::") and config.allowed_hosts is None:
+            warn(
+                f"--host {config.host}: the server answers only to the Host names localhost, 127.0.0.1 and ::1; "
+                "give the names clients reach it by with --allowed-hosts"
+            )
         state = off_main_thread(build_state, config)  # the main thread forks no OpenMP team
     except CLI_ERRORS as err:
         return report_error(err)

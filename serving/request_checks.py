@@ -248,8 +248,7 @@ def check_size(state: ServerState, body: RequestBody, texts: list[str]) -> None:
     _, per_token = tokenizer_facts(state)
     size = sum(len(t.encode("utf-8")) for t in texts)
     least = -(-size // per_token)
-    asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    if least + max(asked or 1, 1) > state.max_context:
+    if least + 1 > state.max_context:  # not even one token of room (max_tokens is judged on the tokens)
         raise ApiError(
             400, f"this model's maximum context length is {state.max_context} tokens; the prompt alone is "
             f"{size} bytes of text, at least {least} tokens (a token spells at most {per_token} bytes)",

@@ -48,6 +48,10 @@ def server(launched, served_pair):
     return launched.wait_ready()
 
 
+def _errors(server, status: int) -> float:
+    return server.metrics().get(f'draftpilot_request_errors_total{{status="{status}"}}', 0.0)
+
+
 def test_a_full_waiting_line_gets_429_at_once_and_the_others_complete(server, served_pair):
     server.wait_idle()
     ids = served_pair.tokenizer.encode
@@ -63,6 +67,7 @@ def test_a_full_waiting_line_gets_429_at_once_and_the_others_complete(server, se
             )
 
     client = server.openai(timeout=30)
+    refused_before = _errors(server, 429)
     with streamed(server, "/v1/completions", completion_body(first_prompt, LONG, stream=True)) as r:
         assert r.status_code == 200
         events = sse_events(r)
@@ -90,6 +95,7 @@ def test_a_full_waiting_line_gets_429_at_once_and_the_others_complete(server, se
     assert raw.status_code == 429
     assert raw.headers.get("retry-after") == "1"
     assert "retry later" in raw.json()["error"]["message"]
+    assert _errors(server, 429) - refused_before == 2  # counted in /metrics
     # the running and the waiting request are unharmed
     assert got["done"] and got["finish_reason"] == "length"
     assert_matches_reference(got["token_ids"], first_ref, LONG, served_pair.eos_token_ids)
@@ -166,6 +172,7 @@ def test_sigterm_drains_the_stream_in_flight_refuses_new_requests_and_exits_0(se
         waiter = threading.Thread(target=wait_in_line, daemon=True)
         waiter.start()
         server.wait_health(lambda h: h["waiting"] == 1 or h["running"] == 0, timeout_s=20)
+        unavailable_before = _errors(server, 503)
         server.proc.send_signal(signal.SIGTERM)
         health = _wait_draining(server)  # the signal has been handled
         # a new request, on a new connection, is refused at once with 503, never left hanging
@@ -177,12 +184,14 @@ def test_sigterm_drains_the_stream_in_flight_refuses_new_requests_and_exits_0(se
             pytest.fail("a request sent after SIGTERM hung")
         refused_in = time.monotonic() - started
         still_draining = httpx.get(server.url("/health"), timeout=5)
+        unavailable = _errors(server, 503) - unavailable_before  # /metrics answers while draining
         got = collect_stream(iter([*head, *events]))
     assert health.status_code == 503, health.text
     assert health.json()["status"] in ("draining", "stopped")  # stopped: the engine is done, the stream not
     assert refused_in < 5.0
     assert refused.status_code == 503, refused.text
     assert refused.json()["error"]["code"] == "unavailable"
+    assert unavailable == 1  # the refused request; /health's 503 is its state, not an error
     assert still_draining.status_code == 503
     assert got["done"] and got["finish_reason"] == "length"
     assert got["usage"]["completion_tokens"] == LONG
