@@ -9,16 +9,17 @@ and is counted in ``/metrics`` by status: 400 for bad input (malformed JSON, inv
 wrong type, a Host header the server does not answer to included), 401 for a missing or wrong API key
 (``serving.access``), 404 for an unknown model or route, 408 for a body that does not arrive in time, 413 for
 a body over ``max_body_bytes`` (both refused before it is parsed), 429 when the waiting line is full, 503
-while draining, 500 for an engine failure or a bug; a client that leaves before its end counts as 499. Every check that can be
-made before the engine sees a request is made here, so a bad request never reaches the batch and never
-disturbs the others.
+while draining, 500 for an engine failure or a bug; a client that leaves before its end counts as 499.
+Every check that can be made before the engine sees a request is made here, so a bad request never reaches
+the batch and never disturbs the others.
 
 Accepted parameters (``serving.request_checks``: ``CHAT_FIELDS``, ``COMPLETION_FIELDS``): ``model``, ``messages`` / ``prompt`` (a
 string, or token ids for completions), ``max_tokens`` (``max_completion_tokens``), ``temperature`` (default
 1, as OpenAI's; below ``engine.sampling.MIN_TEMPERATURE`` greedy), ``top_p``, ``top_k`` (an extension, as
 vLLM's: 0 or -1 for no limit), ``seed``, ``stop`` (up to 4 strings), ``stop_token_ids``, ``ignore_eos``,
-``return_token_ids``, ``parse_special_tokens`` (chat) (extensions), ``stream``, ``stream_options`` (``include_usage``, and
-``continuous_usage_stats``: usage in every chunk, as vLLM's), ``n`` = 1, ``user``. OpenAI parameters the
+``return_token_ids``, ``parse_special_tokens`` (chat; extensions), ``stream``, ``stream_options``
+(``include_usage``, and ``continuous_usage_stats``: usage in every chunk, as vLLM's), ``n`` = 1, ``user``.
+Their types are strict, as OpenAI's (``"10"`` or ``true`` for ``max_tokens`` is a 400). OpenAI parameters the
 engine does not implement are accepted at the value that means "not used" (``NO_OPS``: ``logprobs`` false,
 penalties 0, ...) and refused otherwise; any other field is refused. A refusal is a 400 naming the
 parameter: nothing is ignored silently.
