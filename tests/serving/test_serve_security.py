@@ -362,3 +362,48 @@ def test_sigterm_with_a_stalled_client_exits_as_soon_as_the_running_stream_ends(
     except subprocess.TimeoutExpired:
         pytest.fail("the server did not exit within 60 s of SIGTERM")
     assert code == 0, server.log()[-3000:]
+
+
+# --------------------------------------------------------------------------------- the flags, in process
+@pytest.fixture
+def app_with(served_pair):
+    """``app_with(*flags)``: Starlette's test client over the app ``serve.py --pair tiny *flags`` would serve
+    (the tiny pair loaded once), as ``http://localhost``."""
+    from fastapi.testclient import TestClient
+
+    from serving.app import create_app
+
+    clients = []
+
+    def make(*flags: str) -> TestClient:
+        args = serve.build_parser().parse_args(
+            serve.merge_repeated(["--pair", "tiny", "--policy", "none", *flags])
+        )
+        state = serve.build_state(serve.check(serve.from_args(serve.ServeConfig, args)), pair=served_pair)
+        client = TestClient(create_app(state), base_url="http://localhost")
+        clients.append(client.__enter__())
+        return client
+
+    yield make
+    for client in clients:
+        client.__exit__(None, None, None)
+
+
+def test_metrics_auth_puts_metrics_behind_the_key(app_with):
+    guarded = app_with("--api-key", "k", "--metrics-auth")
+    assert guarded.get("/metrics").status_code == 401
+    assert guarded.get("/metrics", headers=auth("k")).status_code == 200
+    assert guarded.get("/health").status_code == 200  # always open
+    assert app_with("--api-key", "k").get("/metrics").status_code == 200  # open by default
+
+
+def test_api_docs_and_any_host_when_asked(app_with):
+    app = app_with("--api-docs", "--allowed-hosts", "*")
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert app.get(path, headers={"Host": "anything.example"}).status_code == 200, path
+    named = app_with("--allowed-hosts", "api.example.com,*.internal")
+    assert named.get("/health", headers={"Host": "api.example.com:443"}).status_code == 200
+    assert named.get("/health", headers={"Host": "node1.internal"}).status_code == 200
+    assert (
+        named.get("/health", headers={"Host": "localhost"}).status_code == 400
+    )  # the list replaces the default
