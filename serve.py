@@ -123,7 +123,8 @@ class ServeConfig(ModelConfig):
     body_timeout: float = 30.0
     """Seconds a request body has to arrive whole after its header (HTTP 408 past it)."""
     max_connections: int = 256
-    """Open connections served at most; a request on a connection past it gets HTTP 503."""
+    """Open connections served at most; the request of a connection past it gets HTTP 503 and the connection
+    is closed."""
 
 
 def build_parser() -> ArgumentParser:
@@ -501,16 +502,19 @@ def main(argv: list[str] | None = None) -> int:
                     self.should_exit = True
             return await super().on_tick(counter)
 
-    from serving.access import header_timeout_protocol
+    from serving.access import connection_protocol
 
+    def refused(status: int) -> None:
+        state.metrics.errors.labels(str(status)).inc()
+
+    protocol = connection_protocol(config.header_timeout, config.max_connections, refused)
     uv = uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
         log_level=config.log_level,
         timeout_graceful_shutdown=GRACE_S,
-        http=header_timeout_protocol(config.header_timeout),
-        limit_concurrency=config.max_connections,
+        http=protocol,
     )
     d = state.description
     batch_budget = d["kv_budget_bytes"]

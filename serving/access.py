@@ -6,11 +6,12 @@ header that is not one the server answers to gets a 400 (code ``invalid_host``);
 request (and ``/metrics`` when asked) without ``Authorization: Bearer KEY`` naming one of them gets OpenAI's
 401 (code ``invalid_api_key``). Both are counted by status, as every error is.
 
-``header_timeout_protocol`` gives uvicorn an HTTP/1.1 protocol (its own h11 one) that closes a connection
-whose request header has not arrived whole ``timeout`` seconds after the connection opened or after its
+``connection_protocol`` gives uvicorn an HTTP/1.1 protocol (its own h11 one) that closes a connection whose
+request header has not arrived whole ``header_timeout`` seconds after the connection opened or after its
 previous response: uvicorn bounds a header's size (h11, 16 KiB) but not its time, and its keep-alive timer
 is cancelled by the first byte of the next request, so a client sending a header a byte a minute, or
-nothing at all, held its connection for as long as it liked.
+nothing at all, held its connection for as long as it liked. It also answers the request of a connection
+past ``max_connections`` with a counted 503.
 """
 
 from __future__ import annotations
@@ -121,17 +122,31 @@ class AccessGuard:
         await self.app(scope, receive, send)
 
 
-def header_timeout_protocol(timeout: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol, less a connection that does not send a whole request header within
-    ``timeout`` seconds of opening or of its previous response: it is closed (the keep-alive timer, 5 s
-    after a response, still closes an idle connection first)."""
+def connection_protocol(
+    header_timeout: float, max_connections: int, on_refuse: Callable[[int], None]
+) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with two bounds. A connection that does not send a whole request header within
+    ``header_timeout`` seconds of opening or of its previous response is closed (the keep-alive timer, 5 s
+    after a response, still closes an idle connection first). A connection opened while ``max_connections``
+    are open has its request answered with a 503 in OpenAI's shape, counted (``on_refuse``), and is closed:
+    uvicorn's ``limit_concurrency`` does the same with a plain-text 503 that never reaches the app, so no
+    counter saw it."""
 
-    class HeaderTimeoutH11(H11Protocol):
+    async def refuse(scope: Scope, receive: Receive, send: Send) -> None:
+        on_refuse(503)
+        response = ApiError(
+            503, f"the server has {max_connections} connections open, its limit (serve.py --max-connections); "
+            "retry later", None, "unavailable",
+        ).response()  # fmt: skip
+        response.headers["Connection"] = "close"
+        await response(scope, receive, send)
+
+    class GuardedH11(H11Protocol):
         header_timer: asyncio.TimerHandle | None = None
 
         def _arm(self) -> None:
             self._disarm()
-            self.header_timer = self.loop.call_later(timeout, self._expired)
+            self.header_timer = self.loop.call_later(header_timeout, self._expired)
 
         def _disarm(self) -> None:
             if self.header_timer is not None:
@@ -145,6 +160,8 @@ def header_timeout_protocol(timeout: float) -> type[H11Protocol]:
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            if len(self.connections) > max_connections:  # this one is past the bound: its request gets a 503
+                self.app = refuse
             self._arm()
 
         def handle_events(self) -> None:
@@ -161,4 +178,4 @@ def header_timeout_protocol(timeout: float) -> type[H11Protocol]:
             self._disarm()
             super().connection_lost(exc)
 
-    return HeaderTimeoutH11
+    return GuardedH11

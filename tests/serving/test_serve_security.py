@@ -277,6 +277,33 @@ def test_a_keep_alive_connection_is_served_again(server):
             )
 
 
+def test_a_connection_past_the_limit_gets_a_counted_503_and_the_server_serves_on(launch_server):
+    small = launch_server("--max-connections", "3").wait_ready()
+    before = errors(small, 503)
+    held = [raw_socket(small) for _ in range(3)]
+    try:
+        with httpx.Client(timeout=30) as http:
+            refused = http.get(small.url("/v1/models"))
+    finally:
+        for sock in held:
+            sock.close()
+    assert refused.status_code == 503 and refused.headers["connection"] == "close"
+    assert (
+        refused.json()["error"]["code"] == "unavailable"
+        and "--max-connections" in refused.json()["error"]["message"]
+    )
+    deadline = time.monotonic() + SOCKET_WAIT_S  # the held sockets' closes reach the server
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(small.url("/health"), timeout=10).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    assert errors(small, 503) - before == 1
+    assert httpx.get(small.url("/v1/models"), timeout=10).status_code == 200
+
+
 # --------------------------------------------------------------------------------------- the command line
 def one_error_line(capsys, *needles: str) -> None:
     err = capsys.readouterr().err.strip().splitlines()
