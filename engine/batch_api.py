@@ -54,18 +54,36 @@ class BatchConfig:
     admission order, ride in the step's target forward, so a long prompt or a burst of arrivals costs every
     running request a bounded delay a step instead of a stall for all the prefills. Without chunks (the
     torch path) whole prompts while they fit, at least one a step."""
+    idle_prefill_tokens: int = 512
+    """Prompt tokens prefilled in one step while no request decodes (the budget follows the load: module
+    docstring, step 1): a lone prompt runs at the prefill's full speed, in chunks of ``MAX_ROWWISE_ROWS`` rows
+    within the step; with d requests decoding the budget is max(``max_prefill_tokens``, min(this,
+    ``MAX_ROWWISE_ROWS`` // d)). Equal to ``max_prefill_tokens``: a fixed budget."""
     max_kv_bytes: int | None = None
     """KV cache bytes the admitted requests may reserve together (module docstring, "Memory"); None: no
     bound (each request still reserves, and its caches never outgrow, what it can reach)."""
+    prefix_cache_bytes: int = 0
+    """Bytes the prefix cache may hold (``engine.prefix_cache``: the KV of earlier prompts and answers, target
+    and draft, reused by later requests); 0: no prefix cache. Within ``max_kv_bytes`` when that is set: the
+    cache holds what the slots' reservations leave, and gives way (least recently used first) to them."""
 
     def __post_init__(self) -> None:
-        for name in ("max_requests", "max_rows", "max_prefill_tokens"):
+        for name in ("max_requests", "max_rows", "max_prefill_tokens", "idle_prefill_tokens"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise InputError(f"BatchConfig.{name} must be an integer >= 1, got {short_repr(value)}")
         if self.max_kv_bytes is not None and (not is_int(self.max_kv_bytes) or self.max_kv_bytes < 1):
             raise InputError(
                 f"BatchConfig.max_kv_bytes must be an integer >= 1 or None, got {short_repr(self.max_kv_bytes)}"
+            )
+        if not is_int(self.prefix_cache_bytes) or self.prefix_cache_bytes < 0:
+            raise InputError(
+                f"BatchConfig.prefix_cache_bytes must be an integer >= 0 (0: off), got {short_repr(self.prefix_cache_bytes)}"
+            )
+        if self.idle_prefill_tokens < self.max_prefill_tokens:
+            raise InputError(
+                f"BatchConfig.idle_prefill_tokens ({self.idle_prefill_tokens}) must be >= max_prefill_tokens "
+                f"({self.max_prefill_tokens}): the budget grows when fewer requests decode"
             )
         if self.max_rows < self.max_requests:
             raise InputError(
