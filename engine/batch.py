@@ -381,7 +381,9 @@ class BatchedEngine:
         if self.prefix is not None:  # a prompt whose prefix an earlier one of this step is computing waits
             for i in range(1, len(takes)):
                 if waiting[i].cache is None and any(
-                    common_prefix(waiting[i].prompt_ids, waiting[j].prompt_ids, len(waiting[i].prompt_ids) - 1)
+                    common_prefix(
+                        waiting[i].prompt_ids, waiting[j].prompt_ids, len(waiting[i].prompt_ids) - 1
+                    )
                     > hits[i]
                     for j in range(i)
                 ):

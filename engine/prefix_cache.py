@@ -164,7 +164,9 @@ class PrefixTree:
         if self.with_kv:
             kv = torch.stack(
                 [
-                    torch.stack((layer.keys[0, :, start : start + count], layer.values[0, :, start : start + count]))
+                    torch.stack(
+                        (layer.keys[0, :, start : start + count], layer.values[0, :, start : start + count])
+                    )
                     for layer in cache.layers
                 ]
             )  # a copy: the request's buffers are freed or overwritten later
@@ -244,7 +246,9 @@ class PrefixCache:
 
     def __init__(self, entry_bytes: tuple[int, int], max_bytes: int, with_kv: bool = True):
         if not is_int(max_bytes) or max_bytes < 1:
-            raise InputError(f"the prefix cache size must be an integer >= 1 bytes, got {short_repr(max_bytes)}")
+            raise InputError(
+                f"the prefix cache size must be an integer >= 1 bytes, got {short_repr(max_bytes)}"
+            )
         self.max_bytes = int(max_bytes)
         clock = [0]
         self.target = PrefixTree(entry_bytes[0], clock, with_kv)

@@ -103,7 +103,8 @@ def test_a_prefix_still_being_filled_is_waited_for_not_computed_twice(pair):
     """Two requests sharing a long prefix arrive together: the second starts once the first's prompt is in,
     and takes it from the cache."""
     batch = BatchedEngine(
-        pair, BatchConfig(max_requests=4, max_prefill_tokens=16, idle_prefill_tokens=512, prefix_cache_bytes=CACHE)
+        pair,
+        BatchConfig(max_requests=4, max_prefill_tokens=16, idle_prefill_tokens=512, prefix_cache_bytes=CACHE),
     )
     a, b = ids(pair, DOC + "First?"), ids(pair, DOC + "Second one?")
     ra, rb = run(batch, [BatchRequest(a, 12, StaticController(3)), BatchRequest(b, 12, StaticController(3))])
@@ -116,7 +117,9 @@ def test_a_prefix_still_being_filled_is_waited_for_not_computed_twice(pair):
 
 def test_cancelled_mid_prefill_keeps_what_it_computed(kq_pair):
     pair = kq_pair  # prompts are prefilled in chunks on the native decoder
-    batch = BatchedEngine(pair, BatchConfig(max_prefill_tokens=16, idle_prefill_tokens=16, prefix_cache_bytes=CACHE))
+    batch = BatchedEngine(
+        pair, BatchConfig(max_prefill_tokens=16, idle_prefill_tokens=16, prefix_cache_bytes=CACHE)
+    )
     prompt = ids(pair, DOC + "Cancel me?")
     rid = batch.add(BatchRequest(prompt, 12, StaticController(2)))
     batch.step()
@@ -135,7 +138,7 @@ def test_after_evictions_hits_stay_exact_and_the_cache_stays_in_its_size(pair):
     size = 300 * entry  # room for about one conversation of the two models
     batch = BatchedEngine(pair, BatchConfig(prefix_cache_bytes=size))
     prompts = [ids(pair, f"Topic {i}. " + DOC[: 150 + 10 * i]) for i in range(5)]
-    for rounds in range(2):
+    for _ in range(2):
         for p in prompts:
             (r,) = run(batch, [BatchRequest(p, 10, StaticController(2))])
             assert r.tokens == cold(pair, p, 10, StaticController(2))
@@ -230,7 +233,9 @@ def test_a_pinned_prefix_is_not_evicted_and_memory_full_says_so(pair):
     probe = BatchedEngine(pair)
     probe.add(BatchRequest(ids(pair, DOC), 16, None))
     need = probe.kv_reserved
-    batch = BatchedEngine(pair, BatchConfig(max_requests=4, max_kv_bytes=int(need * 2.2), prefix_cache_bytes=CACHE))
+    batch = BatchedEngine(
+        pair, BatchConfig(max_requests=4, max_kv_bytes=int(need * 2.2), prefix_cache_bytes=CACHE)
+    )
     run(batch, [BatchRequest(ids(pair, DOC), 16, None)])
     again = ids(pair, DOC + "again")
     hit = batch.prefix.target.match(again, len(again) - 1).length
@@ -305,7 +310,13 @@ def test_the_radix_tree_splits_shares_and_evicts_least_recently_used():
     m = tree.match([1, 2, 3, 9, 9, 7])
     assert m.length == 5 and [len(n.tokens) for n, _ in m.path] == [3, 3]
     kv = torch.cat([n.kv[:, :, :, :take] for n, take in m.path], dim=3)
-    assert kv[0, 0, 0, :, 0].tolist() == [1, 2, 3, 9, 9] and kv[1, 1, 0, :, 0].tolist() == [-1001, -1002, -1003, -1009, -1009]
+    assert kv[0, 0, 0, :, 0].tolist() == [1, 2, 3, 9, 9] and kv[1, 1, 0, :, 0].tolist() == [
+        -1001,
+        -1002,
+        -1003,
+        -1009,
+        -1009,
+    ]
     assert tree.match([1, 2, 3, 4, 5], limit=4).length == 4
     assert tree.match([2, 1]).length == 0
     # full: the least recently used leaf goes first ([4 5], last used before [9 9 9] was matched)
