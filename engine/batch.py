@@ -627,7 +627,8 @@ class BatchedEngine:
         finish = self._finish(slot)
         if finish is not None and not self._guard(slot, self._finish_slot, slot, finish):
             return StepEvent(rid, (), True, "error", None)
-        return StepEvent(rid, tuple(slot.req.tokens[start:]), finish is not None, finish, slot.record)
+        tokens = tuple(slot.req.tokens[start:])
+        return StepEvent(rid, tokens, finish is not None, finish, slot.record, slot.cached)
 
     def _finish_slot(self, slot: _Slot, finish: str) -> None:
         """Build the result of a finished request, then free its slot (its caches go with it)."""

@@ -123,6 +123,8 @@ class StepEvent:
     """As ``GenerationResult.finish_reason``, or "error" (the request failed alone: ``result`` raises why)."""
     record: CycleRecord | None
     """The cycle this step ran for the request (None: it finished at its prefill)."""
+    cached_tokens: int = 0
+    """Prompt tokens the request took from the prefix cache (``GenerationResult.cached_tokens``)."""
 
 
 def format_bytes(n: int) -> str:
