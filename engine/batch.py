@@ -68,7 +68,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.backends.attention import MAX_ROWWISE_ROWS
 from engine.backends.kvcache import cache_bytes, kv_bytes_per_entry, new_cache
 from engine.backends.pair import ModelPair
 from engine.batch_api import (
@@ -93,7 +92,7 @@ from engine.prefill import _Request
 from engine.prefix_cache import Match, PrefixCache, common_prefix
 from engine.results import CycleRecord, GenerationResult
 from engine.sampling import SamplingConfig
-from engine.scheduling import grant_rows, plan_prefills
+from engine.scheduling import grant_rows, plan_prefills, prefill_budget
 from engine.tree import depth_limit
 
 
@@ -360,11 +359,7 @@ class BatchedEngine:
     def prefill_budget(self, decoding: int) -> tuple[int, int]:
         """(prompt tokens this step, at most of one prompt) while ``decoding`` requests decode: the budget
         follows the load (``BatchConfig.idle_prefill_tokens``; module docstring, step 1)."""
-        cfg = self.config
-        if decoding <= 0:
-            return cfg.idle_prefill_tokens, cfg.idle_prefill_tokens
-        budget = max(cfg.max_prefill_tokens, min(cfg.idle_prefill_tokens, MAX_ROWWISE_ROWS // decoding))
-        return budget, MAX_ROWWISE_ROWS
+        return prefill_budget(decoding, self.config.max_prefill_tokens, self.config.idle_prefill_tokens)
 
     def _schedule_prefills(self) -> list[_Slot]:
         """Start this step's prefill chunks (module docstring, step 1); the slots that got one."""

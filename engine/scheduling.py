@@ -7,6 +7,18 @@ from __future__ import annotations
 from engine.backends.attention import MAX_ROWWISE_ROWS
 
 
+def prefill_budget(decoding: int, max_prefill_tokens: int, idle_prefill_tokens: int) -> tuple[int, int]:
+    """(prompt tokens a step, at most of one prompt) while ``decoding`` requests decode: the budget follows the
+    load (``BatchConfig.idle_prefill_tokens``): ``idle_prefill_tokens`` when none decodes (one prompt may take
+    all of it: several ``MAX_ROWWISE_ROWS``-row chunks in the step), else max(``max_prefill_tokens``,
+    min(``idle_prefill_tokens``, ``MAX_ROWWISE_ROWS`` // decoding)), at most ``MAX_ROWWISE_ROWS`` of one
+    prompt: a stream's step carries at most about one chunk of others' prompts."""
+    if decoding <= 0:
+        return idle_prefill_tokens, idle_prefill_tokens
+    budget = max(max_prefill_tokens, min(idle_prefill_tokens, MAX_ROWWISE_ROWS // decoding))
+    return budget, MAX_ROWWISE_ROWS
+
+
 def plan_prefills(
     left: list[int], budget: int, chunked: bool, per_prompt: int = MAX_ROWWISE_ROWS
 ) -> list[int]:
