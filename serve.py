@@ -93,7 +93,7 @@ class ServeConfig(ModelConfig):
     """Prompt tokens prefilled a step while no request decodes: the budget follows the load, from this when
     none decodes down to --max-prefill-tokens when many do (max(--max-prefill-tokens, min(this, 65 // d)) with
     d requests decoding), so a lone long prompt runs at the prefill's full speed and a busy server's streams
-    wait a bounded time a step. Equal to --max-prefill-tokens: a fixed budget."""
+    wait a bounded time a step. At most --max-prefill-tokens: a fixed budget."""
     prefix_cache: bool = True
     """Keep the KV of earlier prompts and answers (target and draft) and compute only the rest of a prompt that
     starts with one of them (``engine.prefix_cache``); --no-prefix-cache computes every prompt in full."""
@@ -373,11 +373,6 @@ def check(config: ServeConfig) -> ServeConfig:
         )
     if config.kv_memory.strip().lower() not in ("auto", "off"):
         parse_size(config.kv_memory)
-    if config.idle_prefill_tokens < config.max_prefill_tokens:
-        raise InputError(
-            f"--idle-prefill-tokens ({config.idle_prefill_tokens}) must be >= --max-prefill-tokens "
-            f"({config.max_prefill_tokens})"
-        )
     if config.prefix_cache_memory.strip().lower() not in ("auto", "off"):
         if not config.prefix_cache:
             raise InputError("--prefix-cache-memory sizes the prefix cache that --no-prefix-cache turns off")

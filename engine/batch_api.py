@@ -58,7 +58,8 @@ class BatchConfig:
     """Prompt tokens prefilled in one step while no request decodes (the budget follows the load: module
     docstring, step 1): a lone prompt runs at the prefill's full speed, in chunks of ``MAX_ROWWISE_ROWS`` rows
     within the step; with d requests decoding the budget is max(``max_prefill_tokens``, min(this,
-    ``MAX_ROWWISE_ROWS`` // d)). Equal to ``max_prefill_tokens``: a fixed budget."""
+    ``MAX_ROWWISE_ROWS`` // d)). At most ``max_prefill_tokens``: a fixed budget (the larger of the two
+    applies when none decodes)."""
     max_kv_bytes: int | None = None
     """KV cache bytes the admitted requests may reserve together (module docstring, "Memory"); None: no
     bound (each request still reserves, and its caches never outgrow, what it can reach)."""
@@ -79,11 +80,6 @@ class BatchConfig:
         if not is_int(self.prefix_cache_bytes) or self.prefix_cache_bytes < 0:
             raise InputError(
                 f"BatchConfig.prefix_cache_bytes must be an integer >= 0 (0: off), got {short_repr(self.prefix_cache_bytes)}"
-            )
-        if self.idle_prefill_tokens < self.max_prefill_tokens:
-            raise InputError(
-                f"BatchConfig.idle_prefill_tokens ({self.idle_prefill_tokens}) must be >= max_prefill_tokens "
-                f"({self.max_prefill_tokens}): the budget grows when fewer requests decode"
             )
         if self.max_rows < self.max_requests:
             raise InputError(

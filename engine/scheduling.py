@@ -13,6 +13,7 @@ def prefill_budget(decoding: int, max_prefill_tokens: int, idle_prefill_tokens: 
     all of it: several ``MAX_ROWWISE_ROWS``-row chunks in the step), else max(``max_prefill_tokens``,
     min(``idle_prefill_tokens``, ``MAX_ROWWISE_ROWS`` // decoding)), at most ``MAX_ROWWISE_ROWS`` of one
     prompt: a stream's step carries at most about one chunk of others' prompts."""
+    idle_prefill_tokens = max(idle_prefill_tokens, max_prefill_tokens)
     if decoding <= 0:
         return idle_prefill_tokens, idle_prefill_tokens
     budget = max(max_prefill_tokens, min(idle_prefill_tokens, MAX_ROWWISE_ROWS // decoding))

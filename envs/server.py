@@ -97,11 +97,8 @@ class ServerReplay:
             raise InputError(f"max_rows ({max_rows}) must be >= max_requests ({max_requests})")
         self.traces, self.profile, self.lookup = list(traces), profile, lookup
         self.max_requests, self.max_rows, self.max_prefill_tokens = max_requests, max_rows, max_prefill_tokens
-        if not is_int(idle_prefill_tokens) or idle_prefill_tokens < max_prefill_tokens:
-            raise InputError(
-                f"idle_prefill_tokens must be an integer >= max_prefill_tokens ({max_prefill_tokens}), got "
-                f"{idle_prefill_tokens!r}"
-            )
+        if not is_int(idle_prefill_tokens) or idle_prefill_tokens < 1:
+            raise InputError(f"idle_prefill_tokens must be an integer >= 1, got {idle_prefill_tokens!r}")
         if not is_int(prefix_cache_tokens) or prefix_cache_tokens < 0:
             raise InputError(f"prefix_cache_tokens must be an integer >= 0 (0: off), got {prefix_cache_tokens!r}")
         self.idle_prefill_tokens = idle_prefill_tokens

@@ -253,7 +253,7 @@ def test_bad_prefix_cache_settings_are_refused():
     with pytest.raises(InputError, match="prefix_cache_bytes"):
         BatchConfig(prefix_cache_bytes=-1)
     with pytest.raises(InputError, match="idle_prefill_tokens"):
-        BatchConfig(max_prefill_tokens=64, idle_prefill_tokens=16)
+        BatchConfig(idle_prefill_tokens=0)
 
 
 # ------------------------------------------------------------------------------------ prefill budget
@@ -265,6 +265,8 @@ def test_the_prefill_budget_follows_the_load(pair):
     assert batch.prefill_budget(8) == (16, MAX_ROWWISE_ROWS)
     fixed = BatchedEngine(pair, BatchConfig(max_prefill_tokens=16, idle_prefill_tokens=16))
     assert {fixed.prefill_budget(d)[0] for d in range(5)} == {16}
+    smaller = BatchedEngine(pair, BatchConfig(max_prefill_tokens=64, idle_prefill_tokens=16))
+    assert smaller.prefill_budget(0) == (64, 64) and smaller.prefill_budget(3) == (64, MAX_ROWWISE_ROWS)
     assert plan_prefills([600, 40], 512, True, 512) == [512]
     assert plan_prefills([300, 400], 512, True, 512) == [300, 212]
     assert plan_prefills([300], 512, True, MAX_ROWWISE_ROWS) == [MAX_ROWWISE_ROWS]

@@ -349,7 +349,7 @@ def test_a_replayed_prompt_hits_the_prefix_cache_as_live():
     with pytest.raises(InputError, match="prefix_cache_tokens"):
         ServerReplay([ReplayTrace(trace)], profile, prefix_cache_tokens=-1)
     with pytest.raises(InputError, match="idle_prefill_tokens"):
-        ServerReplay([ReplayTrace(trace)], profile, max_prefill_tokens=64, idle_prefill_tokens=16)
+        ServerReplay([ReplayTrace(trace)], profile, idle_prefill_tokens=0)
 
 
 def dataclasses_replace_prompt(trace, prompt_len: int):

@@ -134,7 +134,6 @@ def test_metrics_count_the_prefix_cache(servers):
             ["--no-prefix-cache", "--prefix-cache-memory", "1GiB"],
             ["--no-prefix-cache", "--prefix-cache-memory"],
         ),
-        (["--idle-prefill-tokens", "8"], ["--idle-prefill-tokens", "--max-prefill-tokens"]),
         (["--idle-prefill-tokens", "0"], ["--idle-prefill-tokens"]),
     ],
 )
