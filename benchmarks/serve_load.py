@@ -59,7 +59,7 @@ from engine.cli import ArgumentParser
 from engine.costs.measure_costs import device_name
 from envs.prompts import interleave_languages, load_suite
 from evaluation.llama_cpp_build import default_bin_dir, find_server
-from serving.launch import ServerProcess, free_port, peak_rss_mb, prompt_ids
+from serving.launch import ServerProcess, free_port, peak_rss_mb, prompt_ids, rss_mb
 from serving.load_client import (
     Row,
     closed_loop,
@@ -320,26 +320,28 @@ def chat_template(pair: str):
 
 
 def workload_texts(args, template) -> tuple[str, list[str]]:
-    """(the shared system prompt, the users' documents) of about ``--system-tokens`` and ``--document-tokens``
-    tokens, cut from the suite's train prompts (four languages)."""
+    """(the shared system prompt, the users' documents) of ``--system-tokens`` and ``--document-tokens`` tokens
+    at most as one message (the template's own tokens included), cut from the suite's train prompts (four
+    languages, repeated as needed): the system prompt from their start, each user's document further on."""
     items = interleave_languages(load_suite(split="train"))
-    text = " ".join(item["prompt"] for item in items)
+    words = " ".join(item["prompt"] for item in items).split(" ")
 
     def cut(start: int, tokens: int) -> str:
         if tokens <= 0:
             return ""
-        words = text.split(" ")
-        lo, hi = start, min(start + 4 * tokens, len(words))
-        while (
-            hi - lo > 1 and len(template([{"role": "user", "content": " ".join(words[lo:hi])}])) > tokens + 8
-        ):
-            hi = lo + (hi - lo) * 3 // 4
-        return " ".join(words[lo:hi])
+        span = [words[(start + k) % len(words)] for k in range(4 * tokens)]
+        low, high = 1, len(span)  # the most words within ``tokens``
+        while low < high:
+            mid = (low + high + 1) // 2
+            if len(template([{"role": "user", "content": " ".join(span[:mid])}])) <= tokens:
+                low = mid
+            else:
+                high = mid - 1
+        return " ".join(span[:low])
 
-    shared = "You are a careful assistant. Reference notes follow; answer from them.\n" + cut(
-        0, args.system_tokens
-    )
-    documents = [cut(2000 + 700 * u, args.document_tokens) for u in range(8)]
+    head = "You are a careful assistant. Reference notes follow; answer from them.\n"
+    shared = head + cut(0, args.system_tokens - 20)
+    documents = [cut(len(words) // 2 + 997 * u, args.document_tokens) for u in range(8)]
     return shared, documents
 
 
@@ -378,18 +380,20 @@ def multi_turn(args, ap) -> int:
             with ServerProcess(row.name, row.command + ["--port", str(port)], port, log, ready_s=1800, cwd=ROOT, env=row.env) as srv:  # fmt: skip
                 warm = conversations(1, 1, "Warm-up.", ["-"], "warm-up")
                 asyncio.run(chat_level(url, row, warm, 1, 4, template))
-                for level in sorted(args.concurrency):
+                for index, level in enumerate(sorted(args.concurrency)):  # a level listed twice runs twice
+                    session = f"L{level}R{repeat}I{index}"
                     convs = conversations(
-                        max(level, args.conversations), args.turns, shared, documents, f"L{level}R{repeat}"
+                        max(level, args.conversations), args.turns, shared, documents, session
                     )
                     done = asyncio.run(chat_level(url, row, convs, level, args.max_tokens, template))
-                    key = (repeat, level)
+                    key = (repeat, index)
                     if row.name == reference_row:
                         reference[key] = texts(done)
                     entry = {"row": row.name, "repeat": repeat, "mode": "multi-turn", "level": level}
                     entry["weights"] = row.weights
                     entry.update(chat_figures(done, args.turns, reference.get(key)))
-                    entry.update(peak_rss_mb=peak_rss_mb(srv.proc.pid), loadavg=os.getloadavg()[0])
+                    entry.update(peak_rss_mb=peak_rss_mb(srv.proc.pid), rss_mb=rss_mb(srv.proc.pid))
+                    entry.update(loadavg=os.getloadavg()[0], run=index)
                     results.append(entry)
                     report_chat(entry, args.turns)
             if args.json:
@@ -409,7 +413,7 @@ def report_chat(e: dict, turns: int) -> None:
         f"{e['row']:22s} {e['level']:>3g} users  tok/s {e['tok_s']:7.2f}  ttft p50 {e['ttft_p50']:6.2f} "
         f"p99 {e['ttft_p99']:6.2f} s  per turn p50 [{per_turn}]  itl p50 {e['itl_p50'] * 1e3:6.1f} p99 "
         f"{e['itl_p99'] * 1e3:6.1f} ms  hit {e['hit_rate']:.0%}  same {e['identical']:.0%}  err {e['errors']}  "
-        f"rss {e['peak_rss_mb']:.0f} MB  load {e['loadavg']:.2f}",
+        f"rss {e['rss_mb']:.0f} (peak {e['peak_rss_mb']:.0f}) MB  load {e['loadavg']:.2f}",
         flush=True,
     )
 
