@@ -112,7 +112,7 @@ async def turn_request(
     }
     start = time.perf_counter()
     out = Outcome(0, False, start=start)
-    arrivals, parts, cached = [], [], None
+    arrivals, parts, cached, total = [], [], None, None
     try:
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
@@ -130,6 +130,8 @@ async def turn_request(
                     return out, None
                 usage = chunk.get("usage") or {}
                 details = usage.get("prompt_tokens_details") or {}
+                if usage.get("completion_tokens") is not None:
+                    total = int(usage["completion_tokens"])
                 if details.get("cached_tokens") is not None:
                     cached = int(details["cached_tokens"])
                 timings = chunk.get("timings") or {}
@@ -140,7 +142,11 @@ async def turn_request(
                     continue
                 text = choices[0].get("text") or ""
                 ids_k = choices[0].get("token_ids")
-                k = len(ids_k) if ids_k is not None else (1 if text else 0)
+                k = (
+                    len(ids_k)
+                    if ids_k is not None
+                    else (1 if text and choices[0].get("finish_reason") is None else 0)
+                )
                 parts.append(text)
                 if k:
                     arrivals.append((time.perf_counter() - start, k))
@@ -152,6 +158,8 @@ async def turn_request(
     out.latency = time.perf_counter() - start
     out.ttft, out.itl = latencies(arrivals)
     out.text, out.ok = "".join(parts), True
+    if total is not None:  # the server's count (a last chunk may flush text without a token of its own)
+        out.tokens = total
     return out, cached
 
 
