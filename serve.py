@@ -89,6 +89,18 @@ class ServeConfig(ModelConfig):
     """Prompt tokens prefilled a step at most: chunks of the waiting prompts ride in the step's forward next
     to the running requests' rows (whole prompts, at least one a step, where the native decoder does not
     run), so a long prompt or a burst of arrivals delays each running stream a bounded time a step."""
+    idle_prefill_tokens: int = BatchConfig.idle_prefill_tokens
+    """Prompt tokens prefilled a step while no request decodes: the budget follows the load, from this when
+    none decodes down to --max-prefill-tokens when many do (max(--max-prefill-tokens, min(this, 65 // d)) with
+    d requests decoding), so a lone long prompt runs at the prefill's full speed and a busy server's streams
+    wait a bounded time a step. At most --max-prefill-tokens: a fixed budget."""
+    prefix_cache: bool = True
+    """Keep the KV of earlier prompts and answers (target and draft) and compute only the rest of a prompt that
+    starts with one of them (``engine.prefix_cache``); --no-prefix-cache computes every prompt in full."""
+    prefix_cache_memory: str = "auto"
+    """Bytes the prefix cache may hold, as a size (2GiB, 512MiB); "auto": the whole --kv-memory budget (the
+    cache holds what the requests' reservations leave and gives way to them, least recently used first), or
+    2GiB when --kv-memory is off; "off": as --no-prefix-cache."""
     max_waiting: int = 64
     """Requests waiting for a slot at most; past it a request gets HTTP 429."""
     max_context: int = 4096
@@ -287,6 +299,22 @@ def kv_budget(config: ServeConfig, pair) -> int | None:
     return max(free // 2, 1)
 
 
+AUTO_PREFIX_CACHE_BYTES = 2 * 1024**3
+"""``--prefix-cache-memory auto`` where the KV cache has no budget (``--kv-memory off``)."""
+
+
+def prefix_cache_bytes(config: ServeConfig, kv_bytes: int | None) -> int:
+    """The prefix cache's size in bytes (0: off): ``--no-prefix-cache``, ``--prefix-cache-memory``."""
+    if not config.prefix_cache:
+        return 0
+    value = config.prefix_cache_memory.strip().lower()
+    if value == "off":
+        return 0
+    if value != "auto":
+        return parse_size(config.prefix_cache_memory, "--prefix-cache-memory")
+    return kv_bytes if kv_bytes is not None else AUTO_PREFIX_CACHE_BYTES
+
+
 def build_state(config: ServeConfig, pair=None):
     """The server's state for ``config`` (loads the pair unless given): worker not started yet."""
     from serving.faults import FAULTS_ENV, faulty_engine_factory
@@ -297,12 +325,15 @@ def build_state(config: ServeConfig, pair=None):
     pair = pair if pair is not None else config.load()
     make, described, trained = controller_factory(config, pair)
     lookup = resolve_lookup(config.lookup, trained)
+    kv_bytes = kv_budget(config, pair)
     batch = BatchConfig(
         max_requests=config.max_requests,
         max_rows=config.max_rows,
         max_prefill_tokens=config.max_prefill_tokens,
+        idle_prefill_tokens=config.idle_prefill_tokens,
         engine=EngineConfig(draft_mode=config.draft_mode, lookup=lookup),
-        max_kv_bytes=kv_budget(config, pair),
+        max_kv_bytes=kv_bytes,
+        prefix_cache_bytes=prefix_cache_bytes(config, kv_bytes),
     )
     metrics = ServerMetrics()
     factory = BatchedEngine
@@ -323,8 +354,10 @@ def build_state(config: ServeConfig, pair=None):
         "max_requests": config.max_requests,
         "max_rows": config.max_rows,
         "max_prefill_tokens": config.max_prefill_tokens,
+        "idle_prefill_tokens": config.idle_prefill_tokens,
         "max_context": min(config.max_context, pair.max_context),  # the bound enforced
         "kv_budget_bytes": batch.max_kv_bytes,
+        "prefix_cache_max_bytes": batch.prefix_cache_bytes,
     }
     return ServerState(
         pair,
@@ -382,6 +415,7 @@ def check(config: ServeConfig) -> ServeConfig:
         max_requests=config.max_requests,
         max_rows=config.max_rows,
         max_prefill_tokens=config.max_prefill_tokens,
+        idle_prefill_tokens=config.idle_prefill_tokens,
         max_waiting=config.max_waiting,
         max_context=config.max_context,
         max_body_bytes=config.max_body_bytes,
@@ -399,6 +433,10 @@ def check(config: ServeConfig) -> ServeConfig:
         )
     if config.kv_memory.strip().lower() not in ("auto", "off"):
         parse_size(config.kv_memory)
+    if config.prefix_cache_memory.strip().lower() not in ("auto", "off"):
+        if not config.prefix_cache:
+            raise InputError("--prefix-cache-memory sizes the prefix cache that --no-prefix-cache turns off")
+        parse_size(config.prefix_cache_memory, "--prefix-cache-memory")
     kind, path = policy_kind(config.policy)
     if kind == "file" and not os.path.isfile(path):
         raise InputError(f"--policy: no file {path}")
@@ -521,7 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"serving {d['model']} ({d['pair']}, {d['weights']}, {d['device']}) on http://{config.host}:{config.port}/v1 "
         f"controller={d['controller']} lookup={d['lookup']} max_requests={config.max_requests} "
-        f"kv_memory={'unbounded' if batch_budget is None else format_bytes(batch_budget)}",
+        f"kv_memory={'unbounded' if batch_budget is None else format_bytes(batch_budget)} "
+        f"prefix_cache={format_bytes(d['prefix_cache_max_bytes']) if d['prefix_cache_max_bytes'] else 'off'}",
         flush=True,
     )
     hosts = "any host" if state.allowed_hosts is None else ", ".join(state.allowed_hosts)

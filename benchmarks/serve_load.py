@@ -59,7 +59,7 @@ from engine.cli import ArgumentParser
 from engine.costs.measure_costs import device_name
 from envs.prompts import interleave_languages, load_suite
 from evaluation.llama_cpp_build import default_bin_dir, find_server
-from serving.launch import ServerProcess, free_port, peak_rss_mb, prompt_ids
+from serving.launch import ServerProcess, free_port, peak_rss_mb, prompt_ids, rss_mb
 from serving.load_client import (
     Row,
     closed_loop,
@@ -142,6 +142,27 @@ def main(argv: list[str] | None = None) -> int:
         "largest gap during its prefill against their median inter-token latency; 0: none)",
     )
     ap.add_argument("--long-mix-clients", type=int, default=4)
+    ap.add_argument(
+        "--workload",
+        default="single",
+        choices=("single", "multi-turn"),
+        help="single: one request per prompt of the suite (closed loop, Poisson); multi-turn: conversations of "
+        "--turns turns over a shared system prompt and a per-user document, --concurrency of them at a time",
+    )
+    ap.add_argument("--turns", type=int, default=4, help="multi-turn: user turns per conversation")
+    ap.add_argument(
+        "--conversations", type=int, default=0, help="multi-turn: conversations per level (0: the level)"
+    )
+    ap.add_argument("--system-tokens", type=int, default=1000, help="multi-turn: the shared system prompt")
+    ap.add_argument("--document-tokens", type=int, default=500, help="multi-turn: each user's document")
+    ap.add_argument(
+        "--cache",
+        default=None,
+        choices=("off", "on", "both"),
+        help="prefix caches of the servers: off (ours --no-prefix-cache, llama-server cache_prompt false), on "
+        "(both on, as users run them), both (llama-server rows with and without; ours as --ours says); default: "
+        "off for --workload single (it repeats prompts), both for multi-turn",
+    )
     ap.add_argument("--min-requests", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompts-per-language", type=int, default=2)
@@ -152,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
     args.ours = [] if args.no_ours else (args.ours or list(DEFAULT_OURS))
+    if args.cache is None:
+        args.cache = "off" if args.workload == "single" else "both"
+    if args.cache == "off":  # ours as llama-server: every prompt computed in full
+        args.ours = [
+            spec if "--no-prefix-cache" in spec else f"{spec} --no-prefix-cache" for spec in args.ours
+        ]
     args.concurrency = [int(x) for x in args.concurrency.split(",") if x]
     args.rates = [float(x) for x in args.rates.split(",") if x]
     try:
@@ -166,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.concurrency or min(args.concurrency) < 1 or 1 not in args.concurrency:
         ap.error("--concurrency must list positive levels, 1 among them (the identity reference)")
 
+    if args.workload == "multi-turn":
+        return multi_turn(args, ap)
     suite = interleave_languages(load_suite(split="test", limit_per_language=args.prompts_per_language))
     prompts = [prompt_ids(args.pair, item["prompt"]) for item in suite]
     long_ids: list[int] = []
@@ -178,18 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(long_ids) < args.long_mix:
             ap.error(f"--long-mix: this pair's prompts reach {len(long_ids)} tokens at most")
 
-    target = draft = server = None
-    if not args.no_llama:
-        if args.pair != "qwen2.5-coder":
-            print("skipped llama-server rows: only the default pair has GGUF files", flush=True)
-        else:
-            from engine.backends.weights import DEFAULT_PAIRS, fetch_gguf
-
-            t_spec, d_spec = DEFAULT_PAIRS[args.pair]
-            target, draft = fetch_gguf(t_spec, progress=False), fetch_gguf(d_spec, progress=False)
-            server = find_server(Path(args.llama_bin) if args.llama_bin else default_bin_dir())
-            if server is None:
-                print("skipped llama-server rows: no llama-server binary (benchmarks/llama_cpp.py builds it)")
+    target, draft, server = llama_setup(args)
     rows = build_rows(args, target, draft, server, ROOT)
     if not rows:
         print("no rows to run")
@@ -263,6 +281,141 @@ def main(argv: list[str] | None = None) -> int:
         plot(table, args.plot, info)
         print(f"wrote {args.plot}")
     return 0
+
+
+def llama_setup(args):
+    """(target GGUF, draft GGUF, llama-server) where llama-server rows run, else Nones (with a line why)."""
+    if args.no_llama:
+        return None, None, None
+    if args.pair != "qwen2.5-coder":
+        print("skipped llama-server rows: only the default pair has GGUF files", flush=True)
+        return None, None, None
+    from engine.backends.weights import DEFAULT_PAIRS, fetch_gguf
+
+    t_spec, d_spec = DEFAULT_PAIRS[args.pair]
+    target, draft = fetch_gguf(t_spec, progress=False), fetch_gguf(d_spec, progress=False)
+    server = find_server(Path(args.llama_bin) if args.llama_bin else default_bin_dir())
+    if server is None:
+        print("skipped llama-server rows: no llama-server binary (benchmarks/llama_cpp.py builds it)")
+    return target, draft, server
+
+
+def chat_template(pair: str):
+    """``messages -> prompt ids`` as our server templates a chat (the tiny pair: its byte tokenizer over the
+    contents, no template)."""
+    if pair == "tiny":
+        from engine.backends.tiny import ByteTokenizer
+
+        tok = ByteTokenizer()
+        return lambda messages: tok.encode("\n".join(m["content"] for m in messages))[-900:]
+    from engine.backends.weights import pair_tokenizer
+
+    tok = pair_tokenizer(pair)
+
+    def template(messages):
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return [int(i) for i in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
+
+    return template
+
+
+def workload_texts(args, template) -> tuple[str, list[str]]:
+    """(the shared system prompt, the users' documents) of ``--system-tokens`` and ``--document-tokens`` tokens
+    at most as one message (the template's own tokens included), cut from the suite's train prompts (four
+    languages, repeated as needed): the system prompt from their start, each user's document further on."""
+    items = interleave_languages(load_suite(split="train"))
+    words = " ".join(item["prompt"] for item in items).split(" ")
+
+    def cut(start: int, tokens: int) -> str:
+        if tokens <= 0:
+            return ""
+        span = [words[(start + k) % len(words)] for k in range(4 * tokens)]
+        low, high = 1, len(span)  # the most words within ``tokens``
+        while low < high:
+            mid = (low + high + 1) // 2
+            if len(template([{"role": "user", "content": " ".join(span[:mid])}])) <= tokens:
+                low = mid
+            else:
+                high = mid - 1
+        return " ".join(span[:low])
+
+    head = "You are a careful assistant. Reference notes follow; answer from them.\n"
+    shared = head + cut(0, args.system_tokens - 20)
+    documents = [cut(len(words) // 2 + 997 * u, args.document_tokens) for u in range(8)]
+    return shared, documents
+
+
+def multi_turn(args, ap) -> int:
+    """``--workload multi-turn``: each row, each level (conversations at a time), turn by turn."""
+    from serving.load_chat import chat_figures, chat_level, conversations, texts
+
+    if args.turns < 1:
+        ap.error("--turns must be >= 1")
+    template = chat_template(args.pair)
+    shared, documents = workload_texts(args, template)
+    target, draft, server = llama_setup(args)
+    rows = build_rows(args, target, draft, server, ROOT)
+    if not rows:
+        print("no rows to run")
+        return 0
+    info = conditions(args.threads)
+    info["workload"] = {
+        "turns": args.turns,
+        "system_tokens": len(template([{"role": "system", "content": shared}])),
+        "document_tokens": args.document_tokens,
+        "max_tokens": args.max_tokens,
+    }
+    print(f"# {info['cpu']} threads={args.threads} loadavg={info['loadavg']} multi-turn {info['workload']}")
+    logs = ROOT / "runs" / "serve_load_logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    reference_row = next((r.name for r in rows if "--no-prefix-cache" in r.command), rows[0].name)
+    results, reference = [], {}
+    for repeat in range(args.repeats):
+        order = rows[repeat % len(rows) :] + rows[: repeat % len(rows)]
+        order.sort(key=lambda r: r.name != reference_row)  # the cold reference first in each repeat
+        for row in order:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            log = logs / f"{row.name.replace(' ', '_')}.log"
+            with ServerProcess(row.name, row.command + ["--port", str(port)], port, log, ready_s=1800, cwd=ROOT, env=row.env) as srv:  # fmt: skip
+                warm = conversations(1, 1, "Warm-up.", ["-"], "warm-up")
+                asyncio.run(chat_level(url, row, warm, 1, 4, template))
+                for index, level in enumerate(sorted(args.concurrency)):  # a level listed twice runs twice
+                    session = f"L{level}R{repeat}I{index}"
+                    convs = conversations(
+                        max(level, args.conversations), args.turns, shared, documents, session
+                    )
+                    done = asyncio.run(chat_level(url, row, convs, level, args.max_tokens, template))
+                    key = (repeat, index)
+                    if row.name == reference_row:
+                        reference[key] = texts(done)
+                    entry = {"row": row.name, "repeat": repeat, "mode": "multi-turn", "level": level}
+                    entry["weights"] = row.weights
+                    entry.update(chat_figures(done, args.turns, reference.get(key)))
+                    entry.update(peak_rss_mb=peak_rss_mb(srv.proc.pid), rss_mb=rss_mb(srv.proc.pid))
+                    entry.update(loadavg=os.getloadavg()[0], run=index)
+                    results.append(entry)
+                    report_chat(entry, args.turns)
+            if args.json:
+                save(args.json, info, args, rows, results)
+    print(f"\n# medians over repeats (same: the share of turns whose text equals {reference_row!r}'s)")
+    for entry in medians(results):
+        report_chat(entry, args.turns)
+    if args.json:
+        save(args.json, info, args, rows, results)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def report_chat(e: dict, turns: int) -> None:
+    per_turn = " ".join(f"{e[f'turn{k + 1}_ttft_p50']:.2f}" for k in range(turns))
+    print(
+        f"{e['row']:22s} {e['level']:>3g} users  tok/s {e['tok_s']:7.2f}  ttft p50 {e['ttft_p50']:6.2f} "
+        f"p99 {e['ttft_p99']:6.2f} s  per turn p50 [{per_turn}]  itl p50 {e['itl_p50'] * 1e3:6.1f} p99 "
+        f"{e['itl_p99'] * 1e3:6.1f} ms  hit {e['hit_rate']:.0%}  same {e['identical']:.0%}  err {e['errors']}  "
+        f"rss {e['rss_mb']:.0f} (peak {e['peak_rss_mb']:.0f}) MB  load {e['loadavg']:.2f}",
+        flush=True,
+    )
 
 
 def save(path: str, info: dict, args, rows: list[Row], results: list[dict]) -> None:

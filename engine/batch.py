@@ -89,9 +89,10 @@ from engine.forward import Forward, Steps, VerifyRows, chunked_prefill
 from engine.load import LoadState, LoadTracker
 from engine.lookup import NgramIndex
 from engine.prefill import _Request
+from engine.prefix_cache import Match, PrefixCache, common_prefix
 from engine.results import CycleRecord, GenerationResult
 from engine.sampling import SamplingConfig
-from engine.scheduling import grant_rows, plan_prefills
+from engine.scheduling import grant_rows, plan_prefills, prefill_budget
 from engine.tree import depth_limit
 
 
@@ -126,6 +127,10 @@ class _Slot:
     """Rows this request put in the target forwards of the last step (the others' load next step)."""
     drafted: bool = False
     """Whether it ran the draft in the last step."""
+    cached: int = 0
+    """Prompt tokens its target cache took from the prefix cache."""
+    hold: Match | None = None
+    """What it matched in the prefix cache at admission, pinned until its prefill starts."""
 
 
 class BatchedEngine:
@@ -153,6 +158,10 @@ class BatchedEngine:
         """Bytes of KV cache the admitted requests have reserved (module docstring, "Memory")."""
         self._chunked = chunked_prefill(pair.target, new_cache(pair.target, 1))
         """Whether prompts are prefilled in chunks (module docstring, step 1)."""
+        self.prefix: PrefixCache | None = None
+        """The prefix cache (``BatchConfig.prefix_cache_bytes``; module docstring, "Prefix cache"), or None."""
+        if self.config.prefix_cache_bytes:
+            self.prefix = PrefixCache(self._entry_bytes, self.config.prefix_cache_bytes)
 
     # ----------------------------------------------------------------------------------------------- API
     def add(self, request: BatchRequest) -> int:
@@ -199,11 +208,21 @@ class BatchedEngine:
                 f"the batch is full ({self.config.max_requests} requests, BatchConfig.max_requests): retry when "
                 "one finishes"
             )
-        if budget is not None and self.kv_reserved + need > budget:
-            raise MemoryFull(
-                f"the request needs {format_bytes(need)} of KV cache and {format_bytes(budget - self.kv_reserved)}"
-                f" of the {format_bytes(budget)} budget is free (BatchConfig.max_kv_bytes): retry when one finishes"
-            )
+        hold = None
+        if self.prefix is not None:  # what it can take from the prefix cache stays there until it does
+            hold = self.prefix.target.match(prompt_ids, len(prompt_ids) - 1)
+            self.prefix.target.pin(hold)
+        if budget is not None and self.kv_reserved + need + self.prefix_bytes > budget:
+            if self.prefix is not None:  # the cache gives way to the requests
+                self.prefix.evict(self.kv_reserved + need + self.prefix.bytes - budget)
+            if self.kv_reserved + need + self.prefix_bytes > budget:
+                if hold is not None:
+                    self.prefix.target.unpin(hold)
+                raise MemoryFull(
+                    f"the request needs {format_bytes(need)} of KV cache and "
+                    f"{format_bytes(budget - self.kv_reserved - self.prefix_bytes)} of the {format_bytes(budget)} "
+                    "budget is free (BatchConfig.max_kv_bytes): retry when one finishes"
+                )
         rid = self._next_rid
         self._next_rid += 1
         self._slots[rid] = _Slot(
@@ -218,6 +237,7 @@ class BatchedEngine:
             tree_cap,
             entries,
             need,
+            hold=hold,
         )
         self.kv_reserved += need
         self._arrivals.arrived(time.monotonic())
@@ -241,6 +261,11 @@ class BatchedEngine:
         draft = last + (max(cap - 1, 0) * (width - 1) if wide else 0)
         return target, draft
 
+    @property
+    def prefix_bytes(self) -> int:
+        """Bytes the prefix cache holds (0 without one): within ``max_kv_bytes`` next to ``kv_reserved``."""
+        return 0 if self.prefix is None else self.prefix.bytes
+
     def kv_allocated(self) -> int:
         """Bytes the slots' KV buffers hold now (at most ``kv_reserved``: a draft cache is allocated at the
         request's first drafting cycle)."""
@@ -255,6 +280,12 @@ class BatchedEngine:
     def cancel(self, rid: int) -> None:
         """Drop request ``rid`` (running, waiting for its prefill, or finished and not yet collected): its
         slot and caches are freed at once."""
+        slot = self._slots.get(rid)
+        if slot is not None:
+            try:
+                self._keep_prefix(slot)
+            except Exception:  # noqa: BLE001 - the cache only loses this entry; the cancel goes on
+                self.prefix.stats.insert_failures += 1
         if self._release(rid) is None and self._done.pop(rid, None) is None:
             raise InputError(f"no request {short_repr(rid)} in the batch")
 
@@ -325,26 +356,72 @@ class BatchedEngine:
         return None if slot is None or slot.req is None else slot.req.load
 
     # ------------------------------------------------------------------------------------------ internals
+    def prefill_budget(self, decoding: int) -> tuple[int, int]:
+        """(prompt tokens this step, at most of one prompt) while ``decoding`` requests decode: the budget
+        follows the load (``BatchConfig.idle_prefill_tokens``; module docstring, step 1)."""
+        return prefill_budget(decoding, self.config.max_prefill_tokens, self.config.idle_prefill_tokens)
+
     def _schedule_prefills(self) -> list[_Slot]:
         """Start this step's prefill chunks (module docstring, step 1); the slots that got one."""
         waiting = [slot for slot in self._slots.values() if slot.req is None]
+        hits = [self._hit(slot) for slot in waiting]
+        decoding = len(self._slots) - len(waiting)
+        budget, per_prompt = self.prefill_budget(decoding)
         takes = plan_prefills(
-            [len(slot.prompt_ids) - slot.filled for slot in waiting],
-            self.config.max_prefill_tokens,
+            [len(slot.prompt_ids) - slot.filled - hit for slot, hit in zip(waiting, hits)],
+            budget,
             self._chunked,
+            per_prompt,
         )
+        if self.prefix is not None:  # a prompt whose prefix an earlier one of this step is computing waits
+            for i in range(1, len(takes)):
+                if waiting[i].cache is None and any(
+                    common_prefix(
+                        waiting[i].prompt_ids, waiting[j].prompt_ids, len(waiting[i].prompt_ids) - 1
+                    )
+                    > hits[i]
+                    for j in range(i)
+                ):
+                    takes = takes[:i]
+                    break
         for slot, take in zip(waiting, takes):
+            if slot.cache is None and not self._guard(slot, self._start_prefill, slot):
+                continue
             slot.steps = self._prefill_chunk(slot, take)
             self._advance(slot, None)
         return waiting[: len(takes)]
 
+    def _hit(self, slot: _Slot) -> int:
+        """Prompt tokens a slot whose prefill has not started would take from the prefix cache now."""
+        if self.prefix is None or slot.cache is not None:
+            return 0
+        return self.prefix.target.match(slot.prompt_ids, len(slot.prompt_ids) - 1).length
+
+    def _start_prefill(self, slot: _Slot) -> None:
+        """Make ``slot``'s target cache, with what the prefix cache holds of its prompt (never its last
+        token, whose logits give the first token)."""
+        engine = self.engine
+        slot.prefill_t0 = engine.clock()
+        slot.cache = new_cache(self.pair.target, slot.entries[0])
+        prefix = self.prefix
+        if prefix is None:
+            return
+        match = prefix.target.match(slot.prompt_ids, len(slot.prompt_ids) - 1)
+        prefix.target.load(match, slot.cache)
+        slot.filled = slot.cached = match.length
+        if slot.hold is not None:
+            prefix.target.unpin(slot.hold)
+            slot.hold = None
+        prefix.stats.queries += 1
+        prefix.stats.query_tokens += len(slot.prompt_ids)
+        prefix.stats.hit_tokens += match.length
+
     def _prefill_chunk(self, slot: _Slot, count: int) -> Steps:
         """The next ``count`` prompt tokens of ``slot`` as rows of the step's target forward; after the last
         chunk, its first token (``_prefilled``)."""
-        engine, start = self.engine, slot.filled
+        start = slot.filled
         if slot.cache is None:
-            slot.prefill_t0 = engine.clock()
-            slot.cache = new_cache(self.pair.target, slot.entries[0])
+            self._start_prefill(slot)
         logits = yield Forward(
             self.pair.target, slot.prompt_ids[start : start + count], start, slot.cache, keep=1
         )
@@ -367,6 +444,14 @@ class BatchedEngine:
             slot.entries[1],
         )
         slot.cache = None
+        prefix = self.prefix
+        if prefix is not None:  # the prompt for later requests; the draft's part of it from earlier ones
+            prefix.insert(prefix.target, slot.prompt_ids, slot.req.target_cache, self._prefix_room())
+            if slot.req.draft_cache is not None:
+                match = prefix.draft.match(slot.prompt_ids, len(slot.prompt_ids) - 1)
+                prefix.draft.load(match, slot.req.draft_cache)
+                slot.req.draft_len = match.length
+                prefix.stats.draft_hit_tokens += match.length
         slot.prefill_s = engine.clock() - slot.prefill_t0
         if slot.controller is not None:
             slot.controller.reset()
@@ -399,7 +484,38 @@ class BatchedEngine:
         slot = self._slots.pop(rid, None)
         if slot is not None:
             self.kv_reserved -= slot.kv_bytes
+            if slot.hold is not None:
+                self.prefix.target.unpin(slot.hold)
+                slot.hold = None
         return slot
+
+    def _prefix_room(self, leaving: _Slot | None = None) -> int | None:
+        """Bytes the prefix cache may hold now (the budget less the reservations, ``leaving``'s not counted);
+        None: no budget (the cache's own size only)."""
+        budget = self.config.max_kv_bytes
+        if budget is None:
+            return None
+        return budget - self.kv_reserved + (leaving.kv_bytes if leaving is not None else 0)
+
+    def _keep_prefix(self, slot: _Slot) -> None:
+        """Put what ``slot`` computed into the prefix cache as it leaves (finished or cancelled): its committed
+        tokens but the last (the target's cache; the draft's first ``draft_len``), or the part of its prompt
+        prefilled so far. Drafted, rejected positions are not in those caches any more."""
+        prefix = self.prefix
+        if prefix is None:
+            return
+        room = self._prefix_room(slot)
+        req = slot.req
+        if req is None:
+            if slot.cache is not None and slot.filled > slot.cached:
+                prefix.insert(prefix.target, slot.prompt_ids[: slot.filled], slot.cache, room)
+            return
+        held = req.target_cache.get_seq_length()
+        if held == len(req.tokens) - 1:
+            prefix.insert(prefix.target, req.tokens[:held], req.target_cache, room)
+        draft = req.draft_cache
+        if draft is not None and req.draft_len and draft.get_seq_length() == req.draft_len:
+            prefix.insert(prefix.draft, req.tokens[: req.draft_len], draft, room)
 
     def _advance(self, slot: _Slot, answer: object) -> None:
         def send():
@@ -506,11 +622,14 @@ class BatchedEngine:
         finish = self._finish(slot)
         if finish is not None and not self._guard(slot, self._finish_slot, slot, finish):
             return StepEvent(rid, (), True, "error", None)
-        return StepEvent(rid, tuple(slot.req.tokens[start:]), finish is not None, finish, slot.record)
+        tokens = tuple(slot.req.tokens[start:])
+        return StepEvent(rid, tokens, finish is not None, finish, slot.record, slot.cached)
 
     def _finish_slot(self, slot: _Slot, finish: str) -> None:
         """Build the result of a finished request, then free its slot (its caches go with it)."""
         result = self.engine._result(slot.req, len(slot.prompt_ids), finish, slot.prefill_s)
+        result.cached_tokens = slot.cached
+        self._keep_prefix(slot)
         self._release(slot.rid)
         self._done[slot.rid] = result
 

@@ -54,18 +54,32 @@ class BatchConfig:
     admission order, ride in the step's target forward, so a long prompt or a burst of arrivals costs every
     running request a bounded delay a step instead of a stall for all the prefills. Without chunks (the
     torch path) whole prompts while they fit, at least one a step."""
+    idle_prefill_tokens: int = 512
+    """Prompt tokens prefilled in one step while no request decodes (the budget follows the load: module
+    docstring, step 1): a lone prompt runs at the prefill's full speed, in chunks of ``MAX_ROWWISE_ROWS`` rows
+    within the step; with d requests decoding the budget is max(``max_prefill_tokens``, min(this,
+    ``MAX_ROWWISE_ROWS`` // d)). At most ``max_prefill_tokens``: a fixed budget (the larger of the two
+    applies when none decodes)."""
     max_kv_bytes: int | None = None
     """KV cache bytes the admitted requests may reserve together (module docstring, "Memory"); None: no
     bound (each request still reserves, and its caches never outgrow, what it can reach)."""
+    prefix_cache_bytes: int = 0
+    """Bytes the prefix cache may hold (``engine.prefix_cache``: the KV of earlier prompts and answers, target
+    and draft, reused by later requests); 0: no prefix cache. Within ``max_kv_bytes`` when that is set: the
+    cache holds what the slots' reservations leave, and gives way (least recently used first) to them."""
 
     def __post_init__(self) -> None:
-        for name in ("max_requests", "max_rows", "max_prefill_tokens"):
+        for name in ("max_requests", "max_rows", "max_prefill_tokens", "idle_prefill_tokens"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise InputError(f"BatchConfig.{name} must be an integer >= 1, got {short_repr(value)}")
         if self.max_kv_bytes is not None and (not is_int(self.max_kv_bytes) or self.max_kv_bytes < 1):
             raise InputError(
                 f"BatchConfig.max_kv_bytes must be an integer >= 1 or None, got {short_repr(self.max_kv_bytes)}"
+            )
+        if not is_int(self.prefix_cache_bytes) or self.prefix_cache_bytes < 0:
+            raise InputError(
+                f"BatchConfig.prefix_cache_bytes must be an integer >= 0 (0: off), got {short_repr(self.prefix_cache_bytes)}"
             )
         if self.max_rows < self.max_requests:
             raise InputError(
@@ -105,6 +119,8 @@ class StepEvent:
     """As ``GenerationResult.finish_reason``, or "error" (the request failed alone: ``result`` raises why)."""
     record: CycleRecord | None
     """The cycle this step ran for the request (None: it finished at its prefill)."""
+    cached_tokens: int = 0
+    """Prompt tokens the request took from the prefix cache (``GenerationResult.cached_tokens``)."""
 
 
 def format_bytes(n: int) -> str:

@@ -65,6 +65,9 @@ class GenerationResult:
     are those cycles' drafting time, not prefill."""
     cycles: list[CycleRecord] = field(default_factory=list)
     peak_memory_bytes: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens whose target KV came from the prefix cache (``engine.prefix_cache``) instead of the
+    prefill (OpenAI's ``usage.prompt_tokens_details.cached_tokens``); 0 without one."""
 
     @property
     def stats(self) -> dict[str, float]:

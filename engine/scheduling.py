@@ -7,15 +7,31 @@ from __future__ import annotations
 from engine.backends.attention import MAX_ROWWISE_ROWS
 
 
-def plan_prefills(left: list[int], budget: int, chunked: bool) -> list[int]:
+def prefill_budget(decoding: int, max_prefill_tokens: int, idle_prefill_tokens: int) -> tuple[int, int]:
+    """(prompt tokens a step, at most of one prompt) while ``decoding`` requests decode: the budget follows the
+    load (``BatchConfig.idle_prefill_tokens``): ``idle_prefill_tokens`` when none decodes (one prompt may take
+    all of it: several ``MAX_ROWWISE_ROWS``-row chunks in the step), else max(``max_prefill_tokens``,
+    min(``idle_prefill_tokens``, ``MAX_ROWWISE_ROWS`` // decoding)), at most ``MAX_ROWWISE_ROWS`` of one
+    prompt: a stream's step carries at most about one chunk of others' prompts."""
+    idle_prefill_tokens = max(idle_prefill_tokens, max_prefill_tokens)
+    if decoding <= 0:
+        return idle_prefill_tokens, idle_prefill_tokens
+    budget = max(max_prefill_tokens, min(idle_prefill_tokens, MAX_ROWWISE_ROWS // decoding))
+    return budget, MAX_ROWWISE_ROWS
+
+
+def plan_prefills(
+    left: list[int], budget: int, chunked: bool, per_prompt: int = MAX_ROWWISE_ROWS
+) -> list[int]:
     """Prompt tokens each waiting request (in admission order, ``left`` of its prompt still to prefill) gets this
-    step, under ``budget`` tokens (module docstring, step 1): chunked, at most ``MAX_ROWWISE_ROWS`` of one prompt
-    and nothing for a prompt until the one ahead of it is in; else whole prompts while they fit, at least one.
-    Only the requests that get tokens are listed (a prefix of ``left``)."""
+    step, under ``budget`` tokens (module docstring, step 1): chunked, at most ``per_prompt`` of one prompt (a
+    take above ``MAX_ROWWISE_ROWS`` runs as several chunks in the step) and nothing for a prompt until the one
+    ahead of it is in; else whole prompts while they fit, at least one. Only the requests that get tokens are
+    listed (a prefix of ``left``)."""
     takes: list[int] = []
     for n in left:
         if chunked:
-            take = min(n, budget, MAX_ROWWISE_ROWS)
+            take = min(n, budget, per_prompt)
         else:
             take = n if not takes or n <= budget else 0
         if take <= 0:

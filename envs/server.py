@@ -54,8 +54,9 @@ from engine.cycle import DRAFT_CATCH_UP_TOKENS, DraftLag, answer
 from engine.errors import InputError, is_int
 from engine.load import LoadState, LoadTracker
 from engine.lookup import LookupConfig
+from engine.prefix_cache import PrefixCache
 from engine.results import CycleRecord
-from engine.scheduling import grant_rows, plan_prefills
+from engine.scheduling import grant_rows, plan_prefills, prefill_budget
 from envs.backends import ReplayBackend
 from envs.replay import Message, ReplayTrace, Reply, replay_cycles
 from envs.server_costs import charge_step
@@ -79,6 +80,8 @@ class ServerReplay:
         step_overhead_s: float = 0.0,
         chunked: bool = True,
         draft_catch_up_tokens: int = DRAFT_CATCH_UP_TOKENS,
+        idle_prefill_tokens: int = BatchConfig.idle_prefill_tokens,
+        prefix_cache_tokens: int = 0,
     ):
         if not traces:
             raise InputError("a server replay needs traces")
@@ -94,6 +97,16 @@ class ServerReplay:
             raise InputError(f"max_rows ({max_rows}) must be >= max_requests ({max_requests})")
         self.traces, self.profile, self.lookup = list(traces), profile, lookup
         self.max_requests, self.max_rows, self.max_prefill_tokens = max_requests, max_rows, max_prefill_tokens
+        if not is_int(idle_prefill_tokens) or idle_prefill_tokens < 1:
+            raise InputError(f"idle_prefill_tokens must be an integer >= 1, got {idle_prefill_tokens!r}")
+        if not is_int(prefix_cache_tokens) or prefix_cache_tokens < 0:
+            raise InputError(f"prefix_cache_tokens must be an integer >= 0 (0: off), got {prefix_cache_tokens!r}")
+        self.idle_prefill_tokens = idle_prefill_tokens
+        """The engine's ``BatchConfig.idle_prefill_tokens``: the prefill budget when no request decodes."""
+        self.prefix_cache_tokens = prefix_cache_tokens
+        """Prompt positions the run's prefix cache holds (target and draft each; 0: none). A run starts with an
+        empty one; a request's prompt is keyed by its trace's prompt (``_prompt_key``), so the same prompt
+        replayed again hits, as the live engine's cache makes it."""
         self.chunked = bool(chunked)
         """Prompts prefilled in chunks (the native decoder's engine), else whole (module docstring)."""
         self.draft_catch_up_tokens = draft_catch_up_tokens
@@ -162,6 +175,9 @@ class ServerReplay:
         queue: deque[_Request] = deque()
         batch: list[_Request] = []
         tracker = LoadTracker()
+        prefix = None
+        if self.prefix_cache_tokens:
+            prefix = PrefixCache((1, 1), self.prefix_cache_tokens, with_kv=False)
         now, last_rows, last_drafting, carry = 0.0, 0, 0, 0.0
         steps: list[tuple[float, int, int]] = []
         start = min([r.arrival for r in requests] + ([ext.arrival] if ext else []))
@@ -186,7 +202,7 @@ class ServerReplay:
             step_s = 0.0
             running = [r for r in batch if r.prefilled and not r.done]
             waiting = sum(not r.prefilled for r in batch) + len(queue)
-            shared = self._prefill_chunks(batch)
+            shared = self._prefill_chunks(batch, len(running), prefix)
             rate = tracker.rate(now)
             for req in running:
                 req.load = LoadState(
@@ -236,6 +252,9 @@ class ServerReplay:
             for req in done:
                 if req.finished is None:  # its first token ended it
                     req.finished = now
+                if prefix is not None and req.lag is not None:  # what its draft ran of the prompt
+                    ran = req.trace.trace.prompt_len - req.lag.prompt_left
+                    prefix.insert(prefix.draft, _prompt_key(req)[:ran], None)
             batch = [r for r in batch if not r.done]
             if closed and background:
                 for _ in done:
@@ -255,22 +274,47 @@ class ServerReplay:
         return ServerRun(arrivals, members, steps, start, end)
 
     # ---------------------------------------------------------------------------------- internals
-    def _prefill_chunks(self, batch: list[_Request]) -> float:
-        """This step's prefill chunks (module docstring): their seconds; a prompt whose last chunk ran starts."""
+    def _prefill_chunks(self, batch: list[_Request], decoding: int, prefix: PrefixCache | None) -> float:
+        """This step's prefill chunks (module docstring), with the engine's budget for ``decoding`` requests
+        decoding and its prefix cache rules (``engine.batch``: a prompt's hit is looked up when its prefill
+        starts, never its last token; one whose prefix an earlier prompt of the step is computing waits): their
+        seconds; a prompt whose last chunk ran starts."""
         waiting = [req for req in batch if not req.prefilled]
-        left = [req.trace.trace.prompt_len - req.filled for req in waiting]
+        hits = [
+            prefix.target.match(_prompt_key(r), r.trace.trace.prompt_len - 1).length
+            if prefix is not None and r.cached is None
+            else 0
+            for r in waiting
+        ]
+        left = [req.trace.trace.prompt_len - req.filled - hit for req, hit in zip(waiting, hits)]
+        budget, per_prompt = prefill_budget(decoding, self.max_prefill_tokens, self.idle_prefill_tokens)
+        takes = plan_prefills(left, budget, self.chunked, per_prompt)
+        if prefix is not None:
+            for i in range(1, len(takes)):
+                key = waiting[i].trace.trace.prompt_id
+                same = [w.trace.trace.prompt_id == key for w in waiting[:i]]
+                if waiting[i].cached is None and any(same) and waiting[i].trace.trace.prompt_len - 1 > hits[i]:
+                    takes = takes[:i]
+                    break
         prefill, seconds = self.profile.prefill_s, 0.0
-        for req, take in zip(waiting, plan_prefills(left, self.max_prefill_tokens, self.chunked)):
+        for req, hit, take in zip(waiting, hits, takes):
+            if req.cached is None:
+                req.cached = req.filled = hit
             end = req.filled + take
             before = prefill(req.filled, with_draft=False) if req.filled else 0.0
             seconds += max(prefill(end, with_draft=False) - before, 0.0)  # a noisy profile's curve can dip
             req.filled = end
             if end == req.trace.trace.prompt_len:
                 req.prefilled = True
-                self._start(req)
+                draft_hit = 0
+                if prefix is not None:
+                    key = _prompt_key(req)
+                    prefix.insert(prefix.target, key, None)
+                    draft_hit = prefix.draft.match(key, len(key) - 1).length
+                self._start(req, draft_hit)
         return seconds
 
-    def _start(self, req: _Request) -> None:
+    def _start(self, req: _Request, draft_hit: int = 0) -> None:
         ctrl = req.controller
         speculative = req.external or ctrl is not None
         depth_zero = req.depth_zero if req.external else bool(ctrl and ctrl.decides_depth_zero)
@@ -278,7 +322,7 @@ class ServerReplay:
             if ctrl.tree_width != self.width:
                 raise InputError(f"controller tree_width {ctrl.tree_width} != trace tree_width {self.width}")
             ctrl.reset()
-        req.lag = DraftLag(req.trace.trace.prompt_len)
+        req.lag = DraftLag(req.trace.trace.prompt_len - draft_hit)
         req.loop = replay_cycles(
             req.trace, None, None, speculative=speculative, depth_zero=depth_zero, lookup=self.lookup,
             load=lambda: req.load, catch_up=self.draft_catch_up_tokens, lag=req.lag,
@@ -484,3 +528,12 @@ def _scaled(steps: Generator[Message, Reply, ServerRun], scale: float) -> Genera
             payload.overhead_s *= scale
             payload.forward_s *= scale
         reply = yield (kind, payload)
+
+
+def _prompt_key(req: _Request) -> list:
+    """The ids a request's prompt is cached under in the replay's prefix cache: a trace holds its prompt's length
+    and name, not its ids, so (name, position) stands for each token: the same prompt matches whole, two
+    prompts share nothing (live, prompts of one chat template share its first tokens: a few milliseconds)."""
+    trace = req.trace.trace
+    return [(trace.prompt_id, i) for i in range(trace.prompt_len)]
+

@@ -87,6 +87,8 @@ class _Request:
     admitted: float | None = None
     prefilled: bool = False
     filled: int = 0  # prompt tokens prefilled so far
+    cached: int | None = None
+    """Prompt tokens it took from the prefix cache (None: not looked up yet, its prefill has not started)."""
     done: bool = False
     t: int = 0  # position in the trajectory (tokens committed after the first)
     lag: DraftLag | None = None

@@ -223,6 +223,7 @@ def create_app(state: ServerState) -> FastAPI:
         body = {"status": "ok" if worker.state == "running" else worker.state}
         body.update(running=worker.running, waiting=worker.waiting, **state.description)
         body.update(kv_reserved_bytes=worker.kv_reserved, kv_allocated_bytes=worker.kv_allocated)
+        body.update(prefix_cache_bytes=worker.prefix.get("bytes", 0))
         return JSONResponse(body, status_code=200 if worker.state == "running" else 503)
 
     @app.get("/v1/models")
@@ -245,6 +246,7 @@ def create_app(state: ServerState) -> FastAPI:
         state.metrics.kv_reserved.set(state.worker.kv_reserved)
         state.metrics.kv_allocated.set(state.worker.kv_allocated)
         state.metrics.kv_budget.set(state.worker.config.max_kv_bytes or 0)
+        state.metrics.prefix_cache(dict(state.worker.prefix))
         return Response(state.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     async def off_loop(fn, body):

@@ -46,16 +46,21 @@ def build_rows(
             "--no-webui",
         ]
         base += ["--temp", "0", "--top-k", "1", "--log-disable"]
-        rows.append(Row("llama ar", base, {"cache_prompt": False}, LLAMA_WEIGHTS))
-        for n in args.llama_draft_max:
-            draft = ["-md", str(draft_gguf), "--spec-type", "draft-simple", "--spec-draft-n-max", str(n)]
-            draft += ["--spec-draft-n-min", "0", "--spec-draft-p-min", str(args.llama_p_min)]
-            draft += ["-td", str(args.threads), "-tbd", str(args.threads)]
-            rows.append(Row(f"llama spec n={n}", base + draft, {"cache_prompt": False}, LLAMA_WEIGHTS))
-        if args.llama_ngram:
-            ngram = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3"]
-            ngram += ["--spec-ngram-simple-size-m", "8"]
-            rows.append(Row("llama ngram", base + ngram, {"cache_prompt": False}, LLAMA_WEIGHTS))
+        cache = getattr(args, "cache", "off")
+        states = {"off": [False], "on": [True], "both": [True, False]}[cache]
+        for on in states:  # llama-server's prompt cache (cache_prompt, its default true), as --cache says
+            suffix = " cache" if on and cache == "both" else ""
+            body = {"cache_prompt": on}
+            rows.append(Row(f"llama ar{suffix}", base, body, LLAMA_WEIGHTS))
+            for n in args.llama_draft_max:
+                draft = ["-md", str(draft_gguf), "--spec-type", "draft-simple", "--spec-draft-n-max", str(n)]
+                draft += ["--spec-draft-n-min", "0", "--spec-draft-p-min", str(args.llama_p_min)]
+                draft += ["-td", str(args.threads), "-tbd", str(args.threads)]
+                rows.append(Row(f"llama spec n={n}{suffix}", base + draft, body, LLAMA_WEIGHTS))
+            if args.llama_ngram:
+                ngram = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3"]
+                ngram += ["--spec-ngram-simple-size-m", "8"]
+                rows.append(Row(f"llama ngram{suffix}", base + ngram, body, LLAMA_WEIGHTS))
     rows += vllm_rows(args, slots, root)
     return rows
 

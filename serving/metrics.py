@@ -77,6 +77,47 @@ class ServerMetrics:
             registry=r,
         )
 
+        self.prefix_queries = Counter(
+            p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_hits = Counter(
+            p + "prefix_cache_hits", "Prompt tokens the prefix cache gave (the target's KV)", registry=r
+        )
+        self.prefix_draft_hits = Counter(
+            p + "prefix_cache_draft_hits",
+            "Prompt tokens of the draft's prefill the prefix cache gave",
+            registry=r,
+        )
+        self.prefix_requests = Counter(
+            p + "prefix_cache_requests", "Requests whose prompt was looked up in the prefix cache", registry=r
+        )
+        self.prefix_evictions = Counter(
+            p + "prefix_cache_evictions", "Entries (runs of tokens) evicted from the prefix cache", registry=r
+        )
+        self.prefix_bytes = Gauge(p + "prefix_cache_bytes", "Bytes the prefix cache holds", registry=r)
+        self.prefix_max_bytes = Gauge(
+            p + "prefix_cache_max_bytes", "Bytes the prefix cache may hold (0: no prefix cache)", registry=r
+        )
+        self._prefix_seen: dict[str, int] = {}
+
+    def prefix_cache(self, figures: dict[str, int]) -> None:
+        """Bring the prefix-cache series up to ``figures`` (``EngineWorker.prefix``: the engine's running totals;
+        a rebuilt engine starts them at 0 again, so a total below the last one seen counts from 0)."""
+        counters = {
+            "query_tokens": self.prefix_queries,
+            "hit_tokens": self.prefix_hits,
+            "draft_hit_tokens": self.prefix_draft_hits,
+            "queries": self.prefix_requests,
+            "evictions": self.prefix_evictions,
+        }
+        for name, counter in counters.items():
+            now = figures.get(name, 0)
+            last = self._prefix_seen.get(name, 0)
+            counter.inc(now - last if now >= last else now)
+            self._prefix_seen[name] = now
+        self.prefix_bytes.set(figures.get("bytes", 0))
+        self.prefix_max_bytes.set(figures.get("max_bytes", 0))
+
     def on_step(self, requests: int, seconds: float, events: list) -> None:
         """Engine-thread hook of ``EngineWorker``: one batched step."""
         self.batch.observe(requests)

@@ -28,6 +28,8 @@ class TextStream:
         self.detok = Detokenizer(state.pair.tokenizer)
         self.stops = StopMatcher(stops)
         self.tokens = 0
+        self.cached = 0
+        """Prompt tokens the request took from the prefix cache (set with its first tokens)."""
         self.ids: list[int] = []
         self.step_ids: tuple[int, ...] = ()
         """The ids of the last ``Tokens`` consumed that count (up to the stop string's, when one hit)."""
@@ -81,6 +83,7 @@ class TextStream:
             text, n = self._text(item.ids)
             self.step_ids = item.ids[:n]
             if self.last is None:
+                self.cached = item.cached_tokens
                 m.ttft.observe(item.at - self.job.submitted)
                 if self.job.admitted is not None:
                     m.queue_time.observe(self.job.admitted - self.job.submitted)
@@ -110,12 +113,15 @@ class TextStream:
         self.state.metrics.requests.labels(reason).inc()
         self.state.metrics.latency.observe(at - self.job.submitted)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict:
+        """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: the prompt tokens taken from the
+        prefix cache instead of computed."""
         prompt = len(self.job.prompt_ids)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": self.tokens,
             "total_tokens": prompt + self.tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached},
         }
 
 

@@ -83,6 +83,8 @@ class Tokens:
     ids: tuple[int, ...]
     at: float
     record: CycleRecord | None
+    cached_tokens: int = 0
+    """Prompt tokens the request took from the prefix cache (``usage.prompt_tokens_details.cached_tokens``)."""
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,8 @@ class EngineWorker:
         """KV bytes the admitted requests reserve, as of the last round (``BatchedEngine.kv_reserved``)."""
         self.kv_allocated = 0
         """KV bytes their caches hold, as of the last round (``BatchedEngine.kv_allocated``)."""
+        self.prefix: dict[str, int] = {}
+        """The prefix cache's figures as of the last round (``ServerMetrics.prefix_cache``); empty without one."""
         self._hook_errors: set[str] = set()
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
@@ -288,7 +292,7 @@ class EngineWorker:
     def _post(self, job: Job, event, now: float) -> None:
         """Hand ``job`` what one step did for it: its tokens, and its end."""
         if event.tokens:
-            job.push(Tokens(event.tokens, now, event.record))
+            job.push(Tokens(event.tokens, now, event.record, event.cached_tokens))
         if event.finished:
             del self._jobs[event.rid]
             try:
@@ -310,6 +314,18 @@ class EngineWorker:
 
     def _account(self) -> None:
         self.kv_reserved, self.kv_allocated = self.engine.kv_reserved, self.engine.kv_allocated()
+        prefix = self.engine.prefix
+        if prefix is not None:
+            stats = prefix.stats
+            self.prefix = {
+                "queries": stats.queries,
+                "query_tokens": stats.query_tokens,
+                "hit_tokens": stats.hit_tokens,
+                "draft_hit_tokens": stats.draft_hit_tokens,
+                "evictions": prefix.evictions,
+                "bytes": prefix.bytes,
+                "max_bytes": prefix.max_bytes,
+            }
 
     def _admit(self, job: Job, now: float) -> bool:
         """Add ``job`` to the engine, or end it (cancelled, refused, failed); False: it does not fit now

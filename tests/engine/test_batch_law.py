@@ -188,13 +188,21 @@ def test_the_laws_are_distributions_with_enough_cells(laws):
 
 # ------------------------------------------------------------------------------------- a busy batch
 def decode_in_busy_batch(
-    pair, draft_mode: str, subjects: list[BatchRequest], roles: list | None = None
+    pair,
+    draft_mode: str,
+    subjects: list[BatchRequest],
+    roles: list | None = None,
+    batches: list | None = None,
+    **config,
 ) -> tuple[list, list]:
     """Decode ``subjects`` in one ``BatchedEngine`` (``SUBJECT_SLOTS`` at a time, refilled as they finish)
     next to background requests (the other slots, refilled until the last subject finishes; ``roles``: what
-    they run, by default ``BACKGROUND[draft_mode]``). Returns the subjects' results in order, and (request,
-    tokens) of every finished greedy background request."""
-    batch = BatchedEngine(pair, dataclasses.replace(BATCH, engine=EngineConfig(draft_mode)))
+    they run, by default ``BACKGROUND[draft_mode]``; ``config``: other ``BatchConfig`` fields, the engine appended
+    to ``batches``). Returns the subjects' results in order, and (request, tokens) of every finished greedy
+    background request."""
+    batch = BatchedEngine(pair, dataclasses.replace(BATCH, engine=EngineConfig(draft_mode), **config))
+    if batches is not None:
+        batches.append(batch)
     roles = roles or BACKGROUND[draft_mode]
     queue = list(enumerate(subjects))[::-1]
     results: list = [None] * len(subjects)
@@ -395,3 +403,36 @@ def test_a_batch_with_the_wrong_recovery_rule_is_caught(
     samples = outcomes_by_sampling(subjects, results, laws)[name]
     result = law_check(samples, laws[name][1])
     assert result.pvalue < 1e-3 and not result.agrees, result
+
+
+def test_sampled_requests_served_from_the_prefix_cache_have_the_target_law(tiny_pair, laws, law_check):
+    """The same busy batch with the prefix cache on (``engine.prefix_cache``): every subject after the first
+    takes its prompt but the last token (target and draft KV) from the cache, and the answers of the requests
+    before it are cached too; the law is the target's, and the wrong laws are still rejected."""
+    name = "T1-top_k4-top_p0.8"
+    ids = tiny_pair.tokenizer.encode(PROMPT)
+    subjects = [
+        s for s in subject_requests(ids, SUBJECTS["sampled"], 7_000_000) if s.sampling is SAMPLINGS[name]
+    ]
+    batches: list = []
+    results, greedy = decode_in_busy_batch(
+        tiny_pair, "sampled", subjects, batches=batches, prefix_cache_bytes=1 << 26
+    )
+    stats = batches[0].prefix.stats
+    assert sum(r.cached_tokens == len(ids) - 1 for r in results) > 0.9 * len(results)
+    assert stats.draft_hit_tokens > 0 and batches[0].prefix.target.entries > len(ids)
+    alone = {}
+    for req, tokens in greedy:  # the greedy background requests, hits or not, decode as alone
+        key = (req.prompt, req.max_new_tokens)
+        if key not in alone:
+            alone[key] = (
+                SpeculativeEngine(tiny_pair).generate(req.prompt, req.max_new_tokens, req.controller).tokens
+            )
+        assert tokens == alone[key], key
+    samples = outcomes_by_sampling(subjects, results, laws)[name]
+    _, law, wrong = laws[name]
+    result = law_check(samples, law)
+    assert result.num_samples == NUM_SAMPLES and result.agrees, result
+    for other in wrong:
+        rejected = law_check(samples, other)
+        assert rejected.pvalue < 1e-3 and not rejected.agrees, rejected

@@ -13,6 +13,7 @@ from engine.batch import plan_prefills
 from engine.control import StaticController
 from engine.costs.cost_profile import ProfileError
 from engine.errors import InputError
+from engine.scheduling import prefill_budget
 from envs.environments import DepthEnv, EnvConfig
 from envs.replay import ReplayTrace, replay_generate
 from envs.server import Arrivals, ServerReplay, ServerReplayBackend, tune_table
@@ -209,8 +210,9 @@ def test_a_request_its_first_token_ends_costs_its_prefill_only():
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode():
-    """As the engine schedules it (``engine.batch.plan_prefills``): a 150-token prompt admitted behind a short
-    one is prefilled a chunk a step while the short one decodes, in ceil(tokens left / budget) steps; whole-prompt
+    """As the engine schedules it (``engine.batch.plan_prefills``) with a fixed budget (``idle_prefill_tokens`` =
+    ``max_prefill_tokens``): a 150-token prompt admitted behind a short one is prefilled a chunk a step while the
+    short one decodes, in ceil(tokens left / budget) steps; whole-prompt
     prefill (``chunked=False``) waits for the next step and takes it whole."""
     import dataclasses
 
@@ -218,7 +220,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode():
     long = dataclasses.replace(make_synthetic_trace(1, length=10, width=1, max_depth=4), prompt_len=150)
     assert short.prompt_len + 150 > 64
     for chunked, budget in ((True, 32), (True, 64), (False, 32)):
-        sim = ServerReplay([ReplayTrace(short), ReplayTrace(long)], batched_profile(), max_prefill_tokens=budget, chunked=chunked)  # fmt: skip
+        sim = ServerReplay([ReplayTrace(short), ReplayTrace(long)], batched_profile(), max_prefill_tokens=budget, chunked=chunked, idle_prefill_tokens=budget)  # fmt: skip
         run = sim.run(Arrivals.closed(2, 2), lambda: StaticController(1, 1))
         first, second = run.requests
         decoded = sorted({t for t in first.token_times if first.first_token < t <= second.first_token})
@@ -312,3 +314,45 @@ def test_catch_up_chunks_are_charged_as_draft_rows_and_the_rest_of_the_prompt_as
     assert counts[2] > counts[4] > counts[10**6] == 0
     with pytest.raises(InputError):
         ServerReplay(traces, profile, draft_catch_up_tokens=0)
+
+
+def test_the_prefill_budget_follows_the_load_as_the_engine_s():
+    """Nothing decoding: both prompts in the first step (the idle budget); one decoding: a chunk a step."""
+    import dataclasses
+
+    short = make_synthetic_trace(0, length=60, width=1, max_depth=4)
+    long = dataclasses.replace(make_synthetic_trace(1, length=10, width=1, max_depth=4), prompt_len=150)
+    sim = ServerReplay([ReplayTrace(short), ReplayTrace(long)], batched_profile(), idle_prefill_tokens=512)
+    run = sim.run(Arrivals.closed(2, 2), lambda: StaticController(1, 1))
+    first, second = run.requests
+    assert first.first_token == second.first_token  # one step prefilled both
+    assert prefill_budget(0, 16, 512) == (512, 512) and prefill_budget(1, 16, 512) == (65, 65)
+    assert prefill_budget(4, 16, 512) == (16, 65) and prefill_budget(3, 16, 16) == (16, 65)
+
+
+def test_a_replayed_prompt_hits_the_prefix_cache_as_live():
+    """With a prefix cache, the same prompt again computes only its last token: its prefill charge is the
+    profile's last-token difference, the draft's prefill is skipped too, and the tokens are the same."""
+    trace = dataclasses_replace_prompt(make_synthetic_trace(0, length=20, width=1, max_depth=4), 200)
+    profile = batched_profile()
+    cold = ServerReplay([ReplayTrace(trace)], profile, max_requests=1)
+    hot = ServerReplay([ReplayTrace(trace)], profile, max_requests=1, prefix_cache_tokens=10_000)
+    a = cold.run(Arrivals.closed(1, 3), lambda: StaticController(2, 2))
+    b = hot.run(Arrivals.closed(1, 3), lambda: StaticController(2, 2))
+    assert [r.cached for r in a.requests] == [0, 0, 0]
+    assert [r.cached for r in b.requests] == [0, 199, 199]
+    assert a.tokens == b.tokens
+    ttft = [[r.first_token - r.admitted for r in run.requests] for run in (a, b)]
+    assert ttft[1][0] == pytest.approx(ttft[0][0])
+    assert ttft[1][1] < ttft[0][1] / 5 and ttft[1][2] < ttft[0][2] / 5
+    assert b.end - b.start < a.end - a.start
+    with pytest.raises(InputError, match="prefix_cache_tokens"):
+        ServerReplay([ReplayTrace(trace)], profile, prefix_cache_tokens=-1)
+    with pytest.raises(InputError, match="idle_prefill_tokens"):
+        ServerReplay([ReplayTrace(trace)], profile, idle_prefill_tokens=0)
+
+
+def dataclasses_replace_prompt(trace, prompt_len: int):
+    import dataclasses
+
+    return dataclasses.replace(trace, prompt_len=prompt_len)

@@ -107,3 +107,38 @@ def test_the_long_mix_gap_is_the_largest_wait_overlapping_the_long_prefill(serve
     alone = serve_load.long_mix_figures([before], long)
     assert alone["gap_max_s"] == pytest.approx(0.3)  # 9.9 -> 10.2 overlaps, 8.6 -> 9.9 does not
     assert math.isnan(alone["short_ttft_max_s"])  # its first token came before the long prompt was sent
+
+
+def test_a_multi_turn_run_reports_turns_hits_and_identity_against_the_cold_row(serve_load, tmp_path):
+    """``--workload multi-turn`` on the tiny pair: conversations turn after turn on a server with its prefix
+    cache and one without; the cached row reports hits (the cold one none) and every turn's text equals the
+    cold row's; a level listed twice runs twice on one server."""
+    out = tmp_path / "chat.json"
+    argv = [
+        "--pair",
+        "tiny",
+        "--no-llama",
+        "--threads",
+        "1",
+        "--workload",
+        "multi-turn",
+        "--concurrency",
+        "1,2,2",
+    ]
+    argv += ["--turns", "3", "--max-tokens", "6", "--system-tokens", "200", "--document-tokens", "60"]
+    argv += ["--ours", "hot=--autoregressive", "--ours", "cold=--autoregressive --no-prefix-cache"]
+    argv += ["--json", str(out)]
+    assert serve_load.main(argv) == 0
+    data = json.loads(out.read_text())
+    results = data["results"]
+    assert [(e["row"], e["level"], e["run"]) for e in results] == [
+        ("ours cold", 1, 0), ("ours cold", 2, 1), ("ours cold", 2, 2),
+        ("ours hot", 1, 0), ("ours hot", 2, 1), ("ours hot", 2, 2),
+    ]  # fmt: skip
+    for e in results:
+        assert e["errors"] == 0 and e["requests"] == 3 * e["level"] and e["identical"] == 1.0
+        assert e["tokens"] == 6 * e["requests"] and e["turn3_ttft_p50"] > 0 and e["rss_mb"] > 0
+        assert (e["hit_rate"] > 0.3) if e["row"] == "ours hot" else (e["hit_rate"] == 0)
+    assert data["conditions"]["workload"]["turns"] == 3
+    with pytest.raises(SystemExit):
+        serve_load.main(["--pair", "tiny", "--no-llama", "--workload", "multi-turn", "--turns", "0"])
