@@ -190,8 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.vllm:
         if name not in ("ar", "table", "lookup") and not (name.startswith("draft-") and name[6:].isdigit()):
             ap.error(f"--vllm: unknown row {name!r} (ar, draft-K, table, lookup)")
-    if not args.concurrency or min(args.concurrency) < 1 or 1 not in args.concurrency:
-        ap.error("--concurrency must list positive levels, 1 among them (the identity reference)")
+    if not args.concurrency or min(args.concurrency) < 1:
+        ap.error("--concurrency must list positive levels")
+    if args.workload == "single" and 1 not in args.concurrency:
+        ap.error("--concurrency must list 1 among its levels (the identity reference)")
 
     if args.workload == "multi-turn":
         return multi_turn(args, ap)

@@ -100,7 +100,9 @@ class ServerReplay:
         if not is_int(idle_prefill_tokens) or idle_prefill_tokens < 1:
             raise InputError(f"idle_prefill_tokens must be an integer >= 1, got {idle_prefill_tokens!r}")
         if not is_int(prefix_cache_tokens) or prefix_cache_tokens < 0:
-            raise InputError(f"prefix_cache_tokens must be an integer >= 0 (0: off), got {prefix_cache_tokens!r}")
+            raise InputError(
+                f"prefix_cache_tokens must be an integer >= 0 (0: off), got {prefix_cache_tokens!r}"
+            )
         self.idle_prefill_tokens = idle_prefill_tokens
         """The engine's ``BatchConfig.idle_prefill_tokens``: the prefill budget when no request decodes."""
         self.prefix_cache_tokens = prefix_cache_tokens
@@ -293,7 +295,11 @@ class ServerReplay:
             for i in range(1, len(takes)):
                 key = waiting[i].trace.trace.prompt_id
                 same = [w.trace.trace.prompt_id == key for w in waiting[:i]]
-                if waiting[i].cached is None and any(same) and waiting[i].trace.trace.prompt_len - 1 > hits[i]:
+                if (
+                    waiting[i].cached is None
+                    and any(same)
+                    and waiting[i].trace.trace.prompt_len - 1 > hits[i]
+                ):
                     takes = takes[:i]
                     break
         prefill, seconds = self.profile.prefill_s, 0.0
@@ -536,4 +542,3 @@ def _prompt_key(req: _Request) -> list:
     prompts share nothing (live, prompts of one chat template share its first tokens: a few milliseconds)."""
     trace = req.trace.trace
     return [(trace.prompt_id, i) for i in range(trace.prompt_len)]
-
