@@ -208,6 +208,7 @@ SERVER_ROWS = (
     "static tuned at N=1",
     "static per load (table)",
     "analytic given the load",
+    "goodput given the load",
     "learned",
 )
 """The rows of the server replay section for a policy trained without context lookup (static tuned at N=1:
