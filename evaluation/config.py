@@ -20,9 +20,11 @@ ENGINE_CONTROLLERS = (
     "heuristic",
     "confidence",
     "analytic",
+    "goodput",
     "learned",
     "autoregressive+lookup",
     "static_chain+lookup",
+    "goodput+lookup",
     "learned+lookup",
 )
 """Controllers measured live on our engine (autoregressive: ``controller=None``); a name ending in
@@ -48,8 +50,9 @@ class EvalConfig(ModelConfig):
     """Exported learned policy (policy.pt); none: the newest runs/*/policy.pt."""
     controllers: str = "all"
     """Comma list of controllers to run (all: every one). Names: autoregressive, static_chain, static_tree,
-    heuristic, confidence, analytic, learned, autoregressive+lookup, static_chain+lookup, learned+lookup (the
-    controller on an engine with context lookup drafting, --lookup), hf_assisted_default, hf_assisted_heuristic,
+    heuristic, confidence, analytic, goodput (policies.goodput), learned, autoregressive+lookup,
+    static_chain+lookup, goodput+lookup, learned+lookup (the controller on an engine with context lookup
+    drafting, --lookup), hf_assisted_default, hf_assisted_heuristic,
     llama_cpp, llama_cpp_spec, llama_cpp_lookup, oracle. autoregressive always runs: every speedup is measured against it."""
     lookup: str = "auto"
     """The context lookup setting of the +lookup controllers: "auto" (the policy's own, train.py --lookup, else
