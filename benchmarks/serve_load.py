@@ -57,6 +57,7 @@ import torch
 
 from engine.cli import ArgumentParser
 from engine.costs.measure_costs import device_name
+from engine.errors import DraftpilotError
 from envs.prompts import interleave_languages, load_suite
 from evaluation.llama_cpp_build import default_bin_dir, find_server
 from serving.launch import ServerProcess, free_port, peak_rss_mb, prompt_ids
@@ -144,6 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-mix-clients", type=int, default=4)
     ap.add_argument("--min-requests", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument(
+        "--prompts",
+        default="suite",
+        help="the prompt set: a suite JSONL file or a built-in set's name (suite, long, grounded, mixed: "
+        "envs.prompts)",
+    )
+    ap.add_argument("--split", default="test", help="the split of --prompts the requests come from")
     ap.add_argument("--prompts-per-language", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--slot-context", type=int, default=2048, help="llama-server context per slot")
@@ -166,7 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.concurrency or min(args.concurrency) < 1 or 1 not in args.concurrency:
         ap.error("--concurrency must list positive levels, 1 among them (the identity reference)")
 
-    suite = interleave_languages(load_suite(split="test", limit_per_language=args.prompts_per_language))
+    try:
+        suite = interleave_languages(
+            load_suite(args.prompts, split=args.split, limit_per_language=args.prompts_per_language)
+        )
+    except (DraftpilotError, ValueError) as err:
+        ap.error(f"--prompts {args.prompts} --split {args.split}: {err}")
     prompts = [prompt_ids(args.pair, item["prompt"]) for item in suite]
     long_ids: list[int] = []
     if args.long_mix:

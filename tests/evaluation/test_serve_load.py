@@ -107,3 +107,23 @@ def test_the_long_mix_gap_is_the_largest_wait_overlapping_the_long_prefill(serve
     alone = serve_load.long_mix_figures([before], long)
     assert alone["gap_max_s"] == pytest.approx(0.3)  # 9.9 -> 10.2 overlaps, 8.6 -> 9.9 does not
     assert math.isnan(alone["short_ttft_max_s"])  # its first token came before the long prompt was sent
+
+
+def test_a_prompt_set_is_named_and_a_bad_one_is_one_error_line(serve_load, capsys, monkeypatch):
+    """--prompts names a built-in set (envs.prompts.PROMPT_SETS) or a file, --split its split."""
+    seen = {}
+
+    def build_rows(args, *rest):
+        seen["args"] = args
+        return []  # no server: the prompts were read and tokenised, then nothing runs
+
+    monkeypatch.setattr(serve_load, "build_rows", build_rows)
+    argv = ["--pair", "tiny", "--no-llama", "--prompts", "grounded", "--prompts-per-language", "1"]
+    assert serve_load.main(argv) == 0
+    assert seen["args"].prompts == "grounded" and seen["args"].split == "test"
+    for bad in (["--prompts", "no-such-set"], ["--prompts", "grounded", "--split", "dev"]):
+        with pytest.raises(SystemExit) as exit_:
+            serve_load.main(["--pair", "tiny", "--no-llama", *bad])
+        assert exit_.value.code == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: --prompts"), lines
