@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from engine.control import Controller, DraftState
+from engine.costs.cost_profile import CostProfile
 from engine.costs.load_model import LoadedProfiles
 from engine.costs.speedup_model import cycle_cost_s, expected_tokens
 from engine.results import CycleRecord
@@ -70,7 +71,7 @@ class GoodputController(Controller):
 
     def __init__(
         self,
-        profile,
+        profile: CostProfile,
         max_depth: int = 8,
         prior: float = 0.6,
         prior_weight: float = 2.0,
