@@ -12,7 +12,8 @@ input (the workload where context lookup and a well-accepted draft pay most): ed
 Python module (rename, add a parameter, fix a marked bug, add types and docstrings; the whole module comes
 back), pytest tests for a given module, a summary of and questions over a given 400-600 word text, and the
 translation of a given paragraph; 11 base items in the four languages (train 4, tune 2, test 5 per language),
-each with a ``max_tokens`` key: the answer's expected length (256 to 512 tokens).
+each with a ``max_tokens`` key: the answer's expected length (256 to 512 tokens). Prompts are 195-844 tokens on
+the default pair's tokenizer (median 427): too long for the tiny pair's 1,024-byte context.
 
 Commands name a prompt set by file or by name (``PROMPT_SETS``): ``suite``, ``long``, ``grounded``, or
 ``mixed``: per language and split, grounded and open-ended suite prompts alternating one to one (the first
