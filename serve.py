@@ -64,10 +64,12 @@ class ServeConfig(ModelConfig):
     main job's analytic baseline ran; "analytic:FILE": with those of the policy file FILE; "table:FILE": a
     chain of the depth a per-batch-size table FILE gives the requests in the step (vLLM's
     num_speculative_tokens_per_batch_size JSON; train.py writes the per-load baseline's as
-    runs/NAME/tuned_batch_size_table.json)."""
+    runs/NAME/tuned_batch_size_table.json); "goodput" (or "goodput:FILE"): the goodput controller
+    (policies.goodput: each request's draft length from its own acceptance and the step's cost at the load),
+    costed as "analytic" is."""
     profile: str | None = None
     """Cost profile JSON (python -m engine.costs.measure_costs --batch-axis --out FILE) that --policy analytic
-    costs its choices with."""
+    and --policy goodput cost their choices with."""
     autoregressive: bool = False
     """No speculation: every request decodes autoregressively (lookup cycles only, with --lookup)."""
     depth: int = 1
@@ -146,11 +148,12 @@ def build_parser() -> ArgumentParser:
 
 
 def policy_kind(policy: str) -> tuple[str, str | None]:
-    """What ``--policy`` names: ("auto" | "none" | "analytic" | "table" | "file", its file or None)."""
-    if policy in ("auto", "none", "analytic"):
+    """What ``--policy`` names: ("auto" | "none" | "analytic" | "goodput" | "table" | "file", its file or
+    None)."""
+    if policy in ("auto", "none", "analytic", "goodput"):
         return policy, None
     kind, colon, path = policy.partition(":")
-    if kind in ("analytic", "table") and colon:
+    if kind in ("analytic", "goodput", "table") and colon:
         if not path:
             raise InputError(f"--policy {kind}:FILE needs its file, got {policy!r}")
         return kind, path
@@ -172,14 +175,14 @@ def read_table(config: ServeConfig) -> dict[int, int]:
 
 
 def analytic_profile(config: ServeConfig):
-    """The cost profile ``--policy analytic`` costs its choices with: ``--profile``, else the one the policy
-    file carries (``analytic:FILE``, else runs/main/policy.pt). (profile, where it comes from, that policy
+    """The cost profile ``--policy analytic`` (and ``goodput``) costs its choices with: ``--profile``, else the
+    one the policy file carries (``analytic:FILE``, else runs/main/policy.pt). (profile, where it comes from, that policy
     or None)."""
     from engine.costs.cost_profile import load_profile_arg
     from policies import load_policy
     from policies.learned import stored_profile
 
-    path = policy_kind(config.policy)[1]
+    kind, path = policy_kind(config.policy)
     if config.profile is not None:
         if path is not None:
             raise InputError(f"--policy {config.policy} and --profile both give the cost profile: give one")
@@ -187,8 +190,8 @@ def analytic_profile(config: ServeConfig):
     if path is None:
         if not DEFAULT_POLICY.is_file():
             raise InputError(
-                "--policy analytic needs a cost profile: --profile FILE (python -m engine.costs.measure_costs "
-                f"--batch-axis --out FILE), --policy analytic:POLICY_FILE, or a trained {DEFAULT_POLICY}"
+                f"--policy {kind} needs a cost profile: --profile FILE (python -m engine.costs.measure_costs "
+                f"--batch-axis --out FILE), --policy {kind}:POLICY_FILE, or a trained {DEFAULT_POLICY}"
             )
         path = str(DEFAULT_POLICY)
     try:
@@ -225,6 +228,19 @@ def controller_factory(config: ServeConfig, pair):
                 "controller costs every choice as alone (measure one with --batch-axis)"
             )
         return (lambda: AnalyticController(profile, **options)), f"{analytic!r} profile={source}", trained
+    if kind == "goodput":
+        from policies import GoodputController
+
+        profile, source, template = analytic_profile(config)
+        depth = {"max_depth": template.max_depth} if template is not None else {}
+        goodput = GoodputController(profile, **depth)
+        if not goodput.loads.available:
+            warn(
+                f"--policy {config.policy}: the cost profile ({source}) has no batch axis, so the goodput "
+                "controller costs every choice as alone (measure one with --batch-axis)"
+            )
+        trained = template.trained_lookup if template is not None else None
+        return (lambda: GoodputController(profile, **depth)), f"{goodput!r} profile={source}", trained
     if kind == "table":
         from policies import BatchSizeTableController
 
@@ -442,11 +458,11 @@ def check(config: ServeConfig) -> ServeConfig:
         raise InputError(f"--policy: no file {path}")
     if kind == "table":
         read_table(config)
-    if kind == "analytic":
+    if kind in ("analytic", "goodput"):
         analytic_profile(config)
     elif config.profile is not None:
         raise InputError(
-            f"--profile is the cost profile of --policy analytic; --policy {config.policy} uses none"
+            f"--profile is the cost profile of --policy analytic or goodput; --policy {config.policy} uses none"
         )
     resolve_lookup(config.lookup)
     for name in ("header_timeout", "body_timeout"):

@@ -22,10 +22,28 @@ Poisson level whose rate changes during the run (N1 requests arriving at R1 per 
 mode ``poisson-schedule``, its level the schedule). Poisson arrivals are seeded (the repeat's index): the
 first request at once, each next one an exponential gap later at its own rate. Requests are /v1/completions with the chat-templated
 prompt as token ids (both servers read token-id prompts, so both see the same tokens), greedy, streaming,
-``max_tokens`` with ``ignore_eos`` (both servers honour it: every request does the same work), and
-llama-server's prompt cache off (``cache_prompt: false``: our server has no prefix cache, and the
-benchmark repeats its prompts, which llama-server would otherwise not prefill again). Rows are
-interleaved and the whole set repeated ``--repeats`` times in rotated order, so drift hits all rows alike.
+``max_tokens`` with ``ignore_eos`` (both servers honour it: every request does the same work), and both
+servers' prefix caches off (``--cache off``, the default of this workload: ours ``--no-prefix-cache``,
+llama-server ``cache_prompt: false``), since the benchmark repeats its prompts, which a cache would not
+prefill again; ``--cache on`` runs both with theirs. ``--workload multi-turn`` runs conversations instead
+(``serving.load_chat``: a shared system prompt, a document per user, turn after turn), with the caches as users
+run them (llama-server with and without its own). Rows are
+interleaved and the whole set repeated ``--repeats`` times in rotated order, so drift hits all rows alike:
+each repeat runs every row once (a server started for it, every level in turn), so each repeat gives one paired
+measurement of every row at every level. ``--prompts`` names the prompt set (a suite file or a built-in set:
+suite, long, grounded, mixed; ``envs.prompts``) and ``--split`` its split.
+
+Paired ratios (``--ratio A/B``, repeatable; A and B row names, ``ours`` implied): per mode and level the ratio
+of A's tokens/s to B's with a percentile bootstrap 95% interval (``evaluation.stats.paired_bootstrap_ratio``).
+``--ratio-unit request`` (the default) pairs requests: the k-th request of the same prompt at the same level
+and repeat in both rows (the closed loop and the Poisson runs send the same prompts in the same order), each
+pair its tokens and latency, the ratio that of tokens per second of latency summed (at N clients in a closed
+loop, system tokens/s is about N x tokens / mean latency, so this estimates the ratio of system tokens/s);
+resampling pairs keeps each prompt's two rows together, which removes what prompts differ by (grounded prompts
+differ a lot), and gives an interval with one or two repeats. Requests of one level share their batches, so
+they are not independent: the interval is of the prompts' spread, not of run-to-run drift. ``--ratio-unit
+repeat`` pairs the repeats (a level's tokens and wall time in each row): run-to-run drift included, but it
+needs several repeats (with one the interval is the point).
 
 Per row and level: aggregate tokens/s (completion tokens over the level's wall time), TTFT, inter-token
 latency (an arrival of k tokens after a gap T counts k samples of T / k; chunks within ``BURST_S`` of each
@@ -57,10 +75,13 @@ import torch
 
 from engine.cli import ArgumentParser
 from engine.costs.measure_costs import device_name
+from engine.errors import DraftpilotError
 from envs.prompts import interleave_languages, load_suite
 from evaluation.llama_cpp_build import default_bin_dir, find_server
+from evaluation.stats import paired_bootstrap_ratio
 from serving.launch import ServerProcess, free_port, peak_rss_mb, prompt_ids, rss_mb
 from serving.load_client import (
+    Outcome,
     Row,
     closed_loop,
     long_mix,
@@ -165,10 +186,32 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--min-requests", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument(
+        "--prompts",
+        default="suite",
+        help="the prompt set: a suite JSONL file or a built-in set's name (suite, long, grounded, mixed: "
+        "envs.prompts)",
+    )
+    ap.add_argument("--split", default="test", help="the split of --prompts the requests come from")
     ap.add_argument("--prompts-per-language", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--slot-context", type=int, default=2048, help="llama-server context per slot")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument(
+        "--ratio",
+        action="append",
+        default=[],
+        help="A/B: print the ratio of row A's tokens/s to row B's per level with a paired bootstrap 95%% "
+        "interval (row names as printed, 'ours ' implied; repeatable)",
+    )
+    ap.add_argument(
+        "--ratio-unit",
+        default="request",
+        choices=("request", "repeat"),
+        help="what --ratio pairs: requests (the same prompt's k-th request at the same level and repeat) or "
+        "repeats (a level's tokens and wall time)",
+    )
+    ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples of --ratio")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
@@ -194,10 +237,21 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--concurrency must list positive levels")
     if args.workload == "single" and 1 not in args.concurrency:
         ap.error("--concurrency must list 1 among its levels (the identity reference)")
-
     if args.workload == "multi-turn":
         return multi_turn(args, ap)
-    suite = interleave_languages(load_suite(split="test", limit_per_language=args.prompts_per_language))
+    if args.bootstrap < 1:
+        ap.error(f"--bootstrap must be >= 1, got {args.bootstrap}")
+    try:
+        args.ratio = [parse_ratio(text) for text in args.ratio]
+    except ValueError as err:
+        ap.error(str(err))
+
+    try:
+        suite = interleave_languages(
+            load_suite(args.prompts, split=args.split, limit_per_language=args.prompts_per_language)
+        )
+    except (DraftpilotError, ValueError) as err:
+        ap.error(f"--prompts {args.prompts} --split {args.split}: {err}")
     prompts = [prompt_ids(args.pair, item["prompt"]) for item in suite]
     long_ids: list[int] = []
     if args.long_mix:
@@ -211,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
 
     target, draft, server = llama_setup(args)
     rows = build_rows(args, target, draft, server, ROOT)
+    try:
+        args.ratio = [resolve_ratio(pair, [row.name for row in rows]) for pair in args.ratio]
+    except ValueError as err:
+        ap.error(str(err))
     if not rows:
         print("no rows to run")
         return 0
@@ -241,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                     entry = {"row": row.name, "repeat": repeat, "mode": "closed", "level": level}
                     entry["weights"] = row.weights
                     entry.update(summarize(outcomes, wall, reference), peak_rss_mb=peak_rss_mb(srv.proc.pid))
+                    entry["per_request"] = per_request(outcomes)
                     entry["loadavg"] = os.getloadavg()[0]
                     results.append(entry)
                     report(entry)
@@ -267,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                     entry = {"row": row.name, "repeat": repeat, "mode": mode, "level": level}
                     entry["weights"] = row.weights
                     entry.update(summarize(outcomes, wall, reference), peak_rss_mb=peak_rss_mb(srv.proc.pid))
+                    entry["per_request"] = per_request(outcomes)
                     entry["loadavg"] = os.getloadavg()[0]
                     results.append(entry)
                     report(entry)
@@ -276,8 +336,19 @@ def main(argv: list[str] | None = None) -> int:
     print("\n# medians over repeats")
     for entry in table:
         report(entry)
+    ratios = [r for a, b in args.ratio for r in paired_ratios(results, a, b, args.ratio_unit, args.bootstrap)]
+    if ratios:
+        print(
+            f"\n# paired ratios, bootstrap 95% interval over {args.ratio_unit} pairs ({args.bootstrap} resamples)"
+        )
+        for r in ratios:
+            print(
+                f"{r['a']} / {r['b']}  {r['mode']} {r['level']}  {r['ratio']:.3f} [{r['low']:.3f}, {r['high']:.3f}]  "
+                f"({r['pairs']} pairs)",
+                flush=True,
+            )
     if args.json:
-        save(args.json, info, args, rows, results)
+        save(args.json, info, args, rows, results, ratios)
         print(f"wrote {args.json}")
     if args.plot:
         plot(table, args.plot, info)
@@ -420,9 +491,78 @@ def report_chat(e: dict, turns: int) -> None:
     )
 
 
-def save(path: str, info: dict, args, rows: list[Row], results: list[dict]) -> None:
+def parse_ratio(text: str) -> tuple[str, str]:
+    """``--ratio A/B`` as (A, B), the names stripped."""
+    a, slash, b = text.partition("/")
+    if not slash or not a.strip() or not b.strip() or "/" in b or a.strip() == b.strip():
+        raise ValueError(f"--ratio: expected A/B, two different row names, got {text!r}")
+    return a.strip(), b.strip()
+
+
+def resolve_ratio(pair: tuple[str, str], names: list[str]) -> tuple[str, str]:
+    """Each name of a ``--ratio`` pair as a row's name: itself, or ``ours NAME``; unknown: ValueError."""
+    out = []
+    for name in pair:
+        full = name if name in names else f"ours {name}"
+        if full not in names:
+            raise ValueError(f"--ratio: no row {name!r}; the rows are {names}")
+        out.append(full)
+    return out[0], out[1]
+
+
+def per_request(outcomes: list[Outcome]) -> list[list]:
+    """[prompt, k, tokens, latency] of every request that succeeded, k its prompt's occurrence (0, 1, ...) in the
+    order the requests were sent: the key that pairs it with another row's request (``paired_ratios``)."""
+    seen: dict[int, int] = {}
+    out = []
+    for o in sorted(outcomes, key=lambda o: o.start):
+        k = seen[o.prompt] = seen.get(o.prompt, -1) + 1
+        if o.ok and o.latency > 0:
+            out.append([o.prompt, k, o.tokens, o.latency])
+    return out
+
+
+def paired_ratios(
+    results: list[dict], a: str, b: str, unit: str = "request", resamples: int = 2000, seed: int = 0
+) -> list[dict]:
+    """Per mode and level both rows ran: row ``a``'s tokens/s over row ``b``'s, with a paired bootstrap 95%
+    interval (module docstring): ``unit`` "request" pairs the requests of the same prompt, occurrence, level
+    and repeat (tokens and latency each); "repeat" pairs the repeats (the level's tokens and wall time).
+    Each {"a", "b", "mode", "level", "unit", "ratio", "low", "high", "pairs"}; a level without pairs is left out."""
+    out = []
+    keys = dict.fromkeys((r["mode"], r["level"]) for r in results if r["row"] == a)
+    for mode, level in keys:
+        runs = {
+            (r["row"], r["repeat"]): r
+            for r in results
+            if r["mode"] == mode and r["level"] == level and r["row"] in (a, b)
+        }
+        repeats = sorted({rep for row, rep in runs if row == a} & {rep for row, rep in runs if row == b})
+        pairs = []  # (tokens a, seconds a, tokens b, seconds b)
+        for rep in repeats:
+            x, y = runs[(a, rep)], runs[(b, rep)]
+            if unit == "repeat":
+                if x["tokens"] > 0 and y["tokens"] > 0 and x["wall_s"] > 0 and y["wall_s"] > 0:
+                    pairs.append((x["tokens"], x["wall_s"], y["tokens"], y["wall_s"]))
+                continue
+            theirs = {(p, k): (n, t) for p, k, n, t in y.get("per_request", [])}
+            for p, k, n, t in x.get("per_request", []):
+                if (p, k) in theirs and n > 0 and theirs[(p, k)][0] > 0:
+                    pairs.append((n, t, *theirs[(p, k)]))
+        if not pairs:
+            continue
+        columns = list(zip(*pairs))
+        interval = paired_bootstrap_ratio(*columns, resamples=resamples, rng=seed)
+        out.append(
+            {"a": a, "b": b, "mode": mode, "level": level, "unit": unit, "pairs": len(pairs)}
+            | {k: interval[k] for k in ("ratio", "low", "high")}
+        )
+    return out
+
+
+def save(path: str, info: dict, args, rows: list[Row], results: list[dict], ratios: list[dict] | None = None) -> None:  # fmt: skip
     out = {"conditions": info, "args": dict(vars(args)), "rows": [asdict(r) for r in rows]}
-    out.update(results=results, medians=medians(results))
+    out.update(results=results, medians=medians(results), ratios=ratios or [])
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(out, indent=1, default=str) + "\n")
 

@@ -7,6 +7,19 @@ splits are ``train`` (the learned policy, 20 per language), ``tune`` (static gri
 (reporting only, 12; never tune on it). ``prompts/long.jsonl`` (``LONG_SUITE``) has the same layout for
 long requests: long contexts, long answers.
 
+``prompts/grounded.jsonl`` (``GROUNDED_SUITE``) holds input-grounded requests, whose answers copy much of their
+input (the workload where context lookup and a well-accepted draft pay most): edits of a given 44-50 line
+Python module (rename, add a parameter, fix a marked bug, add types and docstrings; the whole module comes
+back), pytest tests for a given module, a summary of and questions over a given 400-600 word text, and the
+translation of a given paragraph; 11 base items in the four languages (train 4, tune 2, test 5 per language),
+each with a ``max_tokens`` key: the answer's expected length (256 to 512 tokens). Prompts are 195-844 tokens on
+the default pair's tokenizer (median 427): too long for the tiny pair's 1,024-byte context.
+
+Commands name a prompt set by file or by name (``PROMPT_SETS``): ``suite``, ``long``, ``grounded``, or
+``mixed``: per language and split, grounded and open-ended suite prompts alternating one to one (the first
+as many suite prompts of that language and split as it has grounded ones), so any per-language prefix holds
+both halves equally.
+
     from envs.prompts import suite_split
     quick = suite_split("tune", 2)  # interleave_languages(load_suite(split="tune", limit_per_language=2))
 """
@@ -24,6 +37,17 @@ LONG_SUITE: Path = DEFAULT_SUITE.with_name("long.jsonl")
 """The shipped long suite: 28 prompts, 7 per language (2 train, 2 tune, 3 test), each an instruction on a
 ~1.3-2.2k-token context (a frozen copy of one of the project's modules or design sections) asking for a long
 answer (tests, a detailed explanation): the length axis of the shift evaluation, 512 new tokens."""
+GROUNDED_SUITE: Path = DEFAULT_SUITE.with_name("grounded.jsonl")
+"""The shipped input-grounded suite: 44 prompts, 11 per language (4 train, 2 tune, 5 test)."""
+PROMPT_SETS: dict[str, Path | None] = {
+    "suite": DEFAULT_SUITE,
+    "long": LONG_SUITE,
+    "grounded": GROUNDED_SUITE,
+    "mixed": None,
+}
+"""The prompt sets a command names instead of a file (``--prompts NAME``); ``mixed`` is made from two of them
+(``mixed_suite``)."""
+GROUNDED_TASKS = ("edit", "tests", "summary", "qa", "translation")
 LANGUAGES = ("it", "en", "zh", "es")
 """The suite's languages, in the order ``interleave_languages`` cycles through them."""
 SPLITS = ("train", "tune", "test")
@@ -37,6 +61,36 @@ def language_of(item: dict) -> str:
     return str(item.get("language") or UNKNOWN_LANGUAGE)
 
 
+def is_prompt_set(value: str | Path | None) -> bool:
+    """Whether ``value`` names one of ``PROMPT_SETS`` (rather than a file)."""
+    return isinstance(value, str) and value in PROMPT_SETS
+
+
+def mixed_suite() -> list[dict]:
+    """The ``mixed`` set (module docstring): per language and split, grounded and suite prompts alternating,
+    grounded first, as many suite prompts as grounded ones."""
+    grounded, suite = read_prompts(GROUNDED_SUITE), read_prompts(DEFAULT_SUITE)
+    out: list[dict] = []
+    for lang in LANGUAGES:
+        for split in SPLITS:
+            mine = [item for item in grounded if language_of(item) == lang and item.get("split") == split]
+            theirs = [item for item in suite if language_of(item) == lang and item.get("split") == split]
+            for pair in zip(mine, theirs):
+                out.extend(pair)
+    return out
+
+
+def read_suite(path: str | Path | None = None) -> list[dict]:
+    """Every prompt of a suite file or of a named set (``PROMPT_SETS``; None: ``DEFAULT_SUITE``), validated by
+    ``envs.record_traces.read_prompts``."""
+    if path is None:
+        return read_prompts(DEFAULT_SUITE)
+    if is_prompt_set(path):
+        source = PROMPT_SETS[str(path)]
+        return mixed_suite() if source is None else read_prompts(source)
+    return read_prompts(path)
+
+
 def load_suite(
     path: str | Path | None = None,
     *,
@@ -44,7 +98,8 @@ def load_suite(
     languages: Sequence[str] | None = None,
     limit_per_language: int | None = None,
 ) -> list[dict]:
-    """Prompts of a JSONL suite (``DEFAULT_SUITE`` when ``path`` is None), in file order.
+    """Prompts of a JSONL suite or a named set (``read_suite``; ``DEFAULT_SUITE`` when ``path`` is None), in
+    file order.
 
     The file is read and validated by ``envs.record_traces.read_prompts`` (unique, file-name-safe ids, string
     prompts); the items are returned as read. ``split`` keeps the items of that split or those splits (each
@@ -54,8 +109,8 @@ def load_suite(
     language, so a quick run takes a balanced subset. Raises ValueError on an unknown split name, a negative
     limit or an empty selection.
     """
-    source = DEFAULT_SUITE if path is None else Path(path)
-    items = read_prompts(source)
+    source = DEFAULT_SUITE if path is None else path if is_prompt_set(path) else Path(path)
+    items = read_suite(path)
     splits = (split,) if isinstance(split, str) else None if split is None else tuple(split)
     langs = (languages,) if isinstance(languages, str) else None if languages is None else tuple(languages)
     if splits is not None:

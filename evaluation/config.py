@@ -9,8 +9,8 @@ from pathlib import Path
 
 from engine.cli import ModelConfig
 from engine.lookup import LookupConfig, resolve_lookup
-from envs.prompts import interleave_languages, load_suite
-from envs.recording import MAX_TRACE_DEPTH, read_prompts
+from envs.prompts import interleave_languages, is_prompt_set, load_suite, read_suite
+from envs.recording import MAX_TRACE_DEPTH
 from evaluation.llama_peer import parse_lookup_setting, parse_spec_setting
 
 ENGINE_CONTROLLERS = (
@@ -20,9 +20,11 @@ ENGINE_CONTROLLERS = (
     "heuristic",
     "confidence",
     "analytic",
+    "goodput",
     "learned",
     "autoregressive+lookup",
     "static_chain+lookup",
+    "goodput+lookup",
     "learned+lookup",
 )
 """Controllers measured live on our engine (autoregressive: ``controller=None``); a name ending in
@@ -48,8 +50,9 @@ class EvalConfig(ModelConfig):
     """Exported learned policy (policy.pt); none: the newest runs/*/policy.pt."""
     controllers: str = "all"
     """Comma list of controllers to run (all: every one). Names: autoregressive, static_chain, static_tree,
-    heuristic, confidence, analytic, learned, autoregressive+lookup, static_chain+lookup, learned+lookup (the
-    controller on an engine with context lookup drafting, --lookup), hf_assisted_default, hf_assisted_heuristic,
+    heuristic, confidence, analytic, goodput (policies.goodput), learned, autoregressive+lookup,
+    static_chain+lookup, goodput+lookup, learned+lookup (the controller on an engine with context lookup
+    drafting, --lookup), hf_assisted_default, hf_assisted_heuristic,
     llama_cpp, llama_cpp_spec, llama_cpp_lookup, oracle. autoregressive always runs: every speedup is measured against it."""
     lookup: str = "auto"
     """The context lookup setting of the +lookup controllers: "auto" (the policy's own, train.py --lookup, else
@@ -65,8 +68,9 @@ class EvalConfig(ModelConfig):
     """llama_cpp_spec's --spec-draft-n-max,--spec-draft-p-min (the default comes from benchmarks/llama_cpp.py's
     grid on the default pair)."""
     prompts: str | None = None
-    """Prompt suite JSONL ({"id", "language", "task", "prompt"} per line, optional "split"); none: the built-in
-    suite. A file without split keys is all test set, and the static grid is then tuned on the same prompts
+    """Prompt suite JSONL ({"id", "language", "task", "prompt"} per line, optional "split") or a built-in set's
+    name: suite, long, grounded (input-grounded requests) or mixed (grounded and suite one to one; envs.prompts);
+    none: the built-in suite. A file without split keys is all test set, and the static grid is then tuned on the same prompts
     (the report warns loudly)."""
     split: str = "test"
     """Split the controllers are measured on."""
@@ -236,7 +240,7 @@ class EvalConfig(ModelConfig):
             self,
             out=absolute(str(self.out_dir())),
             cache_dir=absolute(self.cache_dir),
-            prompts=absolute(self.prompts),
+            prompts=self.prompts if is_prompt_set(self.prompts) else absolute(self.prompts),
             profile=absolute(self.profile),
             policy=policy,
         )
@@ -294,7 +298,7 @@ def select_prompts(config: EvalConfig) -> tuple[list[dict], list[dict], list[str
     """(tune prompts, measured prompts, warnings), each list interleaved by language."""
     langs = config.language_list()
     warnings: list[str] = []
-    has_splits = config.prompts is None or any("split" in item for item in read_prompts(config.prompts))
+    has_splits = config.prompts is None or any("split" in item for item in read_suite(config.prompts))
     if has_splits:
         test = load_suite(
             config.prompts,

@@ -18,6 +18,7 @@ from evaluation.llama_peer import LlamaPeer
 from policies import (
     AnalyticController,
     ConfidenceController,
+    GoodputController,
     HeuristicController,
     StaticController,
     load_policy,
@@ -125,6 +126,8 @@ class Setup:
                 made[full] = lambda: AnalyticController(
                     self.profile, tree_width=self.width, max_depth=self.max_depth
                 )
+            elif name == "goodput":
+                made[full] = lambda: GoodputController(self.profile, max_depth=self.max_depth)
             elif name == "learned":
                 made[full] = self.learned
         return made

@@ -18,6 +18,7 @@ LEARNED_VS = (
     "static_chain",
     "static_tree",
     "analytic",
+    "goodput",
     "heuristic",
     "confidence",
     "hf_assisted_default",

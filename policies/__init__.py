@@ -3,6 +3,7 @@ engine never imports this package. ``load_policy`` reads an exported PPO policy 
 training code in ``policies.ppo`` and stable-baselines3 are never imported on the inference path)."""
 
 from policies.analytic import AnalyticController
+from policies.goodput import GoodputController
 from policies.heuristic import ConfidenceController, HeuristicController
 from policies.learned import LearnedController, PolicyFileError, load_policy
 from policies.static import BatchSizeTableController, StaticController
@@ -11,6 +12,7 @@ __all__ = [
     "AnalyticController",
     "BatchSizeTableController",
     "ConfidenceController",
+    "GoodputController",
     "HeuristicController",
     "LearnedController",
     "PolicyFileError",

@@ -9,7 +9,8 @@ replay)"), each on its own traces.
 Why these baselines: autoregressive decoding; the static chain tuned alone (N=1: what a user tunes on one
 client and then serves with); the static chain tuned per load level (the table serving engines ship); the
 analytic controller given the load (``policies.analytic``: the cost model at the request's load, the best
-causal rule we know).
+causal rule we know); the goodput controller given the load (``policies.goodput``: SmartSpec's rule, each
+request's draft length from its own acceptance and the step's cost at the load).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from envs.server import (
     tune_table,
 )
 from policies.analytic import AnalyticController
+from policies.goodput import GoodputController
 from policies.learned import LearnedController
 from policies.static import BatchSizeTableController
 
@@ -127,15 +129,19 @@ def tuned_lookup(
 
 
 def load_baselines(setup: LoadSetup, profile: CostProfile, width: int, max_depth: int) -> dict[str, Callable]:
-    """name -> controller factory of every baseline (each request gets its own controller)."""
+    """name -> controller factory of every baseline (each request gets its own controller); the goodput
+    controller's row only on chain traces (``width`` 1)."""
     alone = setup.table[min(setup.concurrencies)][0]
     table = setup.table_controller()
-    return {
+    out = {
         "autoregressive": lambda: None,
         f"static tuned at N=1 (depth {alone})": lambda: StaticController(alone, alone, width),
         "static per load (table)": lambda: table,
         "analytic given the load": lambda: AnalyticController(profile, width, max_depth),
     }
+    if width == 1:  # the goodput controller drafts chains
+        out["goodput given the load"] = lambda: GoodputController(profile, max_depth)
+    return out
 
 
 def per_load(setup: LoadSetup, factories: dict[str, Callable], mixed_requests: int = 0) -> dict[str, dict]:

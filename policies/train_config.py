@@ -13,6 +13,7 @@ from engine.backends.files import atomic_write_json
 from engine.cli import ModelConfig, save_config
 from engine.errors import DraftpilotError
 from engine.lookup import LookupConfig, describe_lookup, parse_lookup, resolve_lookup
+from envs.prompts import is_prompt_set
 from envs.recording import MAX_TRACE_DEPTH
 from policies.learned import load_policy
 from policies.ppo_checkpoint import has_checkpoint
@@ -25,7 +26,10 @@ class TrainConfig(ModelConfig):
     device, threads) come from ``engine.cli.ModelConfig``; the device also runs the policy networks."""
 
     prompts: str | None = None
-    """Prompt suite JSONL ({"id", "language", "task", "split", "prompt"} per line); none: the built-in suite."""
+    """Prompt suite JSONL ({"id", "language", "task", "split", "prompt"} per line) or a built-in set's name:
+    suite, long, grounded (input-grounded requests: code edits, tests for given code, questions, summaries and
+    translations of a given text) or mixed (grounded and suite prompts one to one; envs.prompts); none: the
+    built-in suite."""
     train_split: str = "train"
     """Split the policies are trained on."""
     val_split: str = "tune"
@@ -236,7 +240,9 @@ def effective_config(config: TrainConfig) -> TrainConfig:
     """The config a run trains with and stores (``config.json`` and inside ``policy.pt``): paths absolute, and
     one environment for the live backend (one engine: one request at a time)."""
     paths = {
-        name: str(Path(getattr(config, name)).resolve()) for name in PATH_FIELDS if getattr(config, name)
+        name: str(Path(getattr(config, name)).resolve())
+        for name in PATH_FIELDS
+        if getattr(config, name) and not is_prompt_set(getattr(config, name))  # a set's name stays a name
     }
     if config.train_profiles.strip():  # each path of the list absolute, like the other paths
         paths["train_profiles"] = ",".join(
@@ -268,7 +274,7 @@ def config_differences(stored: dict, current: dict, keys: set[str] | None = None
         if key in IGNORED_FIELDS or (keys is not None and key not in keys):
             continue
         x, y = a.get(key), b.get(key)
-        if key in PATH_FIELDS and x and y:
+        if key in PATH_FIELDS and x and y and not (is_prompt_set(x) or is_prompt_set(y)):
             x, y = str(Path(x).resolve()), str(Path(y).resolve())
         if x != y:
             out.append(f"{config_flag(key)}: {x!r} -> {y!r}")

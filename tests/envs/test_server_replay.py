@@ -17,7 +17,8 @@ from engine.scheduling import prefill_budget
 from envs.environments import DepthEnv, EnvConfig
 from envs.replay import ReplayTrace, replay_generate
 from envs.server import Arrivals, ServerReplay, ServerReplayBackend, tune_table
-from policies import AnalyticController, BatchSizeTableController
+from policies import AnalyticController, BatchSizeTableController, GoodputController
+from policies.load_training import load_baselines
 from serving.export import check_sglang_adaptive_config, sglang_adaptive_config, write_exports
 from serving.vllm_peer import read_batch_size_table
 from tests_envs_helpers import make_synthetic_trace
@@ -33,7 +34,14 @@ def _key(rec):
     return (rec.depth, rec.num_verified, rec.accepted, rec.emitted, rec.lookup)
 
 
-@pytest.mark.parametrize("make", [lambda p: StaticController(2, 2), lambda p: AnalyticController(p, 1, 4)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: StaticController(2, 2),
+        lambda p: AnalyticController(p, 1, 4),
+        lambda p: GoodputController(p, 4),
+    ],
+)
 def test_alone_every_cycle_is_the_single_request_replay(traces, make):
     profile = batched_profile()
     sim = ServerReplay(traces, profile)
@@ -67,6 +75,23 @@ def test_under_load_trajectories_are_exact_and_the_charges_add_up_to_the_steps(t
     )
     summary = run.summary()
     assert summary["mean_depth"] == pytest.approx(2.0, abs=0.3) and summary["itl_p99_ms"] > 0
+
+
+def test_goodput_drafts_less_under_load_and_replays_exactly(traces):
+    """The goodput controller in the server replay: every request's trajectory is its trace's, and it drafts
+    shorter chains (on average) at 4 clients than alone; it is a per-load baseline on chain traces only."""
+    profile = batched_profile()
+    sim = ServerReplay(traces, profile, max_requests=4)
+    depth = {}
+    for n in (1, 4):
+        run = sim.run(Arrivals.closed(n, 8), lambda: GoodputController(profile, 4))
+        assert run.tokens == sum(len(r.trace.trace.tokens) for r in run.requests)
+        depth[n] = run.summary()["mean_depth"]
+    assert depth[4] < depth[1] and depth[1] > 0
+    setup = type("Setup", (), {"table": {1: (2, 0.0)}, "concurrencies": (1,)})()
+    setup.table_controller = lambda: BatchSizeTableController({1: 2})
+    assert "goodput given the load" in load_baselines(setup, profile, 1, 4)
+    assert "goodput given the load" not in load_baselines(setup, profile, 2, 4)
 
 
 def test_extra_rows_cost_more_under_load_so_drafting_pays_less(traces):

@@ -9,6 +9,7 @@ import json
 import math
 import random
 
+import numpy as np
 import pytest
 
 from serving.load_client import Outcome, arrival_times
@@ -142,3 +143,127 @@ def test_a_multi_turn_run_reports_turns_hits_and_identity_against_the_cold_row(s
     assert data["conditions"]["workload"]["turns"] == 3
     with pytest.raises(SystemExit):
         serve_load.main(["--pair", "tiny", "--no-llama", "--workload", "multi-turn", "--turns", "0"])
+
+
+def test_a_prompt_set_is_named_and_a_bad_one_is_one_error_line(serve_load, capsys, monkeypatch):
+    """--prompts names a built-in set (envs.prompts.PROMPT_SETS) or a file, --split its split."""
+    seen = {}
+
+    def build_rows(args, *rest):
+        seen["args"] = args
+        return []  # no server: the prompts were read and tokenised, then nothing runs
+
+    monkeypatch.setattr(serve_load, "build_rows", build_rows)
+    argv = ["--pair", "tiny", "--no-llama", "--prompts", "grounded", "--prompts-per-language", "1"]
+    assert serve_load.main(argv) == 0
+    assert seen["args"].prompts == "grounded" and seen["args"].split == "test"
+    for bad in (["--prompts", "no-such-set"], ["--prompts", "grounded", "--split", "dev"]):
+        with pytest.raises(SystemExit) as exit_:
+            serve_load.main(["--pair", "tiny", "--no-llama", *bad])
+        assert exit_.value.code == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: --prompts"), lines
+
+
+# ------------------------------------------------------------------------------ paired ratios (--ratio)
+def level(row: str, repeat: int, requests: list[tuple[int, int, float]], mode: str = "closed", n: int = 1):
+    """A level's result entry of ``row``: per request (prompt, tokens, latency), sent in that order."""
+    seen: dict[int, int] = {}
+    per = []
+    for prompt, tokens, latency in requests:
+        seen[prompt] = seen.get(prompt, -1) + 1
+        per.append([prompt, seen[prompt], tokens, latency])
+    tokens = sum(r[1] for r in requests)
+    wall = sum(r[2] for r in requests) / n
+    return {"row": row, "repeat": repeat, "mode": mode, "level": n, "tokens": tokens, "wall_s": wall} | {
+        "per_request": per
+    }
+
+
+def test_a_ratio_is_two_row_names(serve_load):
+    assert serve_load.parse_ratio("goodput/ar") == ("goodput", "ar")
+    assert serve_load.resolve_ratio(("goodput", "llama ar"), ["ours goodput", "llama ar"]) == (
+        "ours goodput",
+        "llama ar",
+    )
+    for bad in ("goodput", "a/", "/b", "a/b/c", "a/a"):
+        with pytest.raises(ValueError, match="--ratio"):
+            serve_load.parse_ratio(bad)
+    with pytest.raises(ValueError, match="no row 'x'"):
+        serve_load.resolve_ratio(("x", "ar"), ["ours ar"])
+
+
+def test_a_known_case_is_the_ratio_of_summed_rates_and_brackets_it(serve_load):
+    """A's requests take 0.5 to 0.8 of B's time: the ratio is B's summed latency over A's (equal tokens), and
+    its interval lies within the pairs' own ratios."""
+    factors = [0.5, 0.6, 0.7, 0.8] * 3
+    b = [(i % 4, 64, 2.0 + 0.1 * i) for i in range(12)]
+    a = [(p, n, t * f) for (p, n, t), f in zip(b, factors)]
+    results = [level("ours a", 0, a), level("ours b", 0, b)]
+    (r,) = serve_load.paired_ratios(results, "ours a", "ours b", resamples=4000)
+    expected = sum(t for _, _, t in b) / sum(t for _, _, t in a)
+    assert r["pairs"] == 12 and r["ratio"] == pytest.approx(expected)
+    assert 1 / 0.8 <= r["low"] < r["ratio"] < r["high"] <= 1 / 0.5
+    again = serve_load.paired_ratios(results, "ours a", "ours b", resamples=4000)
+    assert again == [r]  # seeded
+
+
+def test_degenerate_cases(serve_load):
+    # one pair: nothing to resample, the interval is the point
+    results = [level("ours a", 0, [(0, 10, 1.0)]), level("ours b", 0, [(0, 10, 2.0)])]
+    (r,) = serve_load.paired_ratios(results, "ours a", "ours b")
+    assert r["ratio"] == r["low"] == r["high"] == pytest.approx(2.0) and r["pairs"] == 1
+    # identical rows: exactly 1
+    same = [(i % 3, 32, 1.0 + i) for i in range(9)]
+    results = [level("ours a", 0, same), level("ours b", 0, same)]
+    (r,) = serve_load.paired_ratios(results, "ours a", "ours b")
+    assert r["ratio"] == r["low"] == r["high"] == pytest.approx(1.0)
+    # no shared request (another prompt) or a level only one row ran: no ratio
+    results = [level("ours a", 0, [(0, 10, 1.0)]), level("ours b", 0, [(1, 10, 1.0)])]
+    assert serve_load.paired_ratios(results, "ours a", "ours b") == []
+    results = [level("ours a", 0, same, n=4), level("ours b", 0, same, n=1)]
+    assert serve_load.paired_ratios(results, "ours a", "ours b") == []
+
+
+def test_negative_and_positive_controls(serve_load):
+    """Two rows of the same server (latencies drawn alike, prompts that differ a lot): the interval holds 1 in
+    about 95% of draws. One row 25% faster: every interval excludes 1."""
+    prompts = [i % 8 for i in range(24)]
+
+    def rows(seed: int, scale: float):
+        rng = np.random.default_rng(seed)
+        base = rng.uniform(1.0, 4.0, 24)
+        a, b = (base * s * rng.normal(1.0, 0.05, 24) for s in (scale, 1.0))
+        results = [level(name, 0, [(p, 64, t) for p, t in zip(prompts, x)]) for name, x in (("ours a", a), ("ours b", b))]  # fmt: skip
+        (r,) = serve_load.paired_ratios(results, "ours a", "ours b", resamples=1000, seed=seed)
+        return r
+
+    null = [rows(seed, 1.0) for seed in range(60)]
+    covered = sum(r["low"] <= 1.0 <= r["high"] for r in null)
+    assert covered >= 50  # 95% nominal: 57 expected; a percentile bootstrap of 24 pairs covers a little less
+    faster = [rows(seed, 0.8) for seed in range(20)]
+    assert all(r["low"] > 1.0 for r in faster)
+    assert np.median([r["ratio"] for r in faster]) == pytest.approx(1.25, rel=0.02)
+
+
+def test_repeat_pairs_are_a_levels_tokens_and_wall_time(serve_load):
+    reqs = [(0, 10, 1.0), (1, 10, 1.0)]
+    results = []
+    for rep, (ta, tb) in enumerate([(1.0, 2.0), (1.0, 1.5), (1.0, 2.5)]):
+        results += [
+            level("ours a", rep, [(p, n, t * ta) for p, n, t in reqs]),
+            level("ours b", rep, [(p, n, t * tb) for p, n, t in reqs]),
+        ]
+    (r,) = serve_load.paired_ratios(results, "ours a", "ours b", unit="repeat")
+    assert r["unit"] == "repeat" and r["pairs"] == 3 and r["ratio"] == pytest.approx(2.0)
+    assert 1.5 <= r["low"] <= r["ratio"] <= r["high"] <= 2.5
+
+
+def test_per_request_keys_follow_the_sending_order(serve_load):
+    outcomes = [
+        Outcome(1, True, tokens=5, latency=2.0, start=3.0),
+        Outcome(0, True, tokens=5, latency=1.0, start=1.0),
+        Outcome(1, True, tokens=5, latency=1.5, start=2.0),
+        Outcome(0, False, start=4.0),
+    ]
+    assert serve_load.per_request(outcomes) == [[0, 0, 5, 1.0], [1, 0, 5, 1.5], [1, 1, 5, 2.0]]

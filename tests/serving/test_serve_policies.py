@@ -17,7 +17,7 @@ import torch
 import serve
 from engine.costs.cost_profile import CostProfile
 from engine.lookup import LookupConfig
-from policies import AnalyticController, BatchSizeTableController
+from policies import AnalyticController, BatchSizeTableController, GoodputController
 from serving.vllm_peer import write_batch_size_table
 from tests_helpers import batched_profile, make_policy, one_error_line
 from tests_serving_helpers import (
@@ -133,6 +133,29 @@ def test_analytic_takes_the_profile_and_settings_of_a_trained_policy(files, monk
     assert make().tree_width == 3 and lookup is None  # a profile alone: the server's flags
 
 
+def test_goodput_is_built_per_request_from_the_profile_or_a_trained_policy(files, monkeypatch):
+    """--policy goodput: a fresh goodput controller per request, costed with --profile, else with the profile,
+    depth cap and trained lookup of the policy file (goodput:FILE, or runs/main/policy.pt)."""
+    make, described, lookup = _factory(["--policy", "goodput", "--profile", files["profile"]])
+    controller = make()
+    assert isinstance(controller, GoodputController) and controller is not make()
+    assert controller.loads.available and lookup is None and "GoodputController" in described
+    profile = batched_profile()
+    path = make_policy(
+        files["tmp"] / "policy-goodput.pt",
+        profile=profile.to_dict(),
+        max_depth=5,
+        train_config={"lookup": "1-2:2"},
+    )
+    monkeypatch.setattr(serve, "DEFAULT_POLICY", path)
+    for policy in ("goodput", f"goodput:{path}"):
+        make, described, lookup = _factory(["--policy", policy])
+        controller = make()
+        assert isinstance(controller, GoodputController) and controller.max_depth == 5
+        assert controller.profile.verify_s(4, 300) == profile.verify_s(4, 300)
+        assert lookup == LookupConfig(1, 2, 2, 0, 0) and str(path) in described
+
+
 def test_the_table_is_read_as_vllm_reads_it(files, tmp_path):
     """A gap in the ranges keeps the previous depth, as vLLM carries it."""
     path = write_batch_size_table({(1, 2): 3, (5, 8): 1}, tmp_path / "gaps.json")
@@ -194,6 +217,8 @@ def test_a_missing_or_unusable_profile_is_one_error_line(files, tmp_path, capsys
     base = ["--pair", "tiny"]
     assert serve.main([*base, "--policy", "analytic"]) == 2
     one_error_line(capsys, "--policy analytic needs a cost profile", "--profile FILE")
+    assert serve.main([*base, "--policy", "goodput"]) == 2
+    one_error_line(capsys, "--policy goodput needs a cost profile", "--profile FILE")
     assert serve.main([*base, "--policy", "analytic", "--profile", str(tmp_path / "none.json")]) == 2
     one_error_line(capsys, "--profile", "no cost profile")
     (tmp_path / "bad.json").write_text("{}")
@@ -213,6 +238,7 @@ def test_a_missing_or_unusable_profile_is_one_error_line(files, tmp_path, capsys
         ("table", "table:FILE"),
         ("table:", "needs its file"),
         ("analytic:", "needs its file"),
+        ("goodput:", "needs its file"),
     ):
         assert serve.main([*base, "--policy", policy]) == 2
         one_error_line(capsys, "--policy", needle)
