@@ -1,10 +1,14 @@
 """The measured roof of this CPU and our K-quant kernels as a share of it (issue 52).
 
+Times are CPU seconds a thread (``time.process_time`` / threads), not wall time: on a shared machine a
+product's wall time counts whatever else ran on its cores; wall medians are recorded too.
+
 1. Peaks: tight in-register microkernels (``engine/backends/csrc/roof.cpp``, compiled through
    ``engine.backends.native.roof()`` with the kernels' flags, ``-march=native``) for every int8, bf16 and fp32
    multiply-accumulate path this CPU compiles (AVX2 vpmaddubsw, AVX-VNNI, AVX-512 VNNI, AVX-512 BF16, FMA);
-   the best of ``--peak-reps`` short runs on one thread and on all ``--threads`` (a shared machine only ever
-   lowers a run, so the best is the closest to the hardware). AMX tiles are reported as present or not; where
+   the best of ``--peak-reps`` short runs on one thread and on each of ``--threads`` running at once (a
+   shared machine only ever lowers a run, so the best is the closest to the hardware); the roof of
+   ``--threads`` cores is that rate times the threads. AMX tiles are reported as present or not; where
    they are, the kernels' AMX path is what runs many rows.
 2. Products: our kernels (``k4_matmul`` / ``k6_matmul``) at 1, 4, 16, 64, 256, 1024 rows on random-weight k4
    (Q4_K) and k6 (Q6_K) tiles of the real shapes (target Qwen2.5-1.5B: hidden 1536, MLP 8960, q/o
@@ -32,16 +36,17 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from engine.backends import native
-from engine.backends.kquant import quantize_k4, quantize_k6, tiled_parts
-
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # this checkout's engine, not an installed one
+
+from engine.backends import native  # noqa: E402
+from engine.backends.kquant import quantize_k4, quantize_k6, tiled_parts  # noqa: E402
 
 # (model, name, N outputs, K inputs, kind): the layers of one decoder layer (q/k/v and gate/up as the engine
 # calls them: one product each) and the LM head; kinds as a Q4_K_M GGUF stores them (down and head Q6_K)
@@ -79,9 +84,9 @@ def peaks(threads: int, reps: int) -> dict:
             for label, th in (("1", 1), ("all", threads)):
                 best = 0.0
                 for _ in range(reps):
-                    t0 = time.perf_counter()
+                    t0 = time.process_time()
                     ops = fn(1_000_000, th)
-                    best = max(best, ops / (time.perf_counter() - t0) / 1e9)
+                    best = max(best, ops / ((time.process_time() - t0) / th) / 1e9)
                 row[label] = best
             out[name] = {"kind": kind, **row}
     return out
@@ -91,13 +96,19 @@ def amx_state() -> str:
     flags = native.cpu_signature().split("|")[2].split()
     if "amx_int8" not in flags:
         return "no AMX on this CPU"
-    return "AMX granted: the kernels' AMX path runs 17+ rows" if native.kernels().amx() else "AMX present, not granted"
+    return (
+        "AMX granted: the kernels' AMX path runs 17+ rows"
+        if native.kernels().amx()
+        else "AMX present, not granted"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,4,16,64,256,1024")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads (the kernels split tiles over them)"
+    )
     ap.add_argument("--reps", type=int, default=5, help="timed calls per product (median)")
     ap.add_argument("--peak-reps", type=int, default=15)
     ap.add_argument("--head-rows", type=int, default=151936 // 16, help="LM head outputs timed (a slice)")
@@ -123,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
 
             ours = {
                 args.against: native.build(
-                    "roof_reference", Path(tmp) / "ref_build", sources=revision_sources(args.against, Path(tmp) / "ref")
+                    "roof_reference",
+                    Path(tmp) / "ref_build",
+                    sources=revision_sources(args.against, Path(tmp) / "ref"),
                 ),
                 **ours,
             }
@@ -131,10 +144,16 @@ def main(argv: list[str] | None = None) -> int:
 
         roof = peaks(args.threads, args.peak_reps)
         for name, p in roof.items():
-            print(f"peak {name:18s} {p['kind']}: {p['1']:7.1f} GOPS one thread, {p['all']:7.1f} on {args.threads}")
-        int8_roof = max(p["all"] for p in roof.values() if p["kind"] == "int8")
-        fp32_roof = max(p["all"] for p in roof.values() if p["kind"] == "fp32")
-        bf16_roof = max([p["all"] for p in roof.values() if p["kind"] == "bf16"] or [fp32_roof])
+            print(
+                f"peak {name:18s} {p['kind']}: {p['1']:7.1f} GOPS one thread, {p['all']:7.1f} a thread "
+                f"with {args.threads} running"
+            )
+        # the roof of `threads` cores: the per-thread rate measured with all of them running
+        int8_roof = max(p["all"] for p in roof.values() if p["kind"] == "int8") * args.threads
+        fp32_roof = max(p["all"] for p in roof.values() if p["kind"] == "fp32") * args.threads
+        bf16_roof = max(
+            [p["all"] * args.threads for p in roof.values() if p["kind"] == "bf16"] or [fp32_roof]
+        )
 
         torch.manual_seed(0)
         results = []
@@ -147,45 +166,60 @@ def main(argv: list[str] | None = None) -> int:
                 x = torch.randn(m, k)
                 x16 = x.to(torch.bfloat16)
                 calls = {
-                    key: (lambda mod=mod: getattr(mod, f"{kind}_matmul")(x, *parts, None, k, n_run))
+                    key: partial(getattr(mod, f"{kind}_matmul"), x, *parts, None, k, n_run)
                     for key, mod in ours.items()
                 }
                 if len(ours) > 1:
                     first, *rest = (fn() for fn in calls.values())
                     for other in rest:
                         if not torch.equal(first, other):
-                            raise SystemExit(f"{model}:{name} at {m} rows: the kernels differ in their outputs")
+                            raise SystemExit(
+                                f"{model}:{name} at {m} rows: the kernels differ in their outputs"
+                            )
                 if not args.no_torch:
-                    calls["torch-bf16"] = lambda: F.linear(x16, w16)
-                    calls["torch-fp32"] = lambda: F.linear(x, w32)
+                    calls["torch-bf16"] = partial(F.linear, x16, w16)
+                    calls["torch-fp32"] = partial(F.linear, x, w32)
                 for fn in calls.values():
                     fn()
                 times = {key: [] for key in calls}
+                walls = {key: [] for key in calls}
                 reps = args.reps if m * n_run * k < 4e9 else max(3, args.reps // 2)
                 for i in range(reps):  # interleaved, the order alternating
                     for key, fn in list(calls.items())[:: 1 if i % 2 == 0 else -1]:
-                        t0 = time.perf_counter()
+                        w0, c0 = time.perf_counter(), time.process_time()
                         fn()
-                        times[key].append(time.perf_counter() - t0)
+                        c1, w1 = time.process_time(), time.perf_counter()
+                        # CPU seconds per thread: what the product cost on the cores it ran on, whatever
+                        # else the shared machine ran meanwhile (wall time is kept too)
+                        times[key].append((c1 - c0) / args.threads)
+                        walls[key].append(w1 - w0)
                 ops = 2.0 * m * n_run * k
                 line = {"model": model, "name": name, "N": n, "K": k, "kind": kind, "rows": m}
                 parts_txt = []
                 for key, ts in times.items():
                     med = statistics.median(ts)
                     gops = ops / med / 1e9
-                    roof_of = int8_roof if key not in ("torch-bf16", "torch-fp32") else (
-                        bf16_roof if key == "torch-bf16" else fp32_roof
+                    roof_of = (
+                        int8_roof
+                        if key not in ("torch-bf16", "torch-fp32")
+                        else (bf16_roof if key == "torch-bf16" else fp32_roof)
                     )
                     line[key] = {
                         "ms": med * 1e3,
+                        "wall_ms": statistics.median(walls[key]) * 1e3,
                         "ms_min": min(ts) * 1e3,
                         "ms_max": max(ts) * 1e3,
                         "gops": gops,
                         "roof_share": gops / roof_of,
                     }
-                    parts_txt.append(f"{key} {med * 1e3:8.2f} ms {gops:6.1f} GOPS {100 * gops / roof_of:4.0f}%")
+                    parts_txt.append(
+                        f"{key} {med * 1e3:8.2f} ms {gops:6.1f} GOPS {100 * gops / roof_of:4.0f}%"
+                    )
                 results.append(line)
-                print(f"{model:6s} {name:5s} {n_run:6d}x{k:<5d} {kind} {m:5d} rows | " + " | ".join(parts_txt), flush=True)
+                print(
+                    f"{model:6s} {name:5s} {n_run:6d}x{k:<5d} {kind} {m:5d} rows | " + " | ".join(parts_txt),
+                    flush=True,
+                )
     print(f"load after: {os.getloadavg()}")
     if args.out:
         Path(args.out).write_text(

@@ -146,7 +146,12 @@ def roof() -> ModuleType:
     from engine.backends.files import cache_dir
 
     key = hashlib.sha256()
-    for part in (ROOF_SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(), cpu_signature().encode()):
+    for part in (
+        ROOF_SOURCE.read_bytes(),
+        " ".join(CFLAGS).encode(),
+        torch.__version__.encode(),
+        cpu_signature().encode(),
+    ):
         key.update(part)
         key.update(b"\0")
     directory = cache_dir() / "native" / f"roof-{key.hexdigest()[:16]}"
