@@ -133,6 +133,40 @@ def variant(*defines: str) -> ModuleType:
     return build(f"draftpilot_kquant_{tag}", base.with_name(f"{base.name}-{tag}"), tuple(defines))
 
 
+ROOF_SOURCE = CSRC / "roof.cpp"
+
+
+def roof() -> ModuleType:
+    """The peak microkernels of ``csrc/roof.cpp`` (``benchmarks/roof.py``), compiled with the kernels' flags and
+    cached like them (keyed by its source, the flags, torch and the CPU); separate from ``kernels()`` so a git
+    revision's kernels build alone."""
+    import torch
+    from torch.utils.cpp_extension import load
+
+    from engine.backends.files import cache_dir
+
+    key = hashlib.sha256()
+    for part in (
+        ROOF_SOURCE.read_bytes(),
+        " ".join(CFLAGS).encode(),
+        torch.__version__.encode(),
+        cpu_signature().encode(),
+    ):
+        key.update(part)
+        key.update(b"\0")
+    directory = cache_dir() / "native" / f"roof-{key.hexdigest()[:16]}"
+    directory.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(directory)
+    return load(
+        name="draftpilot_roof",
+        sources=[str(ROOF_SOURCE)],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
+        build_directory=str(directory),
+        verbose=bool(os.environ.get("DRAFTPILOT_VERBOSE_BUILD")),
+    )
+
+
 def kernels() -> ModuleType:
     """The compiled extension (built on first use, a minute or so; then loaded from the cache)."""
     global _module, _error

@@ -144,6 +144,35 @@ def test_prefill_sized_products_are_chunked_without_changing_a_bit(kind):
     assert np.abs(y[:16].double().numpy() - expected).max() < 1e-5 * np.abs(expected).max()
 
 
+MANY_ROW_COUNTS = (15, 16, 17, 63, 64, 65, 256, 257, 341)
+
+
+@pytest.mark.parametrize("kind", ["k4", "k6"])
+@pytest.mark.parametrize("k", [1536, 200])
+def test_many_row_products_are_bitwise_the_one_row_products(kind, k):
+    """Calls of 16+ rows take the block-outer kernels (AVX2: each weight block unpacked once for all rows,
+    kquant.cpp: k4_tile_many) and groups of 6 rows: around every boundary (16 rows, the 6-row groups, the
+    256-row chunking, a chunk of 340 rows at K = 1536) each row is bitwise its 1-row product and the 4-row
+    passes' result (the build with the many-row path off). Negative control: one activation of the last row
+    nudged changes that row's outputs and no other's."""
+    rng = np.random.RandomState(11)
+    n = 40  # two full tiles and a partial one
+    weight = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32) * 0.05)
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    module = _module(kind, quantize_k4(weight) if kind == "k4" else quantize_k6(weight), k, bias)
+    passes = native.variant("KQ_MANY_ROWS=1000000000")
+    for m in MANY_ROW_COUNTS:
+        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+        y = module(x)
+        one = torch.cat([module(x[i : i + 1]) for i in range(m)])
+        assert torch.equal(y, one), (kind, k, m)
+        assert torch.equal(y, getattr(passes, f"{kind}_matmul")(x, *module.tiles(), bias, k, n)), (kind, k, m)
+        nudged = x.clone()
+        nudged[-1, 0] += 0.5 * float(x[-1].abs().max())
+        z = module(nudged)
+        assert torch.equal(z[:-1], y[:-1]) and not torch.equal(z[-1], y[-1]), (kind, k, m)
+
+
 def test_kernel_is_independent_of_the_thread_count():
     torch.manual_seed(2)
     module = _module("k4", quantize_k4(torch.randn(96, 256) * 0.05), 256)

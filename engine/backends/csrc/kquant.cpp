@@ -102,6 +102,11 @@ namespace {
 constexpr int MAX_TILE = KQ_ROWS;
 constexpr int PREFILL_TILE = KQ_PREFILL_ROWS;
 constexpr int64_t FEW_ROWS = 16;  // calls of at most this many rows take MAX_TILE rows a pass
+// AVX2 without AVX-VNNI: calls of at least this many rows take the block-outer kernels (k4_tile_many)
+#ifndef KQ_MANY_ROWS
+#define KQ_MANY_ROWS 16
+#endif
+constexpr int64_t MANY_ROWS = KQ_MANY_ROWS;
 // run_linears: above MIN_CHUNKED_ROWS rows, a thread takes the activation rows in chunks of about CHUNK_BYTES
 // of codes (at least MIN_CHUNK rows)
 constexpr int64_t CHUNK_BYTES = 512 * 1024;
@@ -599,6 +604,208 @@ void k6_tile_avx2(const QuantizedRows& a, int64_t m0, int64_t nb, const uint8_t*
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * NT + 8 * hf, acc[r]);
   }
 }
+
+// ------------------------------------------------------------------------------- AVX2, many rows a call
+// A call of MANY_ROWS rows or more (a prefill chunk, a batch of drafted rows, a verification tree) takes the
+// weight block outside and the rows inside: each 128-input block of a tile is unpacked once to int8 codes
+// (2 KB, kept in L1) and then serves every row of the call, groups of ROWS_MANY rows at a time, the rows'
+// float accumulators in memory (rows x 32 floats). The 4-row passes above unpack a block again for every 4
+// rows and keep 20 vectors a row group live in 16 registers (spilled). Per output the same integers are
+// formed -- group sums in int16 within the bounds above (k4: 8 quad-rows, k6: 2), multiplied by the scale
+// by vpmaddwd against the scale repeated in both int16 halves of a lane: sc * (p0 + p1), exact in int32 --
+// and the same float operations follow in the same block order, so every output bit is the 1-row one.
+#if KQ_I16
+#ifndef KQ_ROWS_MANY
+#define KQ_ROWS_MANY 6
+#endif
+constexpr int ROWS_MANY = KQ_ROWS_MANY;
+
+// int32 lanes x (each < 2^15 in magnitude) -> the same value in both int16 halves of the lane
+inline __m256i pair_same(__m256i x) {
+  return _mm256_or_si256(_mm256_and_si256(x, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(x, 16));
+}
+
+// The int16 group sums of 6 rows over 8 quad-rows (one half of a k4 block, 8 lanes): S[2 r] the low-nibble
+// group of row r, S[2 r + 1] the high one; q[r] the row's codes at the half's first input, W the unpacked
+// codes of the half's first quad-row ([u][low 32 | high 32]). In assembly: with 12 accumulators, 2 weight
+// vectors and the broadcasts in 16 registers the compiler hoists the 12 broadcasts and spills the
+// accumulators to the stack, and the loop then runs at the speed of store forwarding.
+inline void k4_sums6(const int8_t* const* q, const uint8_t* W, __m256i* S) {
+  int64_t i = 0;
+  __asm__ volatile(
+      "vpxor %%ymm0, %%ymm0, %%ymm0\n vpxor %%ymm1, %%ymm1, %%ymm1\n vpxor %%ymm2, %%ymm2, %%ymm2\n"
+      "vpxor %%ymm3, %%ymm3, %%ymm3\n vpxor %%ymm4, %%ymm4, %%ymm4\n vpxor %%ymm5, %%ymm5, %%ymm5\n"
+      "vpxor %%ymm6, %%ymm6, %%ymm6\n vpxor %%ymm7, %%ymm7, %%ymm7\n vpxor %%ymm8, %%ymm8, %%ymm8\n"
+      "vpxor %%ymm9, %%ymm9, %%ymm9\n vpxor %%ymm10, %%ymm10, %%ymm10\n vpxor %%ymm11, %%ymm11, %%ymm11\n"
+      "1:\n"
+      "vmovdqa (%[w]), %%ymm12\n vmovdqa 32(%[w]), %%ymm13\n"
+#define KQ_ROW(Q, L, H)                                                                                        \
+  "vpbroadcastd (%[" Q "],%[i]), %%ymm14\n vpmaddubsw %%ymm14, %%ymm12, %%ymm14\n vpaddw %%ymm14, %%ymm" #L \
+  ", %%ymm" #L "\n vpbroadcastd 64(%[" Q "],%[i]), %%ymm15\n vpmaddubsw %%ymm15, %%ymm13, %%ymm15\n"          \
+  "vpaddw %%ymm15, %%ymm" #H ", %%ymm" #H "\n"
+      KQ_ROW("q0", 0, 1) KQ_ROW("q1", 2, 3) KQ_ROW("q2", 4, 5) KQ_ROW("q3", 6, 7) KQ_ROW("q4", 8, 9)
+          KQ_ROW("q5", 10, 11)
+#undef KQ_ROW
+      "add $64, %[w]\n add $4, %[i]\n cmp $32, %[i]\n jne 1b\n"
+      "vmovdqu %%ymm0, (%[s])\n vmovdqu %%ymm1, 32(%[s])\n vmovdqu %%ymm2, 64(%[s])\n vmovdqu %%ymm3, 96(%[s])\n"
+      "vmovdqu %%ymm4, 128(%[s])\n vmovdqu %%ymm5, 160(%[s])\n vmovdqu %%ymm6, 192(%[s])\n vmovdqu %%ymm7, 224(%[s])\n"
+      "vmovdqu %%ymm8, 256(%[s])\n vmovdqu %%ymm9, 288(%[s])\n vmovdqu %%ymm10, 320(%[s])\n vmovdqu %%ymm11, 352(%[s])\n"
+      : [w] "+r"(W), [i] "+r"(i)
+      : [q0] "r"(q[0]), [q1] "r"(q[1]), [q2] "r"(q[2]), [q3] "r"(q[3]), [q4] "r"(q[4]), [q5] "r"(q[5]), [s] "r"(S)
+      : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",
+        "xmm12", "xmm13", "xmm14", "xmm15");
+}
+
+// k4, one block b of one tile, 6 rows from m0 (the first `rows` of them real: the others repeat row m0 and
+// are not written): W the unpacked block ([hf][u][low 32 | high 32] bytes), sc the scales ([hf][g] as int16
+// pairs), acc the rows' accumulators (row r: acc at 32 r, accm at 32 r + 16)
+inline void k4_rows_block(const QuantizedRows& a, int64_t m0, int rows, int64_t nb, int64_t b, const uint8_t* W,
+                          const __m256i* sc, const __m256i* mins, const __m256* d, const __m256* dmin, float* acc) {
+  const int8_t* q[6];
+  for (int r = 0; r < 6; ++r) q[r] = &a.q[(size_t)(((m0 + (r < rows ? r : 0)) * nb + b) * QB)];
+  alignas(32) __m256i S[12];
+  for (int hf = 0; hf < 2; ++hf) {
+    __m256i I[6];
+    for (int half = 0; half < 2; ++half) {
+      const int8_t* qh[6];
+      for (int r = 0; r < 6; ++r) qh[r] = q[r] + 32 * half;
+      k4_sums6(qh, W + (hf * 16 + 8 * half) * 64, S);
+      for (int r = 0; r < rows; ++r) {
+        const __m256i t = _mm256_add_epi32(_mm256_madd_epi16(S[2 * r], sc[hf * 4 + half]),
+                                           _mm256_madd_epi16(S[2 * r + 1], sc[hf * 4 + 2 + half]));
+        I[r] = half == 0 ? t : _mm256_add_epi32(I[r], t);
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      const int64_t row = (m0 + r) * nb + b;
+      const __m256i J = _mm256_add_epi32(_mm256_madd_epi16(mins[2 * hf], _mm256_set1_epi32(a.p32[(size_t)(row * 2)])),
+                                         _mm256_madd_epi16(mins[2 * hf + 1], _mm256_set1_epi32(a.p32[(size_t)(row * 2 + 1)])));
+      const __m256 xd = _mm256_set1_ps(a.d[(size_t)row]);
+      float* ar = acc + r * 32 + 8 * hf;
+      _mm256_storeu_ps(ar, _mm256_fmadd_ps(_mm256_cvtepi32_ps(I[r]), _mm256_mul_ps(d[hf], xd), _mm256_loadu_ps(ar)));
+      _mm256_storeu_ps(ar + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(J), _mm256_mul_ps(dmin[hf], xd), _mm256_loadu_ps(ar + 16)));
+    }
+  }
+}
+
+// rows [m0, m1) of one k4 tile: out[r * 16 + j] as k4_tile_avx2 computes it
+void k4_tile_many(const QuantizedRows& a, int64_t m0, int64_t m1, int64_t nb, const uint8_t* codes,
+                  const uint8_t* meta, float* out) {
+  const int64_t M = m1 - m0;
+  thread_local std::vector<float> accs;
+  accs.assign((size_t)(M * 32), 0.f);
+  alignas(64) uint8_t W[2 * 16 * 64];
+  const __m256i mask4 = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* c = codes + b * K4_TILE;
+    const uint8_t* mt = meta + b * K4_META;
+    for (int u = 0; u < 16; ++u) {
+      prefetch(c, u * 64 + KQ_PREFETCH);
+      for (int hf = 0; hf < 2; ++hf) {
+        const __m256i w = _mm256_loadu_si256((const __m256i*)(c + u * 64 + 32 * hf));
+        _mm256_store_si256((__m256i*)(W + (hf * 16 + u) * 64), _mm256_and_si256(w, mask4));
+        _mm256_store_si256((__m256i*)(W + (hf * 16 + u) * 64 + 32), _mm256_and_si256(_mm256_srli_epi16(w, 4), mask4));
+      }
+    }
+    __m256i sc[8], mins[4];
+    __m256 d[2], dmin[2];
+    for (int hf = 0; hf < 2; ++hf) {
+      for (int g = 0; g < 4; ++g) sc[hf * 4 + g] = pair_same(u8x8(mt + 64 + 16 * g + 8 * hf));
+      mins[2 * hf] = _mm256_or_si256(u8x8(mt + 128 + 8 * hf), _mm256_slli_epi32(u8x8(mt + 144 + 8 * hf), 16));
+      mins[2 * hf + 1] = _mm256_or_si256(u8x8(mt + 160 + 8 * hf), _mm256_slli_epi32(u8x8(mt + 176 + 8 * hf), 16));
+      d[hf] = f16x8(mt + 16 * hf);
+      dmin[hf] = f16x8(mt + 32 + 16 * hf);
+    }
+    for (int64_t m = 0; m < M; m += 6)
+      k4_rows_block(a, m0 + m, (int)std::min<int64_t>(6, M - m), nb, b, W, sc, mins, d, dmin, &accs[(size_t)(m * 32)]);
+  }
+  for (int64_t r = 0; r < M; ++r)
+    for (int hf = 0; hf < 2; ++hf)
+      _mm256_storeu_ps(out + r * NT + 8 * hf, _mm256_sub_ps(_mm256_loadu_ps(&accs[(size_t)(r * 32 + 8 * hf)]),
+                                                            _mm256_loadu_ps(&accs[(size_t)(r * 32 + 16 + 8 * hf)])));
+}
+
+// k6, one block: W the unpacked 6-bit codes ([hf][u][low half 32 | high half 32]), sc ([hf][g] int16 pairs),
+// scp the scale pairs of the -32 term ([hf][4]), acc row r at 16 r
+template <int R>
+inline void k6_rows_block(const QuantizedRows& a, int64_t m0, int64_t nb, int64_t b, const uint8_t* W,
+                          const __m256i* sc, const __m256i* scp, const __m256* d, float* acc) {
+  const int8_t* q[R];
+  for (int r = 0; r < R; ++r) q[r] = &a.q[(size_t)(((m0 + r) * nb + b) * QB)];
+  for (int hf = 0; hf < 2; ++hf) {
+    __m256i I[R];
+    for (int r = 0; r < R; ++r) I[r] = _mm256_setzero_si256();
+    for (int u = 0; u < 16; u += 2) {  // quad-rows (u, u + 1): half of group u / 4 (low), 4 + u / 4 (high)
+      const uint8_t* w0 = W + (hf * 16 + u) * 64;
+      const __m256i l0 = _mm256_load_si256((const __m256i*)w0), h0 = _mm256_load_si256((const __m256i*)(w0 + 32));
+      const __m256i l1 = _mm256_load_si256((const __m256i*)(w0 + 64)), h1 = _mm256_load_si256((const __m256i*)(w0 + 96));
+      const __m256i sl = sc[hf * 8 + u / 4], sh = sc[hf * 8 + 4 + u / 4];
+      for (int r = 0; r < R; ++r) {
+        const __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(l0, _mm256_set1_epi32(load_i32(q[r] + 4 * u))),
+                                            _mm256_maddubs_epi16(l1, _mm256_set1_epi32(load_i32(q[r] + 4 * u + 4))));
+        const __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(h0, _mm256_set1_epi32(load_i32(q[r] + 64 + 4 * u))),
+                                            _mm256_maddubs_epi16(h1, _mm256_set1_epi32(load_i32(q[r] + 68 + 4 * u))));
+        I[r] = _mm256_add_epi32(I[r], _mm256_add_epi32(_mm256_madd_epi16(pl, sl), _mm256_madd_epi16(ph, sh)));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = (m0 + r) * nb + b;
+      const int32_t* p = &a.p16[(size_t)(row * 4)];
+      const __m256i* s = scp + 4 * hf;
+      const __m256i S = _mm256_add_epi32(
+          _mm256_add_epi32(_mm256_madd_epi16(s[0], _mm256_set1_epi32(p[0])), _mm256_madd_epi16(s[1], _mm256_set1_epi32(p[1]))),
+          _mm256_add_epi32(_mm256_madd_epi16(s[2], _mm256_set1_epi32(p[2])), _mm256_madd_epi16(s[3], _mm256_set1_epi32(p[3]))));
+      const __m256i Ib = _mm256_sub_epi32(I[r], _mm256_slli_epi32(S, 5));
+      float* ar = acc + r * 16 + 8 * hf;
+      _mm256_storeu_ps(ar, _mm256_fmadd_ps(_mm256_cvtepi32_ps(Ib), _mm256_mul_ps(d[hf], _mm256_set1_ps(a.d[(size_t)row])),
+                                           _mm256_loadu_ps(ar)));
+    }
+  }
+}
+
+void k6_tile_many(const QuantizedRows& a, int64_t m0, int64_t m1, int64_t nb, const uint8_t* lo, const uint8_t* hi,
+                  const uint8_t* meta, float* out) {
+  const int64_t M = m1 - m0;
+  thread_local std::vector<float> accs;
+  accs.assign((size_t)(M * 16), 0.f);
+  alignas(64) uint8_t W[2 * 16 * 64];
+  const __m256i mask4 = _mm256_set1_epi8(0x0F), mask30 = _mm256_set1_epi8(0x30);
+  const __m256i lo16 = _mm256_set1_epi32(0xFFFF);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* l = lo + b * K4_TILE;
+    const uint8_t* h = hi + b * K6_HI;
+    const uint8_t* mt = meta + b * K6_META;
+    for (int u = 0; u < 16; ++u) {
+      prefetch(l, u * 64 + KQ_PREFETCH);
+      if (u < 8) prefetch(h, u * 64 + KQ_PREFETCH / 2);
+      for (int hf = 0; hf < 2; ++hf) {  // as k6_tile_avx2 forms them
+        const __m256i w = _mm256_loadu_si256((const __m256i*)(l + u * 64 + 32 * hf));
+        const __m256i hb = _mm256_loadu_si256((const __m256i*)(h + (u % 8) * 64 + 32 * hf));
+        const __m256i hl = u < 8 ? _mm256_slli_epi16(hb, 4) : _mm256_slli_epi16(hb, 2);
+        const __m256i hh = u < 8 ? hb : _mm256_srli_epi16(hb, 2);
+        _mm256_store_si256((__m256i*)(W + (hf * 16 + u) * 64),
+                           _mm256_or_si256(_mm256_and_si256(w, mask4), _mm256_and_si256(hl, mask30)));
+        _mm256_store_si256((__m256i*)(W + (hf * 16 + u) * 64 + 32),
+                           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), mask4), _mm256_and_si256(hh, mask30)));
+      }
+    }
+    __m256i sc[16], scp[8];
+    __m256 d[2];
+    for (int hf = 0; hf < 2; ++hf) {
+      for (int g = 0; g < 8; ++g) sc[hf * 8 + g] = pair_same(i8x8(mt + 32 + 16 * g + 8 * hf));
+      for (int i = 0; i < 4; ++i)
+        scp[hf * 4 + i] = _mm256_or_si256(_mm256_and_si256(i8x8(mt + 32 + 32 * i + 8 * hf), lo16),
+                                          _mm256_slli_epi32(i8x8(mt + 48 + 32 * i + 8 * hf), 16));
+      d[hf] = f16x8(mt + 16 * hf);
+    }
+    int64_t m = 0;
+    for (; m + ROWS_MANY <= M; m += ROWS_MANY)
+      k6_rows_block<ROWS_MANY>(a, m0 + m, nb, b, W, sc, scp, d, &accs[(size_t)(m * 16)]);
+    for (; m < M; ++m) k6_rows_block<1>(a, m0 + m, nb, b, W, sc, scp, d, &accs[(size_t)(m * 16)]);
+  }
+  for (int64_t r = 0; r < M; ++r) std::memcpy(out + r * NT, &accs[(size_t)(r * 16)], NT * sizeof(float));
+}
+#endif
 #endif
 
 #if KQ_AMX
@@ -843,6 +1050,19 @@ void Linear::tile(int64_t t, const QuantizedRows& a, int64_t m_begin, int64_t m_
     }
     emit(m0, mt * 16, buf.data());
     m0 += mt * 16;
+  }
+#endif
+#if KQ_AVX2 && KQ_I16
+  if (m_end - m0 >= MANY_ROWS) {  // every block unpacked once for all the rows: same bits
+    thread_local std::vector<float> buf;
+    buf.resize((size_t)((m_end - m0) * NT));
+    if (kind == 4) {
+      k4_tile_many(a, m0, m_end, nb, p0 + t * nb * K4_TILE, p2 + t * nb * K4_META, buf.data());
+    } else {
+      k6_tile_many(a, m0, m_end, nb, p0 + t * nb * K4_TILE, p1 + t * nb * K6_HI, p2 + t * nb * K6_META, buf.data());
+    }
+    emit(m0, m_end - m0, buf.data());
+    return;
   }
 #endif
   float out[8 * NT];
