@@ -79,6 +79,8 @@ class Turn:
 class ChatLevel:
     turns: list[Turn] = field(default_factory=list)
     wall: float = 0.0
+    start: float = 0.0
+    """When the level started (``time.perf_counter``)."""
 
 
 def conversations(
@@ -170,7 +172,7 @@ async def chat_level(
     ``template(messages) -> ids``."""
     level = ChatLevel()
     queue = list(convs)[::-1]
-    start = time.perf_counter()
+    start = level.start = time.perf_counter()
     limits = httpx.Limits(max_connections=clients + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
 
@@ -226,6 +228,17 @@ def chat_figures(level: ChatLevel, turns: int, reference: dict[tuple[int, int], 
         if reference is not None and (t.user, t.turn) in reference
     ]
     out["identical"] = sum(same) / len(same) if same else float("nan")
+    out["per_turn"] = [  # every turn: user, turn, sent (s from the level's start), TTFT, prompt, cached
+        [
+            t.user,
+            t.turn,
+            round(t.outcome.start - level.start, 3),
+            round(t.outcome.ttft, 3),
+            t.prompt_tokens,
+            t.cached,
+        ]
+        for t in level.turns
+    ]
     return out
 
 
