@@ -20,7 +20,6 @@ import argparse
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,23 +30,9 @@ import torch
 
 from engine import load_pair
 from engine.backends import lean, native
+from evaluation.kernel_revisions import revision_sources
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def revision_sources(rev: str, directory: Path) -> Path:
-    """The revision's engine/backends/csrc written under ``directory``."""
-    directory.mkdir(parents=True, exist_ok=True)
-    for path in native.SOURCES + native.HEADERS:
-        rel = path.relative_to(ROOT).as_posix()
-        try:
-            text = subprocess.run(
-                ["git", "show", f"{rev}:{rel}"], cwd=ROOT, check=True, capture_output=True
-            ).stdout
-        except subprocess.CalledProcessError as err:
-            raise SystemExit(f"git show {rev}:{rel} failed: {err.stderr.decode().strip()}") from err
-        (directory / path.name).write_bytes(text)
-    return directory
 
 
 def tree_index(ctx: int, chain: int) -> tuple[torch.Tensor, torch.Tensor]:

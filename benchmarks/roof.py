@@ -42,11 +42,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # this checkout's engine, not an installed one
+from engine.backends import native
+from engine.backends.kquant import quantize_k4, quantize_k6, tiled_parts
+from evaluation.kernel_revisions import revision_sources
 
-from engine.backends import native  # noqa: E402
-from engine.backends.kquant import quantize_k4, quantize_k6, tiled_parts  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 # (model, name, N outputs, K inputs, kind): the layers of one decoder layer (q/k/v and gate/up as the engine
 # calls them: one product each) and the LM head; kinds as a Q4_K_M GGUF stores them (down and head Q6_K)
@@ -130,8 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     ours = {"ours": native.kernels()}
     with tempfile.TemporaryDirectory() as tmp:
         if args.against:
-            from decoder_ab import revision_sources
-
             ours = {
                 args.against: native.build(
                     "roof_reference",

@@ -31,13 +31,11 @@ from pathlib import Path
 
 import torch
 
+from engine import load_pair
+from engine.backends import lean, native
+from evaluation.kernel_revisions import revision_sources
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # this checkout's engine, not an installed one
-
-from decoder_ab import revision_sources  # noqa: E402
-
-from engine import load_pair  # noqa: E402
-from engine.backends import lean, native  # noqa: E402
 
 
 def cpu_time(fn, threads: int) -> float:

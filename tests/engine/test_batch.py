@@ -164,7 +164,8 @@ def test_prefills_take_a_token_budget_a_step_in_admission_order(pair):
     lengths = [len(p) for p in prompts]
     budget = lengths[0] + lengths[2]
     assert lengths[1] > budget  # the 2nd is over budget by itself
-    batch = BatchedEngine(pair, BatchConfig(max_requests=5, max_rows=16, max_prefill_tokens=budget))
+    fixed = BatchConfig(max_requests=5, max_rows=16, max_prefill_tokens=budget, idle_prefill_tokens=budget)
+    batch = BatchedEngine(pair, fixed)  # a fixed budget (the budget that follows the load: test_prefix_cache)
     rids = [batch.add(BatchRequest(p, 6)) for p in prompts]
     filled = [0] * 4
     steps = []
@@ -206,7 +207,8 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(pair):
     long_ids = pair.encode(LONG)
     assert len(long_ids) > 2 * MAX_ROWWISE_ROWS
     budget = 24
-    batch = BatchedEngine(pair, BatchConfig(max_requests=4, max_rows=16, max_prefill_tokens=budget))
+    fixed = BatchConfig(max_requests=4, max_rows=16, max_prefill_tokens=budget, idle_prefill_tokens=budget)
+    batch = BatchedEngine(pair, fixed)
     sampled = SamplingConfig(temperature=0.8)
     specs = [(PROMPTS[0], StaticController(2), SamplingConfig()), (PROMPTS[1], None, sampled)]
     rids = [batch.add(BatchRequest(p, 120, c, seed=3, sampling=sm, ignore_eos=True)) for p, c, sm in specs]
