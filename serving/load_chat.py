@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from serving.load_client import Outcome, Row, latencies, percentile
+from serving.load_client import Outcome, Row, latencies, percentile, request_body
 
 QUESTIONS = {
     "en": [
@@ -102,16 +102,7 @@ async def turn_request(
 ) -> tuple[Outcome, int | None]:
     """One streamed turn: its ``Outcome`` (text, tokens, TTFT, ITL) and the cached prompt tokens the server
     reports, if it does."""
-    body = {
-        "model": "draftpilot",
-        "prompt": ids,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "ignore_eos": True,
-        "stream_options": {"include_usage": True},
-        **row.extra_body,
-    }
+    body = request_body(row, ids, max_tokens)
     start = time.perf_counter()
     out = Outcome(0, False, start=start)
     arrivals, parts, cached, total = [], [], None, None

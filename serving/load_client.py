@@ -54,8 +54,10 @@ class Outcome:
     """When each of its chunks arrived (``time.perf_counter``)."""
 
 
-async def one_request(client: httpx.AsyncClient, url: str, row: Row, prompt_index: int, ids: list[int], max_tokens: int) -> Outcome:  # fmt: skip
-    body = {
+def request_body(row: Row, ids: list[int], max_tokens: int) -> dict:
+    """A benchmark request: the token-id prompt, greedy, streamed with usage, ``max_tokens`` past EOS, the row's
+    extra fields."""
+    return {
         "model": "draftpilot",
         "prompt": ids,
         "max_tokens": max_tokens,
@@ -65,6 +67,10 @@ async def one_request(client: httpx.AsyncClient, url: str, row: Row, prompt_inde
         "stream_options": {"include_usage": True},
         **row.extra_body,
     }
+
+
+async def one_request(client: httpx.AsyncClient, url: str, row: Row, prompt_index: int, ids: list[int], max_tokens: int) -> Outcome:  # fmt: skip
+    body = request_body(row, ids, max_tokens)
     start = time.perf_counter()
     out = Outcome(prompt_index, False, start=start)
     arrivals, parts, counted, usage_total = [], [], 0, None
