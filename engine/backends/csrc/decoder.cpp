@@ -220,6 +220,109 @@ void heads_attention_avx512(const float* const* qs, int64_t Q, int64_t nh, const
 }
 #endif
 
+#if DEC_AVX2
+// The sums of 8 keys' accumulators t[k] (dot's two halves added, lo + hi), each in dot's order:
+// ((t0 + t4) + (t2 + t6)) + ((t1 + t5) + (t3 + t7)); lane k of the result holds key k. Bitwise dot's
+// reduction of each key, for a fraction of its shuffles.
+inline __m256 reduce8(const __m256* t) {
+  __m256 P[4];
+  for (int k = 0; k < 4; ++k)  // 128-bit half 0: t_i + t_{i+4} of key 2k, half 1: of key 2k + 1
+    P[k] = _mm256_add_ps(_mm256_permute2f128_ps(t[2 * k], t[2 * k + 1], 0x20),
+                         _mm256_permute2f128_ps(t[2 * k], t[2 * k + 1], 0x31));
+  __m256 R[2];
+  for (int k = 0; k < 2; ++k)  // half 0: (s0 + s2, s1 + s3) of keys 4k, 4k + 2; half 1: of 4k + 1, 4k + 3
+    R[k] = _mm256_add_ps(_mm256_shuffle_ps(P[2 * k], P[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(P[2 * k], P[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // half 0: keys 0, 2, 4, 6; half 1: keys 1, 3, 5, 7
+  const __m256 E = _mm256_add_ps(_mm256_shuffle_ps(R[0], R[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(R[0], R[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm256_permutevar8x32_ps(E, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// heads_attention_avx512's layout on AVX2 (D = 16 * ND): head_attention's operations per (row, head) in the
+// same order, 8 keys' dot products reduced together (each accumulated as dot does, in two 8-lane halves),
+// key blocks kept in L1 while every row and head of the task uses them, outputs accumulated in registers
+// (at most 8 vectors at a time: a 128-wide head in two passes over a block, each output lane still summed
+// in key order).
+template <int ND>
+void heads_attention_avx2(const float* const* qs, int64_t Q, int64_t nh, const float* kg, const float* vg,
+                          const int64_t* n, const int64_t* const* ir, float scale, float* const* os,
+                          std::vector<float>& p) {
+  constexpr int64_t D = 16 * ND;
+  constexpr int NV = 2 * ND;             // 8-float vectors a head
+  constexpr int CH = NV > 8 ? 8 : NV;    // of them accumulated at once
+  constexpr int64_t KB = 32;             // keys a block: 16 KiB at D = 128
+  int64_t nmax = 0;
+  for (int64_t r = 0; r < Q; ++r) nmax = std::max(nmax, n[r]);
+  p.resize((size_t)(Q * nh * nmax));
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < nmax; j0 += KB) {
+    for (int64_t r = 0; r < Q; ++r) {
+      const int64_t j1 = std::min(n[r], j0 + KB);
+      const int64_t* ix = ir[r];
+      for (int64_t h = 0; h < nh && j0 < j1; ++h) {
+        const float* qr = qs[r * nh + h];
+        float* ph = p.data() + (r * nh + h) * nmax;
+        int64_t j = j0;
+        for (; j + 8 <= j1; j += 8) {
+          __m256 t[8];
+          for (int g = 0; g < 2; ++g) {  // keys j + 4g .. j + 4g + 3
+            const float* kp[4];
+            __m256 lo[4], hi[4];
+            for (int u = 0; u < 4; ++u) {
+              kp[u] = kg + (ix ? ix[j + 4 * g + u] : j + 4 * g + u) * D;
+              lo[u] = _mm256_setzero_ps();
+              hi[u] = _mm256_setzero_ps();
+            }
+            for (int i = 0; i < ND; ++i) {
+              const __m256 ql = _mm256_loadu_ps(qr + 16 * i), qh = _mm256_loadu_ps(qr + 16 * i + 8);
+              for (int u = 0; u < 4; ++u) {
+                lo[u] = _mm256_fmadd_ps(ql, _mm256_loadu_ps(kp[u] + 16 * i), lo[u]);
+                hi[u] = _mm256_fmadd_ps(qh, _mm256_loadu_ps(kp[u] + 16 * i + 8), hi[u]);
+              }
+            }
+            for (int u = 0; u < 4; ++u) t[4 * g + u] = _mm256_add_ps(lo[u], hi[u]);
+          }
+          _mm256_storeu_ps(ph + j, _mm256_mul_ps(reduce8(t), vscale));
+        }
+        for (; j < j1; ++j) ph[j] = dot(qr, kg + (ix ? ix[j] : j) * D, D) * scale;
+      }
+    }
+  }
+  std::vector<float> inv((size_t)(Q * nh));
+  for (int64_t r = 0; r < Q; ++r) {
+    for (int64_t h = 0; h < nh; ++h) {
+      inv[(size_t)(r * nh + h)] = softmax_in_place(p.data() + (r * nh + h) * nmax, n[r]);
+      for (int64_t d = 0; d < D; ++d) os[r * nh + h][d] = 0.f;
+    }
+  }
+  for (int64_t j0 = 0; j0 < nmax; j0 += KB) {
+    for (int64_t r = 0; r < Q; ++r) {
+      const int64_t j1 = std::min(n[r], j0 + KB);
+      const int64_t* ix = ir[r];
+      for (int64_t h = 0; h < nh && j0 < j1; ++h) {
+        const float* ph = p.data() + (r * nh + h) * nmax;
+        float* out = os[r * nh + h];
+        for (int c0 = 0; c0 < NV; c0 += CH) {
+          __m256 o[CH];
+          for (int i = 0; i < CH; ++i) o[i] = _mm256_loadu_ps(out + 8 * (c0 + i));
+          for (int64_t j = j0; j < j1; ++j) {
+            const __m256 w = _mm256_set1_ps(ph[j]);
+            const float* ve = vg + (ix ? ix[j] : j) * D + 8 * c0;
+            for (int i = 0; i < CH; ++i) o[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(ve + 8 * i), o[i]);
+          }
+          for (int i = 0; i < CH; ++i) _mm256_storeu_ps(out + 8 * (c0 + i), o[i]);
+        }
+      }
+    }
+  }
+  for (int64_t t = 0; t < Q * nh; ++t) {
+    const __m256 vinv = _mm256_set1_ps(inv[(size_t)t]);
+    for (int i = 0; i < NV; ++i) _mm256_storeu_ps(os[t] + 8 * i, _mm256_mul_ps(_mm256_loadu_ps(os[t] + 8 * i), vinv));
+  }
+}
+#endif
+
 struct Layer {
   torch::Tensor in_norm, post_norm;
   Linear q, k, v, o, gate, up, down;
@@ -437,6 +540,14 @@ class Decoder {
           case 32: heads_attention_avx512<2>(qs.data(), Q, nh, kg, vg, n, ir.data(), scale, os.data(), p); continue;
           case 64: heads_attention_avx512<4>(qs.data(), Q, nh, kg, vg, n, ir.data(), scale, os.data(), p); continue;
           case 128: heads_attention_avx512<8>(qs.data(), Q, nh, kg, vg, n, ir.data(), scale, os.data(), p); continue;
+          default: break;
+        }
+#elif DEC_AVX2
+        switch (D_) {
+          case 16: heads_attention_avx2<1>(qs.data(), Q, nh, kg, vg, n, ir.data(), scale, os.data(), p); continue;
+          case 32: heads_attention_avx2<2>(qs.data(), Q, nh, kg, vg, n, ir.data(), scale, os.data(), p); continue;
+          case 64: heads_attention_avx2<4>(qs.data(), Q, nh, kg, vg, n, ir.data(), scale, os.data(), p); continue;
+          case 128: heads_attention_avx2<8>(qs.data(), Q, nh, kg, vg, n, ir.data(), scale, os.data(), p); continue;
           default: break;
         }
 #endif
