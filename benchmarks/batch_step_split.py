@@ -69,12 +69,17 @@ def main(argv: list[str] | None = None) -> int:
         for n in clients:
             gen = torch.Generator().manual_seed(n)
             engine = BatchedEngine(pair, BatchConfig(max_requests=n, max_rows=max(64, n * (args.depth + 1))))
+            # the first prompts decode while the later ones are prefilled (16 prompt tokens a step at the
+            # least): enough tokens that every request still decodes through the timed steps
+            budget = min(
+                pair.max_context - context - 2, n * context // 16 + (args.steps + 4) * (args.depth + 1) + 16
+            )
             for _ in range(n):
                 prompt = [int(t) for t in torch.randint(0, pair.vocab_size, (context,), generator=gen)]
                 engine.add(
                     BatchRequest(
                         prompt,
-                        max_new_tokens=(args.steps + 2) * (args.depth + 1) + 2,
+                        max_new_tokens=budget,
                         controller=StaticController(depth=args.depth, verify=args.depth)
                         if args.depth
                         else None,
@@ -91,14 +96,18 @@ def main(argv: list[str] | None = None) -> int:
                 events = engine.step()
                 cpu = (time.process_time() - c0) / args.threads
                 wall = time.perf_counter() - w0
-                if not events:
-                    break
+                if len(events) != n or any(e.finished for e in events):
+                    break  # a request ended: the steps after it are not steps of n clients
                 fwd = forward_cpu[0] / args.threads
                 rows["step_cpu_ms"].append(cpu * 1e3)
                 rows["forward_cpu_ms"].append(fwd * 1e3)
                 rows["rest_cpu_ms"].append((cpu - fwd) * 1e3)
                 rows["step_wall_ms"].append(wall * 1e3)
-            med = {k: statistics.median(v) for k, v in rows.items() if v}
+            if not rows["step_cpu_ms"]:
+                raise SystemExit(
+                    f"{n} clients: no decoding step of all {n} requests (raise --context or lower --steps)"
+                )
+            med = {k: statistics.median(v) for k, v in rows.items()}
             results[n] = {**med, "steps": len(rows["step_cpu_ms"]), "per_step": rows}
             share = 100 * med["rest_cpu_ms"] / med["step_cpu_ms"]
             print(
