@@ -163,15 +163,14 @@ def policy_kind(policy: str) -> tuple[str, str | None]:
 
 
 def read_table(config: ServeConfig) -> dict[int, int]:
-    """``--policy table:FILE``'s table, checked as vLLM checks it (``serving.vllm_peer``'s reader): the first
+    """``--policy table:FILE``'s table, checked as vLLM checks it (``policies.static.read_table``): the first
     batch size of each range -> its depth (a gap or the sizes past the last range keep the previous depth)."""
-    from serving.vllm_peer import read_batch_size_table
+    from policies.static import read_table as read_table_file
 
     try:
-        rows = read_batch_size_table(policy_kind(config.policy)[1])
+        return read_table_file(policy_kind(config.policy)[1])
     except ValueError as err:
         raise InputError(f"--policy {config.policy}: {err}") from None
-    return {first: depth for first, _, depth in rows}
 
 
 def analytic_profile(config: ServeConfig):
