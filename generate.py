@@ -38,7 +38,7 @@ from engine.engine import MAX_SEED, EngineConfig, SpeculativeEngine
 from engine.errors import InputError
 from engine.lookup import describe_lookup, resolve_lookup
 from engine.sampling import SamplingConfig
-from policies import load_policy
+from policies.selection import parse_policy, select_controller
 
 
 @dataclass
@@ -114,10 +114,15 @@ def main(argv: list[str] | None = None) -> int:
                 config, pair=config.target + PAIR_SEPARATOR + config.draft, target=None, draft=None
             )
         limits = config.check()
-        controller = None if config.autoregressive else _controller(config, limits)
-        trained = controller.trained_lookup if config.policy and controller is not None else None
+        selection = select_controller(
+            parse_policy(config.policy or None),  # every value a policy file; none: the static setting
+            lambda: _static_controller(config, limits),
+            autoregressive=config.autoregressive,
+            device=config.device if config.device != "auto" else "cpu",
+        )
+        controller = selection.make()
         engine_config = EngineConfig(
-            draft_mode=config.draft_mode, lookup=resolve_lookup(config.lookup, trained)
+            draft_mode=config.draft_mode, lookup=resolve_lookup(config.lookup, selection.trained_lookup)
         )
         pair = config.load()
         if config.policy and (message := controller.pair_warning(pair)):
@@ -145,14 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _controller(config: GenerateConfig, limits):
-    """The controller the flags ask for (checked before any model loads; the vocabulary bound on
-    --tree-width is checked here for named pairs, by the engine for TARGET::DRAFT pairs)."""
-    if config.policy:
-        try:
-            return load_policy(config.policy, device=config.device if config.device != "auto" else "cpu")
-        except CLI_ERRORS as err:
-            raise InputError(f"--policy: {err}") from None
+def _static_controller(config: GenerateConfig, limits) -> StaticController:
+    """The static controller of the flags, without --policy (checked before any model loads; the vocabulary
+    bound on --tree-width is checked here for named pairs, by the engine for TARGET::DRAFT pairs)."""
     if limits is not None and config.tree_width > limits.vocab_size:
         raise InputError(
             f"--tree-width {config.tree_width} exceeds the vocabulary ({limits.vocab_size} tokens)"

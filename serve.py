@@ -13,14 +13,12 @@ it: new requests get 503 while the ones in flight finish, then it exits (a secon
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 import signal
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from engine.batch import BatchConfig, BatchedEngine, format_bytes
 from engine.cli import (
@@ -37,13 +35,21 @@ from engine.control import StaticController
 from engine.engine import EngineConfig
 from engine.errors import InputError
 from engine.lookup import describe_lookup, resolve_lookup
+from policies.selection import (
+    DEFAULT_POLICY,
+    SERVE_KEYWORDS,
+    PolicyChoice,
+    Selection,
+    check_policy,
+    parse_policy,
+    read_policy_table,
+    select_controller,
+)
 from serving.worker import off_main_thread
 
 GRACE_S = 120
 """After a signal, how long the server waits for the requests in flight to finish, then for their responses to
 be sent (each wait at most this long)."""
-DEFAULT_POLICY = Path("runs/main/policy.pt")
-"""Where ``train.py`` exports the main job's policy; ``--policy auto`` uses it when it exists."""
 
 
 @dataclass
@@ -147,122 +153,30 @@ def build_parser() -> ArgumentParser:
     return ap
 
 
-def policy_kind(policy: str) -> tuple[str, str | None]:
-    """What ``--policy`` names: ("auto" | "none" | "analytic" | "goodput" | "table" | "file", its file or
-    None)."""
-    if policy in ("auto", "none", "analytic", "goodput"):
-        return policy, None
-    kind, colon, path = policy.partition(":")
-    if kind in ("analytic", "goodput", "table") and colon:
-        if not path:
-            raise InputError(f"--policy {kind}:FILE needs its file, got {policy!r}")
-        return kind, path
-    if policy == "table":
-        raise InputError("--policy table needs its file: table:FILE (a per-batch-size table JSON)")
-    return "file", policy
+def policy_choice(config: ServeConfig) -> PolicyChoice:
+    """What ``--policy`` names (``policies.selection``: serve.py reads its keywords)."""
+    return parse_policy(config.policy, keywords=SERVE_KEYWORDS)
 
 
 def read_table(config: ServeConfig) -> dict[int, int]:
-    """``--policy table:FILE``'s table, checked as vLLM checks it (``serving.vllm_peer``'s reader): the first
-    batch size of each range -> its depth (a gap or the sizes past the last range keep the previous depth)."""
-    from serving.vllm_peer import read_batch_size_table
-
-    try:
-        rows = read_batch_size_table(policy_kind(config.policy)[1])
-    except ValueError as err:
-        raise InputError(f"--policy {config.policy}: {err}") from None
-    return {first: depth for first, _, depth in rows}
+    """``--policy table:FILE``'s table, checked as vLLM checks it: the first batch size of each range -> its
+    depth (a gap or the sizes past the last range keep the previous depth)."""
+    return read_policy_table(policy_choice(config))
 
 
-def analytic_profile(config: ServeConfig):
-    """The cost profile ``--policy analytic`` (and ``goodput``) costs its choices with: ``--profile``, else the
-    one the policy file carries (``analytic:FILE``, else runs/main/policy.pt). (profile, where it comes from, that policy
-    or None)."""
-    from engine.costs.cost_profile import load_profile_arg
-    from policies import load_policy
-    from policies.learned import stored_profile
-
-    kind, path = policy_kind(config.policy)
-    if config.profile is not None:
-        if path is not None:
-            raise InputError(f"--policy {config.policy} and --profile both give the cost profile: give one")
-        return load_profile_arg(config.profile), config.profile, None
-    if path is None:
-        if not DEFAULT_POLICY.is_file():
-            raise InputError(
-                f"--policy {kind} needs a cost profile: --profile FILE (python -m engine.costs.measure_costs "
-                f"--batch-axis --out FILE), --policy {kind}:POLICY_FILE, or a trained {DEFAULT_POLICY}"
-            )
-        path = str(DEFAULT_POLICY)
-    try:
-        template = load_policy(path)
-    except CLI_ERRORS as err:
-        raise InputError(f"--policy {config.policy}: {err}") from None
-    profile = stored_profile(template.meta.get("profile"))
-    if profile is None:
-        raise InputError(
-            f"--policy {config.policy}: {path} carries no cost profile this code reads; give --profile FILE"
-        )
-    return profile, path, template
-
-
-def controller_factory(config: ServeConfig, pair):
+def controller_factory(config: ServeConfig, pair) -> Selection:
     """(a callable giving each request a fresh controller, its description, the policy's trained lookup)."""
-    if config.autoregressive:
-        return (lambda: None), "autoregressive", None
-    kind, path = policy_kind(config.policy)
-    if kind == "analytic":
-        from policies import AnalyticController
-
-        profile, source, template = analytic_profile(config)
-        options, trained = {"tree_width": config.tree_width}, None
-        if template is not None:  # the settings the policy's own analytic baseline ran with
-            options = {"tree_width": template.tree_width, "max_depth": template.max_depth}
-            trained = template.trained_lookup
-            if message := template.pair_warning(pair):
-                warn(f"--policy {config.policy}: its cost profile comes from {source}: {message}")
-        analytic = AnalyticController(profile, **options)
-        if not analytic.loads.available:
-            warn(
-                f"--policy {config.policy}: the cost profile ({source}) has no batch axis, so the analytic "
-                "controller costs every choice as alone (measure one with --batch-axis)"
-            )
-        return (lambda: AnalyticController(profile, **options)), f"{analytic!r} profile={source}", trained
-    if kind == "goodput":
-        from policies import GoodputController
-
-        profile, source, template = analytic_profile(config)
-        depth = {"max_depth": template.max_depth} if template is not None else {}
-        goodput = GoodputController(profile, **depth)
-        if not goodput.loads.available:
-            warn(
-                f"--policy {config.policy}: the cost profile ({source}) has no batch axis, so the goodput "
-                "controller costs every choice as alone (measure one with --batch-axis)"
-            )
-        trained = template.trained_lookup if template is not None else None
-        return (lambda: GoodputController(profile, **depth)), f"{goodput!r} profile={source}", trained
-    if kind == "table":
-        from policies import BatchSizeTableController
-
-        table = BatchSizeTableController(read_table(config), tree_width=config.tree_width)
-        return (lambda: copy.deepcopy(table)), f"{table!r} from {path}", None
-    auto = kind == "auto"
-    path = str(DEFAULT_POLICY) if auto else path
-    if path is not None and (not auto or DEFAULT_POLICY.is_file()):
-        from policies import load_policy  # torch-only inference code (no SB3)
-
-        device = "cpu" if pair.device.type == "cpu" else pair.device
-        try:
-            template = load_policy(path, device=device, pair=None if auto else pair)
-        except CLI_ERRORS as err:
-            raise InputError(f"--policy: {err}") from None
-        message = template.pair_warning(pair)
-        if auto and message:  # the main job's policy is for another pair: the static setting instead
-            warn(f"--policy auto: not using {path}: {message}")
-        else:
-            return (lambda: copy.deepcopy(template)), f"policy {path}", template.trained_lookup
-    static = StaticController(depth=config.depth, verify=config.verify, tree_width=config.tree_width)
-    return (lambda: copy.deepcopy(static)), repr(static), None
+    device = "cpu" if pair.device.type == "cpu" else pair.device
+    return select_controller(
+        policy_choice(config),
+        lambda: StaticController(depth=config.depth, verify=config.verify, tree_width=config.tree_width),
+        autoregressive=config.autoregressive,
+        tree_width=config.tree_width,
+        profile=config.profile,
+        default_policy=DEFAULT_POLICY,
+        pair=pair,
+        device=device,
+    )
 
 
 SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9}
@@ -453,17 +367,7 @@ def check(config: ServeConfig) -> ServeConfig:
         if not config.prefix_cache:
             raise InputError("--prefix-cache-memory sizes the prefix cache that --no-prefix-cache turns off")
         parse_size(config.prefix_cache_memory, "--prefix-cache-memory")
-    kind, path = policy_kind(config.policy)
-    if kind == "file" and not os.path.isfile(path):
-        raise InputError(f"--policy: no file {path}")
-    if kind == "table":
-        read_table(config)
-    if kind in ("analytic", "goodput"):
-        analytic_profile(config)
-    elif config.profile is not None:
-        raise InputError(
-            f"--profile is the cost profile of --policy analytic or goodput; --policy {config.policy} uses none"
-        )
+    check_policy(policy_choice(config), config.profile, DEFAULT_POLICY)
     resolve_lookup(config.lookup)
     for name in ("header_timeout", "body_timeout"):
         value = getattr(config, name)

@@ -28,8 +28,8 @@ and exits 0.
     python benchmarks/llama_cpp.py --draft-max 4,8 --draft-p-min 0.5 --max-new-tokens 64
     python benchmarks/llama_cpp.py --llama-bin ~/src/llama.cpp/build/bin --no-build
 
-The build, the runs and the parsers are library code (``evaluation.llama_cpp_build``,
-``evaluation.llama_cpp``), which the evaluation's llama.cpp rows and benchmarks/serve_load.py use too;
+The build, the runs and the parsers are library code (``peers.llama_cpp_build``,
+``peers.llama_cpp``), which the evaluation's llama.cpp rows and benchmarks/serve_load.py use too;
 this script is the command line over them.
 """
 
@@ -51,8 +51,8 @@ import torch
 from engine.backends.weights import DEFAULT_PAIRS, WeightsError, fetch_gguf, pair_tokenizer
 from engine.costs.measure_costs import device_name
 from envs.prompts import LANGUAGES, interleave_languages, language_of, load_suite
-from evaluation.llama_cpp import AUTOREGRESSIVE, LlamaCppRunError, LlamaSetting, parse_ngram, run_llama_cpp
-from evaluation.llama_cpp_build import (
+from peers.llama_cpp import AUTOREGRESSIVE, LlamaCppRunError, LlamaSetting, parse_ngram, run_llama_cpp
+from peers.llama_cpp_build import (
     COMPLETION_NAMES,
     SOURCE_PACKAGE,
     SOURCE_VERSION,

@@ -24,7 +24,7 @@ import httpx
 
 from engine.cli import ArgumentParser
 from envs.prompts import interleave_languages, load_suite
-from serving.launch import ServerProcess, free_port
+from peers.launch import ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,10 +9,10 @@ Every row is a server started for the row and stopped after it:
 * ``llama <name>``: ``llama-server`` (``-np`` slots, continuous batching) autoregressive, with the draft
   model (``--draft-max``), and with its n-gram lookup (``--spec-type ngram-simple``), as separate rows;
 * ``vllm <name>`` (``--vllm ar,draft-K,table,lookup``, none by default): vLLM's OpenAI server from its own
-  environment (serving/vllm_peer.py, docs/vllm.md) autoregressive, with the draft model at a fixed
+  environment (peers/vllm_peer.py, docs/vllm.md) autoregressive, with the draft model at a fixed
   ``num_speculative_tokens`` K, with a per-batch-size table (``--vllm-table FILE``, written by
-  ``serving.vllm_peer.write_batch_size_table``), and with the engine's context lookup as vLLM's custom
-  proposer (``--vllm-lookup SETTING``, serving/vllm_lookup.py); in float32 or ``--vllm-dtype bfloat16``;
+  ``peers.vllm_peer.write_batch_size_table``), and with the engine's context lookup as vLLM's custom
+  proposer (``--vllm-lookup SETTING``, peers/vllm_lookup.py); in float32 or ``--vllm-dtype bfloat16``;
   the rows are skipped with one line where vLLM is absent.
 
 Each row runs the closed-loop levels (N clients, each sending its next request when the last one ended; N in
@@ -26,7 +26,7 @@ prompt as token ids (both servers read token-id prompts, so both see the same to
 servers' prefix caches off (``--cache off``, the default of this workload: ours ``--no-prefix-cache``,
 llama-server ``cache_prompt: false``), since the benchmark repeats its prompts, which a cache would not
 prefill again; ``--cache on`` runs both with theirs. ``--workload multi-turn`` runs conversations instead
-(``serving.load_chat``: a shared system prompt, a document per user, turn after turn), with the caches as users
+(``peers.load_chat``: a shared system prompt, a document per user, turn after turn), with the caches as users
 run them (llama-server with and without its own). Rows are
 interleaved and the whole set repeated ``--repeats`` times in rotated order, so drift hits all rows alike:
 each repeat runs every row once (a server started for it, every level in turn), so each repeat gives one paired
@@ -77,10 +77,10 @@ from engine.cli import ArgumentParser
 from engine.costs.measure_costs import device_name
 from engine.errors import DraftpilotError
 from envs.prompts import interleave_languages, load_suite
-from evaluation.llama_cpp_build import default_bin_dir, find_server
 from evaluation.stats import paired_bootstrap_ratio
-from serving.launch import ServerProcess, free_port, peak_rss_mb, prompt_ids, rss_mb
-from serving.load_client import (
+from peers.launch import ServerProcess, free_port, peak_rss_mb, prompt_ids, rss_mb
+from peers.llama_cpp_build import default_bin_dir, find_server
+from peers.load_client import (
     Outcome,
     Row,
     closed_loop,
@@ -92,7 +92,7 @@ from serving.load_client import (
     schedule_label,
     summarize,
 )
-from serving.load_rows import build_rows
+from peers.load_rows import build_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -420,7 +420,7 @@ def workload_texts(args, template) -> tuple[str, list[str]]:
 
 def multi_turn(args, ap) -> int:
     """``--workload multi-turn``: each row, each level (conversations at a time), turn by turn."""
-    from serving.load_chat import chat_figures, chat_level, conversations, texts
+    from peers.load_chat import chat_figures, chat_level, conversations, texts
 
     if args.turns < 1:
         ap.error("--turns must be >= 1")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from serving.launch import ServerProcess, free_port
+from peers.launch import ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "probe-key"

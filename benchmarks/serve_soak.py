@@ -53,8 +53,8 @@ from pathlib import Path
 
 import httpx
 
+from peers.launch import ServerProcess, free_port, prompt_ids, rss_mb
 from serving.faults import FAULTS_ENV
-from serving.launch import ServerProcess, free_port, prompt_ids, rss_mb
 
 ROOT = Path(__file__).resolve().parents[1]
 

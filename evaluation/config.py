@@ -11,7 +11,8 @@ from engine.cli import ModelConfig
 from engine.lookup import LookupConfig, resolve_lookup
 from envs.prompts import interleave_languages, is_prompt_set, load_suite, read_suite
 from envs.recording import MAX_TRACE_DEPTH
-from evaluation.llama_peer import parse_lookup_setting, parse_spec_setting
+from peers.llama_peer import parse_lookup_setting, parse_spec_setting
+from policies.selection import parse_policy
 
 ENGINE_CONTROLLERS = (
     "autoregressive",
@@ -33,7 +34,7 @@ LOOKUP_SUFFIX = "+lookup"
 PEERS = ("hf_assisted_default", "hf_assisted_heuristic")
 """transformers' assisted generation (``assistant_model=``) with its default and its heuristic schedule."""
 LLAMA_PEERS = ("llama_cpp", "llama_cpp_spec", "llama_cpp_lookup")
-"""llama.cpp on the same GGUF files (evaluation.llama_peer): its autoregressive decoding, its speculative
+"""llama.cpp on the same GGUF files (peers.llama_peer): its autoregressive decoding, its speculative
 decoding with the draft model, and its n-gram lookup drafting (no draft model)."""
 REPLAY_ONLY = ("oracle",)
 """The hindsight oracle: replay numbers on the test traces (it needs the future)."""
@@ -275,9 +276,11 @@ grid point only, 40 samples per arm on 1 prompt in the sampled test); explicit f
 
 
 def find_policy(config: EvalConfig, runs_dir: str | Path = "runs") -> Path:
-    """The configured policy file, or the newest ``runs/*/policy.pt``."""
-    if config.policy:
-        path = Path(config.policy)
+    """The configured policy file, or the newest ``runs/*/policy.pt`` (``policies.selection.parse_policy``:
+    evaluate.py reads every --policy value as a policy file, and none as the newest one)."""
+    choice = parse_policy(config.policy or None, absent="newest")
+    if choice.kind == "file":
+        path = Path(choice.path)
         if path.is_dir():
             raise IsADirectoryError(f"--policy {path} is a directory, not a policy file")
         if not path.is_file():

@@ -14,7 +14,7 @@ from engine.errors import DraftpilotError, InputError
 from engine.lookup import LookupConfig, describe_lookup, resolve_lookup
 from envs import workspace
 from evaluation.config import LLAMA_PEERS, LOOKUP_SUFFIX, EvalConfig, find_policy, select_prompts
-from evaluation.llama_peer import LlamaPeer
+from peers.llama_peer import LlamaPeer
 from policies import (
     AnalyticController,
     ConfidenceController,

@@ -27,12 +27,12 @@ from evaluation.config import (
 )
 from evaluation.eval_setup import STATIC, Engines, Setup
 from evaluation.exactness import greedy_audit, law_checks, sampled_test
-from evaluation.llama_cpp import LlamaCppRunError
 from evaluation.measurements import DecisionLoggingController, run_engine
 from evaluation.peers import SCHEDULES, run_peer
 from evaluation.summary import conditions, summarize
 from evaluation.tuning import tune_static
 from evaluation.under_load import measured_traces, server_replay_section
+from peers.llama_cpp import LlamaCppRunError
 from policies.learned import trained_lookup
 
 

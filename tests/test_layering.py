@@ -1,7 +1,9 @@
 """The packages depend one way (docs/architecture.md "Modules"): the engine imports none of the others, the
 environments do not import the controllers or the evaluation, the controllers do not import the
 evaluation, of the controllers only the training modules (PPO, imitation) import the environments, and the server
-(serving/) imports only the engine and the controllers' inference code. Inside the engine the layers depend one
+(serving/) imports only the engine and the controllers' inference code. The benchmark clients and peer launchers
+(peers/: load clients, server processes, llama.cpp and vLLM) import neither the environments, the evaluation nor
+the training code, and no package below them (the server included) imports them. Inside the engine the layers depend one
 way too: the backends (``engine.backends``: models, weights, kernels, caches) import neither the loop nor the
 costs; the loop (``engine``'s own modules: the cycle, sampler, trees, batching, command lines) imports no cost
 module; the costs (``engine.costs``: measurement, profiles, features, the cost model) may use both.
@@ -21,14 +23,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("engine", "envs", "policies", "evaluation", "serving")
+PACKAGES = ("engine", "envs", "policies", "evaluation", "serving", "peers")
 FORBIDDEN = {
-    "engine": {"envs", "policies", "evaluation", "serving", "stable_baselines3", "gymnasium"},
-    "envs": {"policies", "evaluation", "serving"},
-    "policies": {"envs", "evaluation", "serving"},
+    "engine": {"envs", "policies", "evaluation", "serving", "peers", "stable_baselines3", "gymnasium"},
+    "envs": {"policies", "evaluation", "serving", "peers"},
+    "policies": {"envs", "evaluation", "serving", "peers"},
     "evaluation": {"serving"},
-    # the server is on the inference path: no training code
-    "serving": {"envs", "evaluation", "stable_baselines3", "gymnasium"},
+    # the server is on the inference path: no training code, no benchmark or peer tooling
+    "serving": {"envs", "evaluation", "peers", "stable_baselines3", "gymnasium"},
+    # benchmark clients and peer launchers: the engine's tokenizers and cache directories, the controllers'
+    # table file; never the environments, the evaluation or the training code
+    "peers": {"envs", "evaluation", "training", "stable_baselines3", "gymnasium"},
 }
 ALLOWED = {
     ("policies/ppo.py", "envs"),  # training code: PPO on the environments (never on the inference path)

@@ -19,8 +19,8 @@ from envs.replay import ReplayTrace, replay_generate
 from envs.server import Arrivals, ServerReplay, ServerReplayBackend, tune_table
 from policies import AnalyticController, BatchSizeTableController, GoodputController
 from policies.load_training import load_baselines
+from policies.static import read_batch_size_table
 from serving.export import check_sglang_adaptive_config, sglang_adaptive_config, write_exports
-from serving.vllm_peer import read_batch_size_table
 from tests_envs_helpers import make_synthetic_trace
 from tests_helpers import batched_profile, late_starter
 

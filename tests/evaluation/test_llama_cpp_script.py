@@ -1,4 +1,4 @@
-"""The llama.cpp peer (evaluation.llama_cpp, evaluation.llama_cpp_build, the benchmarks/llama_cpp.py command line)
+"""The llama.cpp peer (peers.llama_cpp, peers.llama_cpp_build, the benchmarks/llama_cpp.py command line)
 without llama.cpp or a model: its parsers on output captured from real runs
 (llama.cpp 0.5.0-dev, commit 0c1e570, from the llama-cpp-python 0.3.36 sdist), flag probing and one run
 through fake binaries, the skip line without binaries, and the refusal of bad arguments."""
@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from engine import load_pair
-from evaluation import llama_cpp as lc
-from evaluation import llama_cpp_build as lcb
 from evaluation.config import EvalConfig
 from evaluation.eval_setup import Setup
-from evaluation.llama_peer import LlamaPeer
+from peers import llama_cpp as lc
+from peers import llama_cpp_build as lcb
+from peers.llama_peer import LlamaPeer
 from tests_evaluation_helpers import load_benchmark
 
 # Captured verbatim (stderr, with llama.cpp's timestamp prefixes): llama-completion -n 32, 2 threads.
@@ -245,7 +245,7 @@ def test_grid_lists_parse(script):
 
 # ------------------------------------------------------------------------- the evaluation's llama.cpp rows
 def test_evaluation_llama_peer_runs_through_fake_binaries(fake_bin, tmp_path):
-    """evaluation.llama_peer: one record per request with run_engine's keys, tokens re-encoded with our
+    """peers.llama_peer: one record per request with run_engine's keys, tokens re-encoded with our
     tokenizer, the speculative row given its --spec-draft-n-max / p-min."""
     pair = load_pair("tiny", device="cpu")
     binaries = _benchmark_find(fake_bin)

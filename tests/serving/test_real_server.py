@@ -15,7 +15,7 @@ from engine import SamplingConfig, SpeculativeEngine, load_pair
 from engine.control import StaticController
 from engine.engine import EngineConfig
 from engine.lookup import resolve_lookup
-from serving.launch import ServerProcess, free_port
+from peers.launch import ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

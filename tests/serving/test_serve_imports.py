@@ -23,7 +23,7 @@ from policies import load_policy  # what controller_factory imports for --policy
 from policies import AnalyticController, BatchSizeTableController  # --policy analytic, table:FILE
 from policies.learned import stored_profile
 from engine.costs.cost_profile import load_profile_arg  # --profile
-from serving.vllm_peer import read_batch_size_table  # the table file
+from policies.static import read_batch_size_table  # the table file
 """
 CONTROL = "import envs, policies.ppo"
 

@@ -18,7 +18,7 @@ import serve
 from engine.costs.cost_profile import CostProfile
 from engine.lookup import LookupConfig
 from policies import AnalyticController, BatchSizeTableController, GoodputController
-from serving.vllm_peer import write_batch_size_table
+from policies.static import write_batch_size_table
 from tests_helpers import batched_profile, make_policy, one_error_line
 from tests_serving_helpers import (
     assert_matches_reference,

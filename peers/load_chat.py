@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from serving.load_client import Outcome, Row, latencies, percentile, request_body
+from peers.load_client import Outcome, Row, latencies, percentile, request_body
 
 QUESTIONS = {
     "en": [

@@ -1,14 +1,14 @@
 """The servers ``benchmarks/serve_load.py`` puts under the same load: rows of our ``serve.py`` (one per
 ``--ours NAME=FLAGS``), of llama.cpp's llama-server (autoregressive, with the draft, with its n-gram lookup) and of
-vLLM's OpenAI server (``serving.vllm_peer``), each a ``serving.load_client.Row``."""
+vLLM's OpenAI server (``peers.vllm_peer``), each a ``peers.load_client.Row``."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from serving import vllm_peer
-from serving.load_client import Row
+from peers import vllm_peer
+from peers.load_client import Row
 
 DEFAULT_VLLM_TABLE = {(1, 1): 3, (2, 4): 2, (5, 1024): 1}
 """The table of the ``vllm table`` row without ``--vllm-table``: longer drafts when the batch is small."""

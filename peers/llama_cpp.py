@@ -1,5 +1,5 @@
 """Running llama.cpp on the same GGUF files as the engine: one greedy run of a setting (autoregressive,
-speculative with the draft, n-gram lookup) through the programs ``evaluation.llama_cpp_build`` builds, and
+speculative with the draft, n-gram lookup) through the programs ``peers.llama_cpp_build`` builds, and
 the parsers of their timing and acceptance lines. One run starts one subprocess, nothing else::
 
     binaries = find_binaries(default_bin_dir())        # None when absent; build_binaries builds
@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from evaluation.llama_cpp_build import LlamaBinaries
+from peers.llama_cpp_build import LlamaBinaries
 
 
 class LlamaCppRunError(RuntimeError):

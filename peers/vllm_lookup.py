@@ -16,7 +16,7 @@ first, then the longest short n-gram, the latest occurrence wins) with its load 
 stops under load. The setting comes from ``$DRAFTPILOT_VLLM_LOOKUP`` (a ``--lookup`` setting such as
 ``3-4:2+8:4@2``; vLLM hands the class nothing but its config), ``speculative_config`` for it from
 ``proposer_config``. vLLM's process imports this module, so it imports nothing but ``engine.lookup``'s light
-dependencies and numpy (the repository root on ``PYTHONPATH``: ``serving.vllm_peer.vllm_command``).
+dependencies and numpy (the repository root on ``PYTHONPATH``: ``peers.vllm_peer.vllm_command``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 ``llama-speculative-simple``, ``llama-server``) built once from the llama.cpp sources vendored in the
 llama-cpp-python sdist on PyPI (cmake and a C++ compiler needed), cached under
 ``<cache>/llama.cpp/<version>/bin``, and found again with the flag spellings their ``--help`` shows.
-``evaluation.llama_cpp`` runs them; ``benchmarks/llama_cpp.py`` is the command line over both."""
+``peers.llama_cpp`` runs them; ``benchmarks/llama_cpp.py`` is the command line over both."""
 
 from __future__ import annotations
 

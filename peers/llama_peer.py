@@ -19,8 +19,8 @@ from pathlib import Path
 
 from engine.backends.files import cache_dir
 from engine.backends.weights import DEFAULT_PAIRS, fetch_gguf
-from evaluation.llama_cpp import AUTOREGRESSIVE, LlamaSetting, parse_ngram, run_llama_cpp
-from evaluation.llama_cpp_build import default_bin_dir, find_binaries, stale_build
+from peers.llama_cpp import AUTOREGRESSIVE, LlamaSetting, parse_ngram, run_llama_cpp
+from peers.llama_cpp_build import default_bin_dir, find_binaries, stale_build
 
 LLAMA_PEERS = ("llama_cpp", "llama_cpp_spec", "llama_cpp_lookup")
 
@@ -38,7 +38,7 @@ def parse_spec_setting(text: str) -> tuple[int, float]:
 
 
 def parse_lookup_setting(text: str) -> tuple[int, int]:
-    """``"N:M"`` -> (N, M), 1 <= N <= M (``evaluation.llama_cpp.parse_ngram``)."""
+    """``"N:M"`` -> (N, M), 1 <= N <= M (``peers.llama_cpp.parse_ngram``)."""
     try:
         return parse_ngram(text)
     except ValueError as err:

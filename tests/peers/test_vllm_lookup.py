@@ -1,4 +1,4 @@
-"""The engine's context lookup as a vLLM custom proposer (serving/vllm_lookup.py), called as vLLM 0.32.0's
+"""The engine's context lookup as a vLLM custom proposer (peers/vllm_lookup.py), called as vLLM 0.32.0's
 model runner calls it (``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=...)``),
 without vLLM: its proposals are the engine's ``NgramIndex`` proposals, its load limit empties every proposal
 above the limit (and not at it; no limit as the control), and a batch row that changes request is indexed
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from engine.lookup import NgramIndex, parse_lookup
-from serving import vllm_peer
-from serving.vllm_lookup import CLASS_PATH, SETTING_ENV, LookupProposer, proposer_config
+from peers import vllm_peer
+from peers.vllm_lookup import CLASS_PATH, SETTING_ENV, LookupProposer, proposer_config
 
 REPEATING = [5, 6, 7, 8, 9, 1, 2, 3, 5, 6, 7, 8, 9, 4, 5, 6, 7]  # "6 7" / "5 6 7" repeat: a lookup match
 

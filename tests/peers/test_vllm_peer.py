@@ -1,4 +1,4 @@
-"""serving/vllm_peer.py without vLLM: the per-batch-size table file against the format vLLM 0.32.0 parses
+"""peers/vllm_peer.py without vLLM: the per-batch-size table file against the format vLLM 0.32.0 parses
 (its rules restated below from ``vllm/v1/spec_decode/dynamic/utils.py``, not imported), the command line,
 and the one-line skip where the vLLM environment is absent."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from serving import vllm_peer
+from peers import vllm_peer
 
 
 def vllm_parse(schedule: object) -> list[tuple[int, int, int]]:
