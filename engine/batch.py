@@ -158,6 +158,7 @@ class BatchedEngine:
         self.kv_reserved = 0
         """Bytes of KV cache the admitted requests have reserved (module docstring, "Memory")."""
         self._chunked = chunked_prefill(pair.target, new_cache(pair.target, 1))
+        """Whether prompts are prefilled in chunks (module docstring, step 1; ``chunked``)."""
         self.last_step: StepPlan | None = None
         """What the last ``step`` ran (its prefill chunks and cycles; ``engine.scheduling.StepPlan``), None
         before the first."""
@@ -258,9 +259,8 @@ class BatchedEngine:
         if controller is None:
             return last, 0
         width, cfg = controller.tree_width, self.config.engine
-        cap = cycle_cap(
-            cfg.max_depth, tree_depth
-        )  # the deepest a cycle goes: its budget is at most max_depth
+        # the deepest a cycle goes: its draft budget is at most max_depth
+        cap = cycle_cap(cfg.max_depth, tree_depth)
         wide = width > 1 and cap >= 1
         target = last + (min(cfg.max_verify, cfg.max_tree_nodes) - 1 if wide else 0)
         draft = last + (max(cap - 1, 0) * (width - 1) if wide else 0)
