@@ -58,7 +58,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.kernel_defines:
-        native._module = native.variant(*args.kernel_defines.split(","))
+        native.use_variant(*args.kernel_defines.split(","))
         print(f"kernels: -D {args.kernel_defines} ({native.kernels().isa()})")
     pair = load_pair(args.pair)
     ids = [pair.encode(p) for p in PROMPTS]

@@ -43,7 +43,7 @@ def one(path: str, context: int, reps: int, threads: int) -> str:
     from engine.backends import native
 
     if path in VARIANTS:
-        native._module = native.variant(*VARIANTS[path])
+        native.use_variant(*VARIANTS[path])
     from engine.backends.kvcache import keep_entries, new_cache
     from engine.backends.models import load_pair
     from engine.engine import forward_logits

@@ -12,7 +12,7 @@ request, its own ``SamplingConfig``) and stop tokens. ``step()`` runs one cycle 
    token are bitwise what ``generate``'s prefill gives, whatever the chunk boundaries and batch mates
    (``engine.forward.chunked_prefill``). Where it does not apply (the torch path) a prompt is prefilled whole,
    in the step's forwards, at least one prompt a step;
-2. every request starts its cycle: the very cycle code ``generate`` runs (``SpeculativeEngine._cycle``, a
+2. every request starts its cycle: the very cycle code ``generate`` runs (``SpeculativeEngine.cycle``, a
    generator of the forwards it needs): lookup, depth-0 decision, draft steps, verification size;
 3. draft steps: while any request waits on a draft forward, one draft forward carries the rows of every
    request waiting on one (its pending tokens, or its frontier at the next depth, or a catch-up chunk);
@@ -83,17 +83,17 @@ from engine.batch_api import (
 )
 from engine.batch_forward import Rows, forward_rows
 from engine.control import Controller
+from engine.cycle import cycle_cap, tree_cap
 from engine.engine import SpeculativeEngine
 from engine.errors import DraftpilotError, InputError, is_int, short_repr
 from engine.forward import Forward, Steps, VerifyRows, chunked_prefill
 from engine.load import LoadState, LoadTracker
 from engine.lookup import NgramIndex
-from engine.prefill import _Request
+from engine.prefill import RequestState
 from engine.prefix_cache import Match, PrefixCache, common_prefix
 from engine.results import CycleRecord, GenerationResult
 from engine.sampling import SamplingConfig
-from engine.scheduling import grant_rows, plan_prefills, prefill_budget
-from engine.tree import depth_limit
+from engine.scheduling import StepPlan, grant_rows, plan_prefills, prefill_budget, row_budget, step_load
 
 
 @dataclass
@@ -105,12 +105,13 @@ class _Slot:
     seed: int
     sampling: SamplingConfig
     stop_ids: frozenset[int]
-    tree_cap: int
+    tree_depth: int
+    """Its cycles' depth cap by the tree-node cap (``engine.cycle.tree_cap``)."""
     entries: tuple[int, int] = (0, 0)
     """(target, draft) KV positions reserved (draft 0: the request never drafts)."""
     kv_bytes: int = 0
     """Bytes of the reservation (``entries`` at each model's bytes per position)."""
-    req: _Request | None = None
+    req: RequestState | None = None
     index: NgramIndex | None = None
     prefill_s: float = 0.0
     """Seconds from its prefill's first chunk to its first token."""
@@ -157,7 +158,10 @@ class BatchedEngine:
         self.kv_reserved = 0
         """Bytes of KV cache the admitted requests have reserved (module docstring, "Memory")."""
         self._chunked = chunked_prefill(pair.target, new_cache(pair.target, 1))
-        """Whether prompts are prefilled in chunks (module docstring, step 1)."""
+        """Whether prompts are prefilled in chunks (module docstring, step 1; ``chunked``)."""
+        self.last_step: StepPlan | None = None
+        """What the last ``step`` ran (its prefill chunks and cycles; ``engine.scheduling.StepPlan``), None
+        before the first."""
         self.prefix: PrefixCache | None = None
         """The prefix cache (``BatchConfig.prefix_cache_bytes``; module docstring, "Prefix cache"), or None."""
         if self.config.prefix_cache_bytes:
@@ -173,7 +177,7 @@ class BatchedEngine:
             raise InputError(f"request must be an engine.batch.BatchRequest, got {short_repr(request)}")
         if not isinstance(request.sampling, SamplingConfig):
             raise InputError(f"sampling must be an engine.SamplingConfig, got {short_repr(request.sampling)}")
-        prompt_ids, max_new = self.engine._check_request(
+        prompt_ids, max_new = self.engine.check_request(
             request.prompt, request.max_new_tokens, request.controller, request.seed, request.sampling
         )
         if not isinstance(request.ignore_eos, bool):
@@ -191,10 +195,9 @@ class BatchedEngine:
             raise InputError(
                 "this controller instance already serves a request in the batch: give each its own"
             )
-        tree_cap = (
-            0 if controller is None else depth_limit(controller.tree_width, self.config.engine.max_tree_nodes)
-        )
-        entries = self.kv_entries(len(prompt_ids), max_new, controller, tree_cap)
+        width = None if controller is None else controller.tree_width
+        tree_depth = tree_cap(width, self.config.engine.max_tree_nodes)
+        entries = self.kv_entries(len(prompt_ids), max_new, controller, tree_depth)
         need = entries[0] * self._entry_bytes[0] + entries[1] * self._entry_bytes[1]
         budget = self.config.max_kv_bytes
         if budget is not None and need > budget:
@@ -234,7 +237,7 @@ class BatchedEngine:
             request.sampling,
             (frozenset() if request.ignore_eos else self.pair.eos_token_ids)
             | frozenset(int(t) for t in stop),
-            tree_cap,
+            tree_depth,
             entries,
             need,
             hold=hold,
@@ -244,18 +247,20 @@ class BatchedEngine:
         return rid
 
     def kv_entries(
-        self, prompt_len: int, max_new_tokens: int, controller: Controller | None, tree_cap: int
+        self, prompt_len: int, max_new_tokens: int, controller: Controller | None, tree_depth: int
     ) -> tuple[int, int]:
         """(target, draft) cache positions a request can reach: its caches hold at most the committed tokens
         but the last (prompt + ``max_new_tokens``, capped by the context, minus one), plus, in a cycle's
-        forwards, the rows beyond the committed ones a cycle of ``cap`` drafted levels may append (a tree's
+        forwards, the rows beyond the committed ones a cycle may append (its depth cap ``cap``: ``engine.cycle.
+        cycle_cap`` of ``max_depth`` and ``tree_depth``, the request's ``engine.cycle.tree_cap``; a tree's
         verified nodes can outnumber its depth by ``max_verify - 1``; a width-W tree's draft steps append W
         rows a level, ``(cap - 1)(W - 1)`` more than a chain). Draft 0: the request never drafts."""
         last = min(prompt_len + max_new_tokens, self.pair.max_context) - 1
         if controller is None:
             return last, 0
         width, cfg = controller.tree_width, self.config.engine
-        cap = min(tree_cap, cfg.max_depth)
+        # the deepest a cycle goes: its draft budget is at most max_depth
+        cap = cycle_cap(cfg.max_depth, tree_depth)
         wide = width > 1 and cap >= 1
         target = last + (min(cfg.max_verify, cfg.max_tree_nodes) - 1 if wide else 0)
         draft = last + (max(cap - 1, 0) * (width - 1) if wide else 0)
@@ -290,6 +295,23 @@ class BatchedEngine:
             raise InputError(f"no request {short_repr(rid)} in the batch")
 
     @property
+    def chunked(self) -> bool:
+        """Whether prompts are prefilled in chunks (module docstring, step 1; else whole)."""
+        return self._chunked
+
+    @property
+    def requests(self) -> list[int]:
+        """Ids of every request in the batch (admitted, not finished, failed or cancelled), in admission
+        order: ``pending`` and ``active`` together."""
+        return list(self._slots)
+
+    def state_of(self, rid: int) -> RequestState | None:
+        """Request ``rid``'s decoding state once prefilled (its tokens and caches: to read, not to change),
+        None while it waits for its prefill or when it is not in the batch."""
+        slot = self._slots.get(rid)
+        return None if slot is None else slot.req
+
+    @property
     def active(self) -> list[int]:
         """Ids of the requests decoding (prefilled, not finished), in admission order."""
         return [rid for rid, s in self._slots.items() if s.req is not None]
@@ -318,31 +340,35 @@ class BatchedEngine:
         """Prefill chunks of the waiting prompts (up to ``max_prefill_tokens`` tokens) and one cycle of every
         request in flight, in shared forwards; one event a request that decoded or got its first token."""
         new_tokens: dict[int, int] = {}  # rid -> committed tokens before this step
-        prefilling = self._schedule_prefills()
+        plan = self.last_step = StepPlan()
+        prefilling = self._schedule_prefills(plan)
         running = [s for s in self._slots.values() if s.req is not None and self._finish(s) is None]
         waiting = sum(s.req is None for s in self._slots.values()) + max(int(self.waiting_outside), 0)
         rate = self._arrivals.rate(time.monotonic())
         for slot in running:
             new_tokens.setdefault(slot.rid, len(slot.req.tokens))
             slot.record = None
-            slot.req.load = LoadState(
-                requests=len(running),
-                waiting=waiting,
-                other_rows=max(self._last_rows - slot.target_rows, 0),
-                other_drafting=max(self._last_drafting - slot.drafted, 0),
-                arrival_rate=rate,
+            slot.req.load = step_load(
+                len(running),
+                waiting,
+                self._last_rows,
+                slot.target_rows,
+                self._last_drafting,
+                slot.drafted,
+                rate,
             )
             slot.target_rows, slot.drafted = 0, False
-            slot.steps = self.engine._cycle(
+            slot.steps = self.engine.cycle(
                 slot.req,
                 slot.controller,
                 slot.index,
                 len(slot.prompt_ids),
                 slot.max_new_tokens,
-                slot.tree_cap,
+                slot.tree_depth,
             )
             self._advance(slot, None)
         self._run_cycles()
+        plan.cycles = [(s.rid, s.record) for s in running if s.record is not None]
         self._last_rows = sum(s.target_rows for s in running)
         self._last_drafting = sum(s.drafted for s in running)
         for slot in prefilling:  # a prompt whose last chunk ran: its first token is this step's
@@ -361,8 +387,9 @@ class BatchedEngine:
         follows the load (``BatchConfig.idle_prefill_tokens``; module docstring, step 1)."""
         return prefill_budget(decoding, self.config.max_prefill_tokens, self.config.idle_prefill_tokens)
 
-    def _schedule_prefills(self) -> list[_Slot]:
-        """Start this step's prefill chunks (module docstring, step 1); the slots that got one."""
+    def _schedule_prefills(self, plan: StepPlan) -> list[_Slot]:
+        """Start this step's prefill chunks (module docstring, step 1), listed in ``plan``; the slots that got
+        one."""
         waiting = [slot for slot in self._slots.values() if slot.req is None]
         hits = [self._hit(slot) for slot in waiting]
         decoding = len(self._slots) - len(waiting)
@@ -387,6 +414,7 @@ class BatchedEngine:
         for slot, take in zip(waiting, takes):
             if slot.cache is None and not self._guard(slot, self._start_prefill, slot):
                 continue
+            plan.prefill.append((slot.rid, take))
             slot.steps = self._prefill_chunk(slot, take)
             self._advance(slot, None)
         return waiting[: len(takes)]
@@ -433,7 +461,7 @@ class BatchedEngine:
         """``slot``'s prompt is in its cache: its request, first token drawn from ``logits``."""
         engine = self.engine
         generator = torch.Generator(device=self.device).manual_seed(slot.seed)
-        slot.req = engine._prefilled_request(
+        slot.req = engine.prefilled_request(
             slot.prompt_ids,
             logits,
             slot.cache,
@@ -540,7 +568,7 @@ class BatchedEngine:
             asking = [s for s in waiting if isinstance(s.waiting, VerifyRows)]
             if asking:  # the row cap is the decoding rows' (prefill chunks have their own budget)
                 fixed = sum(s.waiting.rows for s in waiting if isinstance(s.waiting, Forward) and s.req)
-                budget = self.config.max_rows - fixed - len(asking)
+                budget = row_budget(self.config.max_rows, fixed, len(asking))
                 for slot, granted in zip(asking, grant_rows([s.waiting.want for s in asking], budget)):
                     self._advance(slot, granted)
                 continue
@@ -613,7 +641,7 @@ class BatchedEngine:
         return out
 
     def _finish(self, slot: _Slot) -> str | None:
-        return self.engine._finish_reason(slot.req, len(slot.prompt_ids), slot.max_new_tokens)
+        return self.engine.finish_reason(slot.req, len(slot.prompt_ids), slot.max_new_tokens)
 
     def _event(self, rid: int, start: int) -> StepEvent:
         slot = self._slots.get(rid)
@@ -627,7 +655,7 @@ class BatchedEngine:
 
     def _finish_slot(self, slot: _Slot, finish: str) -> None:
         """Build the result of a finished request, then free its slot (its caches go with it)."""
-        result = self.engine._result(slot.req, len(slot.prompt_ids), finish, slot.prefill_s)
+        result = self.engine.request_result(slot.req, len(slot.prompt_ids), finish, slot.prefill_s)
         result.cached_tokens = slot.cached
         self._keep_prefix(slot)
         self._release(slot.rid)

@@ -155,7 +155,7 @@ def _native(model, decoder, items: Sequence[Rows], device: torch.device) -> list
     for it, past, q in zip(items, pasts, rows):
         for layer in it.cache.layers:
             layer.extend(past + q)
-    return _head(model, items, list(torch.split(h, rows)), lambda t: lean._rms_norm(inner.norm, t))
+    return _head(model, items, list(torch.split(h, rows)), lambda t: lean.rms_norm(inner.norm, t))
 
 
 def _torch(model, items: Sequence[Rows], device: torch.device) -> list[torch.Tensor]:

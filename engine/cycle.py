@@ -1,4 +1,4 @@
-"""The rules of one decoding cycle, written once: the live engine (``SpeculativeEngine._cycle``, and through it
+"""The rules of one decoding cycle, written once: the live engine (``SpeculativeEngine.cycle``, and through it
 ``engine.batch``) and the exact trace replay (``envs.replay.replay_cycles``, and through it the environments,
 the server replay and the oracle's checks) both drive them, so the two cannot drift apart.
 
@@ -18,9 +18,12 @@ of the next question; replay: reading the recorded tree). The order:
 
 ``ask`` is the one place a controller's answers are checked (``decision``, ``verify_size``), and ``answer``
 the one dispatch of the messages of a replayed cycle (``envs.replay.Message``) to a controller: the questions
-are asked, every cycle but a lookup cycle is observed (a lookup cycle is no controller's decision). The caps:
-``draft_budget`` (what a cycle may add, by budget and context) and ``DraftLag`` (what the draft is behind by,
-counted as replay counts it: the live engine reads it off its caches).
+are asked, every cycle but a lookup cycle is observed (a lookup cycle is no controller's decision). The caps,
+each computed here once for the live engine, the batched engine and the replay: ``draft_budget`` (what a cycle
+may add, by budget and context), ``tree_cap`` (the depth a controller's tree reaches under the node cap),
+``cycle_cap`` (the cycle's depth cap: both), ``lookup_cap`` (the tokens a context lookup may propose); and
+``DraftLag`` (what the draft is behind by, counted as replay counts it: the live engine reads it off its
+caches).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from engine.control import Controller, DraftState, decision, verify_size
 from engine.load import LoadState
 from engine.lookup import LookupConfig
 from engine.results import CycleRecord
+from engine.tree import depth_limit
 
 DRAFT_CATCH_UP_TOKENS = 16
 """The default of ``EngineConfig.draft_catch_up_tokens`` (``BatchConfig.max_prefill_tokens``'s default too)."""
@@ -70,6 +74,24 @@ def draft_budget(max_depth: int, remaining: int, room: int) -> int:
     """Drafted tokens a cycle may add: min(``EngineConfig.max_depth``, tokens left to generate - 1, context
     room - 1), so that a cycle's accepted tokens and its recovered/bonus token fit both."""
     return min(max_depth, remaining - 1, room - 1)
+
+
+def tree_cap(width: int | None, max_tree_nodes: int) -> int:
+    """The deepest a request's cycles may draft by the tree-node cap (``EngineConfig.max_tree_nodes``): the
+    depth of a width-``width`` tree within it (``engine.tree.depth_limit``); 0 without a controller (None)."""
+    return 0 if width is None else depth_limit(width, max_tree_nodes)
+
+
+def cycle_cap(budget: int, tree_depth: int) -> int:
+    """A cycle's depth cap (what ``cycle_rules`` gets as ``cap``): its ``draft_budget`` and the request's
+    ``tree_cap``, whichever is lower."""
+    return min(budget, tree_depth)
+
+
+def lookup_cap(budget: int, max_verify: int, lookup: LookupConfig) -> int:
+    """The most tokens a cycle's context lookup may propose: min(its ``draft_budget``, ``EngineConfig.
+    max_verify``, the longest proposal of ``lookup``'s rules)."""
+    return min(budget, max_verify, lookup.most_tokens)
 
 
 def cycle_rules(

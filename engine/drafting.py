@@ -23,7 +23,7 @@ from engine.tree import DraftTree, expand_topk, tree_attention_mask
 
 if TYPE_CHECKING:
     from engine.inputs import EngineConfig
-    from engine.prefill import _Request
+    from engine.prefill import RequestState
 
 
 class DraftPhase:
@@ -37,13 +37,13 @@ class DraftPhase:
     """``SpeculativeEngine._run``: drives a phase alone."""
 
     def _draft(
-        self, req: _Request, plan: CyclePlan, cap: int
+        self, req: RequestState, plan: CyclePlan, cap: int
     ) -> tuple[DraftTree, list[int], list[torch.Tensor], float, float]:
         """Draft level by level while ``plan`` asks whether to go on (below ``cap``) and its controller says
         yes: (tree, frontier, draft distributions of a sampled chain, forward seconds, controller seconds)."""
         return self._run(self._draft_steps(req, plan, cap))
 
-    def _draft_steps(self, req: _Request, plan: CyclePlan, cap: int) -> Steps:
+    def _draft_steps(self, req: RequestState, plan: CyclePlan, cap: int) -> Steps:
         """``_draft`` as a generator of its forwards (one a draft step)."""
         clock, ctx, width = self.clock, len(req.tokens), plan.controller.tree_width
         sampled = self.config.draft_mode == "sampled"
@@ -97,7 +97,7 @@ class DraftPhase:
         width: int,
         sampled: bool,
         draft_probs: list[torch.Tensor],
-        req: _Request,
+        req: RequestState,
     ) -> list[int]:
         """Add the children of ``parents`` (one row of ``logits`` each); return the new frontier."""
         if self.config.check_finite:
@@ -110,7 +110,9 @@ class DraftPhase:
             return [tree.add(token, parents[-1], parent_scores[-1] + float(logprobs[-1, token]))]
         return expand_topk(tree, parents, parent_scores, logprobs, width)
 
-    def _state(self, tree: DraftTree, frontier: list[int], ctx: int, cap: int, req: _Request) -> DraftState:
+    def _state(
+        self, tree: DraftTree, frontier: list[int], ctx: int, cap: int, req: RequestState
+    ) -> DraftState:
         scores = np.asarray(tree.scores, dtype=np.float32)
         frontier_scores = scores[frontier]
         step = frontier_scores - np.asarray(

@@ -1,6 +1,6 @@
 """The speculative decoding loop: prefill, then cycles of draft -> verify -> commit.
 
-Invariant between cycles (``_Request``): ``tokens`` are the committed ids (prompt + generated); the
+Invariant between cycles (``RequestState``): ``tokens`` are the committed ids (prompt + generated); the
 target cache holds ``tokens[:-1]`` (the last token is the *pending* input of the next target forward);
 the draft cache holds ``tokens[:draft_len]`` and ``tokens[draft_len:]`` are the draft's pending inputs. The
 draft's prefill is lazy: it runs at the first drafting cycle, so a request decoded without drafting never
@@ -9,7 +9,7 @@ pays for it. Under load (``engine.batch``: a step of several requests) a draft t
 autoregressive step (``SpeculativeEngine._catch_up_cycle``), so that no step carries one request's whole
 catch-up; alone it catches up at once, in the drafting cycle.
 
-A cycle is a generator (``_cycle`` and the phases it delegates to): it yields every model forward it needs
+A cycle is a generator (``cycle`` and the phases it delegates to): it yields every model forward it needs
 (a ``Forward``) and the number of drafted rows it wants verified (a ``VerifyRows``), and receives the logits
 and the rows granted. ``generate`` drives one request's cycles at once (``_run``: each forward runs when asked,
 every row granted); ``engine.batch.BatchedEngine`` drives many requests' cycles in step and runs their
@@ -17,7 +17,7 @@ forwards together. The cycle code is the same for both. What a cycle is (lookup,
 speculative), what its controller is asked and when, and which cycles it observes are
 ``engine.cycle.cycle_rules``, the rules the trace replay (``envs.replay``) drives too; this module does the
 forwards, the verification and the commit. Around it: ``engine.inputs`` (``EngineConfig``, the request
-checks), ``engine.forward`` (``forward_logits``, ``Forward``, ``VerifyRows``), ``engine.prefill`` (``_Request``,
+checks), ``engine.forward`` (``forward_logits``, ``Forward``, ``VerifyRows``), ``engine.prefill`` (``RequestState``,
 the target's prefill and the draft's lazy one) and ``engine.drafting`` (the draft levels).
 """
 
@@ -35,8 +35,11 @@ from engine.control import Controller, DraftState
 from engine.cycle import (
     CyclePlan,
     answer,
+    cycle_cap,
     cycle_rules,
     draft_budget,
+    lookup_cap,
+    tree_cap,
 )
 from engine.drafting import DraftPhase
 from engine.forward import (
@@ -51,7 +54,7 @@ from engine.forward import (
 from engine.inputs import MAX_SEED as MAX_SEED  # re-exported: the command lines and the server use it
 from engine.inputs import EngineConfig, check_request, prompt_ids_of
 from engine.lookup import NgramIndex
-from engine.prefill import PrefillPhase, _Request
+from engine.prefill import PrefillPhase, RequestState
 from engine.results import CycleRecord, GenerationResult
 from engine.sampling import (
     SamplingConfig,
@@ -65,7 +68,6 @@ from engine.tree import (
     DraftTree,
     ancestor_matrix,
     clamp_verify,
-    depth_limit,
     tree_attention_mask,
 )
 
@@ -74,7 +76,14 @@ if TYPE_CHECKING:
 
 
 class SpeculativeEngine(PrefillPhase, DraftPhase):
-    """Exact speculative decoding over a ``ModelPair`` with a pluggable per-cycle ``Controller``."""
+    """Exact speculative decoding over a ``ModelPair`` with a pluggable per-cycle ``Controller``.
+
+    ``generate`` decodes one request. The per-request cycle API, for a driver that runs many requests' cycles
+    itself (``engine.batch``) or times the engine's own forwards (``engine.costs.measure_costs``):
+    ``check_request`` (a request's arguments checked), ``prefilled_request`` (its ``RequestState`` once its
+    prompt is in the target's cache), ``cycle`` (one cycle, a generator of the ``Forward``s and ``VerifyRows``
+    it needs), ``finish_reason`` (whether it is done), ``request_result`` (its ``GenerationResult``) and
+    ``forward`` (one forward run at once, the one ``generate`` runs)."""
 
     stepwise = False
     """Whether the draft phase yields its forwards step by step (``engine.batch``); False: through ``_draft``,
@@ -106,8 +115,9 @@ class SpeculativeEngine(PrefillPhase, DraftPhase):
         (there is no random default: a request is reproducible from its arguments). Bad arguments raise
         ``InputError`` (``ControllerError`` for the controller) before any model runs.
         """
-        prompt_ids, max_new_tokens = self._check_request(prompt, max_new_tokens, controller, seed)
-        tree_cap = 0 if controller is None else depth_limit(controller.tree_width, self.config.max_tree_nodes)
+        prompt_ids, max_new_tokens = self.check_request(prompt, max_new_tokens, controller, seed)
+        width = None if controller is None else controller.tree_width
+        tree_depth = tree_cap(width, self.config.max_tree_nodes)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         generator = torch.Generator(device=self.device).manual_seed(int(seed))
@@ -119,14 +129,18 @@ class SpeculativeEngine(PrefillPhase, DraftPhase):
             controller.reset()
         lookup = self.config.lookup
         index = NgramIndex(lookup) if lookup is not None else None
-        finish = self._finish_reason(req, len(prompt_ids), max_new_tokens)
+        finish = self.finish_reason(req, len(prompt_ids), max_new_tokens)
         while finish is None:
-            self._run(self._cycle(req, controller, index, len(prompt_ids), max_new_tokens, tree_cap))
-            finish = self._finish_reason(req, len(prompt_ids), max_new_tokens)
+            self._run(self.cycle(req, controller, index, len(prompt_ids), max_new_tokens, tree_depth))
+            finish = self.finish_reason(req, len(prompt_ids), max_new_tokens)
 
-        return self._result(req, len(prompt_ids), finish, prefill_s)
+        return self.request_result(req, len(prompt_ids), finish, prefill_s)
 
-    def _result(self, req: _Request, prompt_len: int, finish: str, prefill_s: float) -> GenerationResult:
+    def request_result(
+        self, req: RequestState, prompt_len: int, finish: str, prefill_s: float
+    ) -> GenerationResult:
+        """What ``generate`` returns for ``req`` (its prompt ``prompt_len`` tokens long) once it ended for
+        ``finish`` (``finish_reason``); ``prefill_s``: its target's prefill seconds."""
         generated = req.tokens[prompt_len:]
         return GenerationResult(
             tokens=generated,
@@ -138,7 +152,7 @@ class SpeculativeEngine(PrefillPhase, DraftPhase):
             peak_memory_bytes=peak_memory(self.device),
         )
 
-    def _check_request(
+    def check_request(
         self,
         prompt: str | Sequence[int] | torch.Tensor | np.ndarray,
         max_new_tokens: object,
@@ -146,8 +160,9 @@ class SpeculativeEngine(PrefillPhase, DraftPhase):
         seed: object,
         sampling: SamplingConfig | None = None,
     ) -> tuple[list[int], int]:
-        """(prompt ids, max_new_tokens) of a request (``engine.inputs.check_request``; ``sampling``: the
-        request's, default the engine's)."""
+        """(prompt ids, max_new_tokens) of a request, checked as ``generate`` checks its arguments
+        (``engine.inputs.check_request``: an ``InputError`` or ``ControllerError`` before any model runs;
+        ``sampling``: the request's, default the engine's)."""
         sampling = sampling or self.sampling
         return check_request(self.pair, self.config, prompt, max_new_tokens, controller, seed, sampling)
 
@@ -157,14 +172,14 @@ class SpeculativeEngine(PrefillPhase, DraftPhase):
     # ------------------------------------------------------------------------------------------ phases
     def _run(self, steps: Steps) -> Any:
         """Drive a cycle generator (or one of its phases) to its end, one request alone: every forward runs at
-        once through ``_forward``, every verification row asked for is granted. Returns what it returns."""
+        once through ``forward``, every verification row asked for is granted. Returns what it returns."""
         try:
             call = next(steps)
             while True:
                 if isinstance(call, VerifyRows):
                     answer = call.want
                 else:
-                    answer = self._forward(
+                    answer = self.forward(
                         call.model,
                         call.ids,
                         call.start,
@@ -177,21 +192,23 @@ class SpeculativeEngine(PrefillPhase, DraftPhase):
         except StopIteration as stop:
             return stop.value
 
-    def _cycle(
+    def cycle(
         self,
-        req: _Request,
+        req: RequestState,
         controller: Controller | None,
         index: NgramIndex | None,
         prompt_len: int,
         max_new_tokens: int,
-        tree_cap: int,
+        tree_depth: int,
     ) -> Steps:
         """One cycle of ``req`` (a generator: see the module docstring): lookup, an autoregressive step or a
         speculative cycle, as the caps, the lookup and the controller decide; the record is appended to
-        ``req.cycles`` (and shown to the controller) and returned."""
+        ``req.cycles`` (and shown to the controller) and returned. ``index``: the request's context lookup
+        (None: off); ``tree_depth``: its ``engine.cycle.tree_cap``. Drive it by sending each ``Forward`` its
+        logits and each ``VerifyRows`` the rows granted (at most those asked for); ``generate`` grants all."""
         remaining = max_new_tokens - (len(req.tokens) - prompt_len)
         budget = draft_budget(self.config.max_depth, remaining, self.pair.max_context - len(req.tokens))
-        cap = min(budget, tree_cap)
+        cap = cycle_cap(budget, tree_depth)
         controlled = controller is not None
         rules = cycle_rules(
             cap,
@@ -208,7 +225,7 @@ class SpeculativeEngine(PrefillPhase, DraftPhase):
             t0 = self.clock()
             if plan.question[0] == "lookup":
                 index.sync(req.tokens)
-                proposal = index.propose(min(budget, self.config.max_verify))
+                proposal = index.propose(lookup_cap(budget, self.config.max_verify, index.config))
                 lookup_s = self.clock() - t0
                 plan.reply(len(proposal))
             else:  # depth 0: draft at all this cycle?
@@ -234,10 +251,10 @@ class SpeculativeEngine(PrefillPhase, DraftPhase):
             record.overhead_s += lookup_s  # a lookup that found nothing
         req.cycles.append(record)
         if self.config.validate_caches:
-            validate_caches(self.pair, req, self._forward)
+            validate_caches(self.pair, req, self.forward)
         return record
 
-    def _catch_up_cycle(self, req: _Request, size: int) -> Steps:
+    def _catch_up_cycle(self, req: RequestState, size: int) -> Steps:
         """A catch-up cycle (``EngineConfig.draft_catch_up_tokens``): one draft forward of the next chunk of
         the tokens the draft has not run (the prompt's first, then the pending ones; never the last committed
         token, which the next drafting cycle runs) and an autoregressive step, recorded as one (depth 0) with
@@ -257,7 +274,7 @@ class SpeculativeEngine(PrefillPhase, DraftPhase):
         record.forward_s += draft_s
         return record
 
-    def _autoregressive_step(self, req: _Request) -> Steps:
+    def _autoregressive_step(self, req: RequestState) -> Steps:
         t0 = self.clock()
         ctx = len(req.tokens)
         logits = yield Forward(self.pair.target, req.tokens[-1:], ctx - 1, req.target_cache)  # [1, V]
@@ -267,7 +284,7 @@ class SpeculativeEngine(PrefillPhase, DraftPhase):
         req.tokens.append(make_target_drawer(logits, req.sampling, req.generator)(0))
         return CycleRecord(ctx, 0, 0, 0, 0, 1, verify_s=self.clock() - t0, forward_s=t_fwd)
 
-    def _lookup_cycle(self, req: _Request, proposal: list[int]) -> Steps:
+    def _lookup_cycle(self, req: RequestState, proposal: list[int]) -> Steps:
         """Verify a context-lookup proposal as a chain (``engine.lookup``): one target forward over the root
         and the proposal, acceptance by ``verify_tree`` (the proposal is deterministic, in either draft mode).
         Recorded with depth 0 (no draft step ran) and ``lookup=True``; the draft falls behind by the
@@ -299,7 +316,7 @@ class SpeculativeEngine(PrefillPhase, DraftPhase):
             lookup=True,
         )
 
-    def _speculative_cycle(self, req: _Request, plan: CyclePlan, cap: int) -> Steps:
+    def _speculative_cycle(self, req: RequestState, plan: CyclePlan, cap: int) -> Steps:
         """Draft (the lazy draft prefill first, at the request's first drafting cycle), ask the size, verify and
         commit, as ``plan`` asks its controller (``engine.cycle.cycle_rules``)."""
         clock, ctx = self.clock, len(req.tokens)
@@ -343,7 +360,7 @@ class SpeculativeEngine(PrefillPhase, DraftPhase):
 
     def _verify(
         self,
-        req: _Request,
+        req: RequestState,
         tree: DraftTree,
         selected: list[int],
         draft_probs: list[torch.Tensor],
@@ -383,7 +400,7 @@ class SpeculativeEngine(PrefillPhase, DraftPhase):
 
     def _commit(
         self,
-        req: _Request,
+        req: RequestState,
         tree: DraftTree,
         selected: list[int],
         path: list[int],
@@ -419,7 +436,7 @@ class SpeculativeEngine(PrefillPhase, DraftPhase):
         return accepted, len(new_tokens)
 
     # ------------------------------------------------------------------------------------------ helpers
-    def _forward(
+    def forward(
         self,
         model: torch.nn.Module,
         ids: Sequence[int],
@@ -429,12 +446,15 @@ class SpeculativeEngine(PrefillPhase, DraftPhase):
         mask: torch.Tensor | None = None,
         positions: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """One forward of ``ids`` at positions ``start...`` (or ``positions``); returns logits [Q, V]."""
+        """One forward of ``ids`` at positions ``start...`` (or ``positions``), run at once, as ``generate`` runs
+        every ``Forward`` of its cycles; returns logits [Q, V]."""
         if positions is None:
             positions = range(start, start + len(ids))
         return forward_logits(model, ids, positions, cache, self.device, keep=keep, mask=mask)
 
-    def _finish_reason(self, req: _Request, prompt_len: int, max_new_tokens: int) -> str | None:
+    def finish_reason(self, req: RequestState, prompt_len: int, max_new_tokens: int) -> str | None:
+        """Why ``req`` (its prompt ``prompt_len`` tokens long) is done ("eos", "stop", "length", "context"), or
+        None while it goes on."""
         last = req.tokens[-1]
         if last in req.stop_ids:  # the pair's EOS ids unless the request ignores them, and its stop tokens
             return "eos" if last in self.pair.eos_token_ids else "stop"

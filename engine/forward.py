@@ -40,7 +40,7 @@ class Clock:
 
 @dataclass
 class Forward:
-    """A model forward a cycle asks for: the arguments of ``SpeculativeEngine._forward``; answered with the
+    """A model forward a cycle asks for: the arguments of ``SpeculativeEngine.forward``; answered with the
     logits [Q or keep, V]."""
 
     model: torch.nn.Module
@@ -125,7 +125,7 @@ def _in_chunks(
 
 
 def validate_caches(pair: ModelPair, req: Any, forward: Callable[..., torch.Tensor]) -> None:
-    """Raise AssertionError unless each of ``req``'s caches (an ``engine.prefill._Request``) equals a fresh forward (``forward``: the engine's)
+    """Raise AssertionError unless each of ``req``'s caches (an ``engine.prefill.RequestState``) equals a fresh forward (``forward``: the engine's)
     over the tokens it should hold (``EngineConfig.validate_caches``)."""
     for name, model, cache, length in (
         ("target", pair.target, req.target_cache, len(req.tokens) - 1),

@@ -1,7 +1,7 @@
-"""A request's state between cycles (``_Request``: the module docstring of ``engine.engine`` states its
+"""A request's state between cycles (``RequestState``: the module docstring of ``engine.engine`` states its
 invariant) and how it starts: the target's prefill and first token, the draft's empty cache, and the draft's
 lazy prefill at the first drafting cycle (``PrefillPhase``, a part of ``SpeculativeEngine``; the batched engine
-prefills in chunks and calls ``_prefilled_request`` with the last chunk's logits)."""
+prefills in chunks and calls ``prefilled_request`` with the last chunk's logits)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,10 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class _Request:
+class RequestState:
+    """One request's decoding state between cycles (its invariant: ``engine.engine``'s module docstring):
+    what ``SpeculativeEngine.prefilled_request`` makes and ``SpeculativeEngine.cycle`` advances."""
+
     tokens: list[int]
     target_cache: object
     draft_cache: object | None
@@ -51,10 +54,10 @@ class PrefillPhase:
     config: EngineConfig
     sampling: SamplingConfig
     clock: Clock
-    _forward: Callable[..., torch.Tensor]
-    """``SpeculativeEngine._forward``: one forward, run at once."""
+    forward: Callable[..., torch.Tensor]
+    """``SpeculativeEngine.forward``: one forward, run at once."""
 
-    def _prefill(self, prompt_ids: list[int], generator: torch.Generator, with_draft: bool) -> _Request:
+    def _prefill(self, prompt_ids: list[int], generator: torch.Generator, with_draft: bool) -> RequestState:
         return self._prefill_request(
             prompt_ids, generator, with_draft, self.sampling, self.pair.eos_token_ids
         )
@@ -67,18 +70,18 @@ class PrefillPhase:
         sampling: SamplingConfig,
         stop_ids: frozenset[int],
         capacity: tuple[int, int] | None = None,
-    ) -> _Request:
+    ) -> RequestState:
         """The target's prefill (one forward of the prompt) and the first token, drawn with ``sampling``.
         ``capacity``: the (target, draft) cache entries reserved for the request (``engine.backends.kvcache.
         new_cache``; ``engine.batch``), None: caches that grow as needed."""
         target_cap, draft_cap = capacity if capacity is not None else (None, None)
         target_cache = new_cache(self.pair.target, target_cap)
-        logits = self._forward(self.pair.target, prompt_ids, 0, target_cache, keep=1)  # [1, V]
-        return self._prefilled_request(
+        logits = self.forward(self.pair.target, prompt_ids, 0, target_cache, keep=1)  # [1, V]
+        return self.prefilled_request(
             prompt_ids, logits, target_cache, generator, with_draft, sampling, stop_ids, draft_cap
         )
 
-    def _prefilled_request(
+    def prefilled_request(
         self,
         prompt_ids: list[int],
         logits: torch.Tensor,
@@ -88,16 +91,17 @@ class PrefillPhase:
         sampling: SamplingConfig,
         stop_ids: frozenset[int],
         draft_capacity: int | None = None,
-    ) -> _Request:
-        """The request once its prompt is in ``target_cache``: the first token drawn from ``logits`` (the
-        prompt's last row, [1, V]) with ``sampling``; the draft's cache made, empty."""
+    ) -> RequestState:
+        """The request once its prompt is in ``target_cache`` (by a driver's own prefill, ``engine.batch``'s
+        chunks): the first token drawn from ``logits`` (the prompt's last row, [1, V]) with ``sampling`` and
+        ``generator``; the draft's cache made (``with_draft``; ``draft_capacity`` entries reserved), empty."""
         if self.config.check_finite:
             check_finite(logits, "target")
         first = make_target_drawer(logits, sampling, generator)(0)
         # the draft's prefill waits for the first drafting cycle (``_draft``): a request a controller
         # decodes autoregressively never pays for it
         draft_cache = new_cache(self.pair.draft, draft_capacity) if with_draft else None
-        return _Request(
+        return RequestState(
             prompt_ids + [first],
             target_cache,
             draft_cache,
@@ -108,7 +112,7 @@ class PrefillPhase:
             draft_prompt=list(prompt_ids),
         )
 
-    def _prefill_draft(self, req: _Request) -> Steps:
+    def _prefill_draft(self, req: RequestState) -> Steps:
         """The draft's lazy prefill, at the request's first drafting cycle: one forward of exactly the prompt
         (what an eager prefill would run, so the draft's cache, and every tree it drafts, is the same
         whenever it happens), or of the rest of it after catch-up cycles ran its first chunks; the tokens

@@ -1,10 +1,49 @@
 """The batched engine's scheduling rules of a step, shared with its replay (``envs.server``): which prompt
-tokens are prefilled (``plan_prefills``) and how many drafted nodes each request verifies under the row cap
-(``grant_rows``); the rules in words are in ``engine.batch``'s docstring (step 1, "Row cap")."""
+tokens are prefilled (``prefill_budget``, ``plan_prefills``), the load each request's cycle is shown
+(``step_load``), and how many drafted nodes each request verifies under the row cap (``row_budget``,
+``grant_rows``); the rules in words are in ``engine.batch``'s docstring (step 1, "Row cap"). ``StepPlan``: what
+a step ran, as both record it (``BatchedEngine.last_step``, ``envs.server_runs.ServerRun.plans``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from engine.backends.attention import MAX_ROWWISE_ROWS
+from engine.load import LoadState
+from engine.results import CycleRecord
+
+
+@dataclass
+class StepPlan:
+    """What one step of the batched engine (or of its replay) ran: ``prefill``: (request, prompt tokens) of
+    each prefill chunk, in admission order; ``cycles``: (request, its cycle's record) of each request that ran
+    a cycle, in admission order. Requests are numbered in admission order from 0 (the engine's ids)."""
+
+    prefill: list[tuple[int, int]] = field(default_factory=list)
+    cycles: list[tuple[int, CycleRecord]] = field(default_factory=list)
+
+
+def step_load(
+    requests: int, waiting: int, last_rows: int, own_rows: int, last_drafting: int, drafted: bool, rate: float
+) -> LoadState:
+    """The load a request's cycle is shown in a step (``engine.load``): ``requests`` decoding in it,
+    ``waiting`` for their prefill (inside or outside the batch), the rows and drafting requests of the last
+    step (``last_rows``, ``last_drafting``) less this request's own (``own_rows``, ``drafted``), and the arrival
+    ``rate``."""
+    return LoadState(
+        requests=requests,
+        waiting=waiting,
+        other_rows=max(last_rows - own_rows, 0),
+        other_drafting=max(last_drafting - drafted, 0),
+        arrival_rate=rate,
+    )
+
+
+def row_budget(max_rows: int, fixed: int, asking: int) -> int:
+    """Drafted nodes the requests ``asking`` for verification rows share (``grant_rows``'s budget): the rows of
+    a target forward (``BatchConfig.max_rows``) less the rows already in it (``fixed``: the other requests'
+    roots and nodes) and one root row each of the ``asking`` ones."""
+    return max_rows - fixed - asking
 
 
 def prefill_budget(decoding: int, max_prefill_tokens: int, idle_prefill_tokens: int) -> tuple[int, int]:

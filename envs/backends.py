@@ -145,7 +145,17 @@ class _BridgeController(Controller):
 
 
 class LiveLoop:
-    """One live request driven message by message (the generator protocol, over a worker thread)."""
+    """One live request driven message by message (the generator protocol, over a worker thread).
+
+    Why a thread, although a cycle is a generator (``SpeculativeEngine.cycle``): that generator yields only
+    its forwards and verification rows; the controller's questions are calls made inside it (``engine.cycle.
+    CyclePlan.ask``, between and after draft levels), answered at once. The environment answers a question
+    only after ``send`` has returned it, so the call that asked must wait with the cycle's frames alive: the
+    engine runs ``generate`` on its own thread, whose controller (``_BridgeController``) hands each question
+    over and blocks until the answer comes back. Driving the cycle here instead would need the cycle to yield
+    its questions too, a change of the engine's cycle code that every caller (``generate``, ``engine.batch``)
+    would share; its timings (``controller_s`` counts the wait for the answer, as it does here) and its
+    tokens would have to stay as they are."""
 
     def __init__(
         self,

@@ -29,12 +29,21 @@ from engine.backends.attention import MAX_VERIFY_NODES
 from engine.control import Controller, DraftState
 from engine.costs.cost_profile import CostProfile
 from engine.costs.speedup_model import SIZE_LADDER as SIZE_LADDER  # re-exported: the size action space
-from engine.cycle import DRAFT_CATCH_UP_TOKENS, DraftLag, answer, cycle_rules, draft_budget
+from engine.cycle import (
+    DRAFT_CATCH_UP_TOKENS,
+    DraftLag,
+    answer,
+    cycle_cap,
+    cycle_rules,
+    draft_budget,
+    lookup_cap,
+    tree_cap,
+)
 from engine.errors import InputError
 from engine.load import LoadState
 from engine.lookup import LookupConfig, NgramIndex
 from engine.results import CycleRecord
-from engine.tree import MAX_TREE_NODES, clamp_verify, depth_limit
+from engine.tree import MAX_TREE_NODES, clamp_verify
 from envs.trace import Trace, TraceError
 
 Message = tuple[Literal["depth", "size"], DraftState] | tuple[Literal["cycle"], CycleRecord]
@@ -144,9 +153,11 @@ class ReplayTrace:
         return draft_budget(self.engine_max_depth, remaining, self.max_context - self.context_len(t))
 
     def depth_cap(self, t: int) -> int:
-        """The engine's cap: min(``budget_cap``, the tree-node cap's depth, recorded depth)."""
-        tree_cap = depth_limit(self.width, self.engine_max_tree_nodes)
-        return min(self.budget_cap(t), tree_cap, self.max_depth)
+        """The engine's cap (``engine.cycle.cycle_cap`` of ``budget_cap`` and the tree-node cap's depth,
+        ``engine.cycle.tree_cap``), at most the recorded depth."""
+        return min(
+            cycle_cap(self.budget_cap(t), tree_cap(self.width, self.engine_max_tree_nodes)), self.max_depth
+        )
 
     def verified(self, num_verify: int, num_drafted: int) -> int:
         """Nodes the engine verifies when asked for ``num_verify`` (``engine.tree.clamp_verify``)."""
@@ -205,8 +216,8 @@ class ReplayTrace:
 
     def lookup_cap(self, t: int, config: LookupConfig) -> int:
         """The most tokens the engine lets a context lookup propose at position t (``EngineConfig.lookup``):
-        min(``budget_cap``, engine max verify, the config's longest proposal)."""
-        return min(self.budget_cap(t), self.engine_max_verify, config.most_tokens)
+        ``engine.cycle.lookup_cap`` (min(``budget_cap``, engine max verify, the config's longest proposal))."""
+        return lookup_cap(self.budget_cap(t), self.engine_max_verify, config)
 
     def lookup(self, t: int, config: LookupConfig) -> tuple[int, int]:
         """(proposed, accepted) of a context lookup at position t: the engine's ``NgramIndex`` proposal on

@@ -50,69 +50,69 @@ from engine.batch_api import BatchConfig
 from engine.control import Controller, StaticController
 from engine.costs.cost_profile import CostProfile, ProfileError
 from engine.costs.load_model import batch_table
-from engine.cycle import DRAFT_CATCH_UP_TOKENS, DraftLag, answer
+from engine.cycle import DraftLag, answer
 from engine.errors import InputError, is_int
-from engine.load import LoadState, LoadTracker
+from engine.load import LoadTracker
 from engine.lookup import LookupConfig
 from engine.prefix_cache import PrefixCache
 from engine.results import CycleRecord
-from engine.scheduling import grant_rows, plan_prefills, prefill_budget
+from engine.scheduling import StepPlan, grant_rows, plan_prefills, prefill_budget, row_budget, step_load
 from envs.backends import ReplayBackend
 from envs.replay import Message, ReplayTrace, Reply, replay_cycles
 from envs.server_costs import charge_step
 from envs.server_costs import draft_prefill_s as draft_prefill_s  # re-exported
-from envs.server_runs import Arrivals, ServerRun, _Request
+from envs.server_runs import Arrivals, ReplayRequest, ServerRun
 
 
 class ServerReplay:
     """The batched engine's steps over recorded requests (module docstring). ``profile``: a cost profile
     with a batch axis (``CostProfile.batched``); the single-sequence tables give the context terms, the
-    overhead and the prefills. ``step_overhead_s``: what a live server's step costs beyond them."""
+    overhead and the prefills. ``lookup``: the engine's context lookup (None: off). ``config``: the batched
+    engine's ``BatchConfig`` replayed (default: its defaults): ``max_requests``, ``max_rows``, the prefill
+    budgets and ``engine.draft_catch_up_tokens`` (its ``engine.lookup`` is ``lookup`` here, so it must be
+    None; the engine's depth and verify caps are the traces', ``envs.replay.ReplayTrace``).
+    ``step_overhead_s``: what a live server's step costs beyond them. ``chunked``: prompts prefilled in chunks
+    (``BatchedEngine.chunked``). ``prefix_cache_tokens``: the prefix cache's size in prompt positions."""
 
     def __init__(
         self,
         traces: Sequence[ReplayTrace],
         profile: CostProfile,
         lookup: LookupConfig | None = None,
-        max_requests: int = 8,
-        max_rows: int = 64,
-        max_prefill_tokens: int = BatchConfig.max_prefill_tokens,
+        config: BatchConfig | None = None,
+        *,
         step_overhead_s: float = 0.0,
         chunked: bool = True,
-        draft_catch_up_tokens: int = DRAFT_CATCH_UP_TOKENS,
-        idle_prefill_tokens: int = BatchConfig.idle_prefill_tokens,
         prefix_cache_tokens: int = 0,
     ):
         if not traces:
             raise InputError("a server replay needs traces")
-        if not is_int(draft_catch_up_tokens) or draft_catch_up_tokens < 1:
-            raise InputError(f"draft_catch_up_tokens must be an integer >= 1, got {draft_catch_up_tokens!r}")
+        config = config if config is not None else BatchConfig()
+        if not isinstance(config, BatchConfig):
+            raise InputError(f"config must be an engine.batch.BatchConfig, got {config!r}")
+        if config.engine.lookup is not None:
+            raise InputError(
+                "a server replay's context lookup is its lookup argument, not config.engine.lookup"
+            )
+        self.config = config
+        """The batched engine's configuration replayed (its scheduling: ``engine.scheduling``)."""
         self.table = batch_table(profile)
         if self.table is None:
             raise ProfileError(
                 "the server replay needs the cost profile's batch axis: measure it with "
                 "`python -m engine.costs.measure_costs --batch-axis`"
             )
-        if max_rows < max_requests:
-            raise InputError(f"max_rows ({max_rows}) must be >= max_requests ({max_requests})")
         self.traces, self.profile, self.lookup = list(traces), profile, lookup
-        self.max_requests, self.max_rows, self.max_prefill_tokens = max_requests, max_rows, max_prefill_tokens
-        if not is_int(idle_prefill_tokens) or idle_prefill_tokens < 1:
-            raise InputError(f"idle_prefill_tokens must be an integer >= 1, got {idle_prefill_tokens!r}")
         if not is_int(prefix_cache_tokens) or prefix_cache_tokens < 0:
             raise InputError(
                 f"prefix_cache_tokens must be an integer >= 0 (0: off), got {prefix_cache_tokens!r}"
             )
-        self.idle_prefill_tokens = idle_prefill_tokens
-        """The engine's ``BatchConfig.idle_prefill_tokens``: the prefill budget when no request decodes."""
         self.prefix_cache_tokens = prefix_cache_tokens
         """Prompt positions the run's prefix cache holds (target and draft each; 0: none). A run starts with an
         empty one; a request's prompt is keyed by its trace's prompt (``_prompt_key``), so the same prompt
         replayed again hits, as the live engine's cache makes it."""
         self.chunked = bool(chunked)
         """Prompts prefilled in chunks (the native decoder's engine), else whole (module docstring)."""
-        self.draft_catch_up_tokens = draft_catch_up_tokens
-        """The engine's ``EngineConfig.draft_catch_up_tokens``: the draft's catch-up a cycle under load."""
         self.step_overhead_s = float(step_overhead_s)
         """Seconds every decoding step costs beyond its forwards and the per-cycle overheads of the profile (the
         server's own work a step: its event loop, the step's Python), split equally among the step's
@@ -159,36 +159,37 @@ class ServerReplay:
         count = arrivals.requests
         closed = arrivals.concurrency > 0
         arrival_times = [0.0] * min(arrivals.concurrency, count) if closed else arrivals.poisson_times()
-        requests: list[_Request] = []
-        future: deque[_Request] = deque()
+        requests: list[ReplayRequest] = []
+        future: deque[ReplayRequest] = deque()
 
         def spawn(at: float) -> None:
             i = len(requests)
-            req = _Request(i, self.traces[order[i % len(order)]], at, make_controller())
+            req = ReplayRequest(i, self.traces[order[i % len(order)]], at, make_controller())
             requests.append(req)
             future.append(req)
 
         for at in arrival_times if background else ():
             spawn(at)
-        ext: _Request | None = None
+        ext: ReplayRequest | None = None
         if external is not None:
             index, at, depth_zero = external
-            ext = _Request(-1, self.traces[index], at, None, external=True, depth_zero=depth_zero)
-        queue: deque[_Request] = deque()
-        batch: list[_Request] = []
+            ext = ReplayRequest(-1, self.traces[index], at, None, external=True, depth_zero=depth_zero)
+        queue: deque[ReplayRequest] = deque()
+        batch: list[ReplayRequest] = []
         tracker = LoadTracker()
         prefix = None
         if self.prefix_cache_tokens:
             prefix = PrefixCache((1, 1), self.prefix_cache_tokens, with_kv=False)
         now, last_rows, last_drafting, carry = 0.0, 0, 0, 0.0
         steps: list[tuple[float, int, int]] = []
+        plans: list[StepPlan] = []
         start = min([r.arrival for r in requests] + ([ext.arrival] if ext else []))
         while True:
             if ext is not None and ext.admitted is None and ext.arrival <= now and ext not in queue:
                 queue.append(ext)
             while future and future[0].arrival <= now:
                 queue.append(future.popleft())
-            while queue and len(batch) < self.max_requests:
+            while queue and len(batch) < self.config.max_requests:
                 req = queue.popleft()
                 req.admitted = now
                 batch.append(req)
@@ -204,22 +205,19 @@ class ServerReplay:
             step_s = 0.0
             running = [r for r in batch if r.prefilled and not r.done]
             waiting = sum(not r.prefilled for r in batch) + len(queue)
-            shared = self._prefill_chunks(batch, len(running), prefix)
+            plan = StepPlan()
+            shared = self._prefill_chunks(batch, len(running), prefix, plan)
             rate = tracker.rate(now)
             for req in running:
-                req.load = LoadState(
-                    requests=len(running),
-                    waiting=waiting,
-                    other_rows=max(last_rows - req.target_rows, 0),
-                    other_drafting=max(last_drafting - req.drafted, 0),
-                    arrival_rate=rate,
+                req.load = step_load(
+                    len(running), waiting, last_rows, req.target_rows, last_drafting, req.drafted, rate
                 )
                 req.record, req.want = None, None
             for req in running:  # phase A: each up to its size question (or its cycle's end)
                 yield from self._until_size(req)
             asking = [r for r in running if r.want is not None]
             fixed = sum(1 + r.record.num_verified for r in running if r.record is not None)
-            budget = self.max_rows - fixed - len(asking)
+            budget = row_budget(self.config.max_rows, fixed, len(asking))
             for req, granted in zip(asking, grant_rows([r.want for r in asking], budget)):
                 kind, rec = req.loop.send(granted)
                 req.record = rec
@@ -233,6 +231,8 @@ class ServerReplay:
                 carry += shared
             now += step_s
             steps.append((step_s, len(running), sum(r.target_rows for r in running)))
+            plan.cycles = [(r.rid, r.record) for r in running]
+            plans.append(plan)
             last_rows = sum(r.target_rows for r in running)
             last_drafting = sum(r.drafted for r in running)
             finished_ext = False
@@ -273,14 +273,16 @@ class ServerReplay:
                 break
         members = requests + ([ext] if ext is not None else [])
         end = max([r.finished for r in members if r.finished is not None] + [now])
-        return ServerRun(arrivals, members, steps, start, end)
+        return ServerRun(arrivals, members, steps, start, end, plans)
 
     # ---------------------------------------------------------------------------------- internals
-    def _prefill_chunks(self, batch: list[_Request], decoding: int, prefix: PrefixCache | None) -> float:
+    def _prefill_chunks(
+        self, batch: list[ReplayRequest], decoding: int, prefix: PrefixCache | None, plan: StepPlan
+    ) -> float:
         """This step's prefill chunks (module docstring), with the engine's budget for ``decoding`` requests
         decoding and its prefix cache rules (``engine.batch``: a prompt's hit is looked up when its prefill
         starts, never its last token; one whose prefix an earlier prompt of the step is computing waits): their
-        seconds; a prompt whose last chunk ran starts."""
+        seconds, each listed in ``plan``; a prompt whose last chunk ran starts."""
         waiting = [req for req in batch if not req.prefilled]
         hits = [
             prefix.target.match(_prompt_key(r), r.trace.trace.prompt_len - 1).length
@@ -289,7 +291,8 @@ class ServerReplay:
             for r in waiting
         ]
         left = [req.trace.trace.prompt_len - req.filled - hit for req, hit in zip(waiting, hits)]
-        budget, per_prompt = prefill_budget(decoding, self.max_prefill_tokens, self.idle_prefill_tokens)
+        config = self.config
+        budget, per_prompt = prefill_budget(decoding, config.max_prefill_tokens, config.idle_prefill_tokens)
         takes = plan_prefills(left, budget, self.chunked, per_prompt)
         if prefix is not None:
             for i in range(1, len(takes)):
@@ -307,6 +310,7 @@ class ServerReplay:
             if req.cached is None:
                 req.cached = req.filled = hit
             end = req.filled + take
+            plan.prefill.append((req.rid, take))
             before = prefill(req.filled, with_draft=False) if req.filled else 0.0
             seconds += max(prefill(end, with_draft=False) - before, 0.0)  # a noisy profile's curve can dip
             req.filled = end
@@ -320,7 +324,7 @@ class ServerReplay:
                 self._start(req, draft_hit)
         return seconds
 
-    def _start(self, req: _Request, draft_hit: int = 0) -> None:
+    def _start(self, req: ReplayRequest, draft_hit: int = 0) -> None:
         ctrl = req.controller
         speculative = req.external or ctrl is not None
         depth_zero = req.depth_zero if req.external else bool(ctrl and ctrl.decides_depth_zero)
@@ -331,12 +335,12 @@ class ServerReplay:
         req.lag = DraftLag(req.trace.trace.prompt_len - draft_hit)
         req.loop = replay_cycles(
             req.trace, None, None, speculative=speculative, depth_zero=depth_zero, lookup=self.lookup,
-            load=lambda: req.load, catch_up=self.draft_catch_up_tokens, lag=req.lag,
+            load=lambda: req.load, catch_up=self.config.engine.draft_catch_up_tokens, lag=req.lag,
         )  # fmt: skip
         if req.trace.done(0):
             req.done = True
 
-    def _until_size(self, req: _Request) -> Generator[Message, Reply, None]:
+    def _until_size(self, req: ReplayRequest) -> Generator[Message, Reply, None]:
         """Advance ``req``'s cycle to its size question (``req.want``) or its end (``req.record``)."""
         reply: Reply = None
         while True:
@@ -352,7 +356,7 @@ class ServerReplay:
                 req.want = req.trace.verified(int(reply), req.trace.num_drafted(req.t, payload.depth))
                 return
 
-    def _commit(self, req: _Request, rec: CycleRecord, now: float) -> None:
+    def _commit(self, req: ReplayRequest, rec: CycleRecord, now: float) -> None:
         req.t += rec.emitted  # the draft's lag moves when its loop resumes (``replay_cycles``)
         req.records.append(rec)
         req.token_times.extend([now] * rec.emitted)
@@ -450,20 +454,18 @@ class ServerReplayBackend:
         concurrencies: Sequence[int] = (1, 2, 4, 8),
         profiles=None,
         lookup: LookupConfig | None = None,
-        max_requests: int = 8,
-        max_rows: int = 64,
+        config: BatchConfig | None = None,
         step_overhead_s: float = 0.0,
     ):
+        """``lookup``, ``config``, ``step_overhead_s``: the ``ServerReplay``'s."""
         if not traces:
             raise InputError("no traces: record some with `python -m envs.record_traces`")
         self.traces, self.profile, self.profiles, self.lookup = list(traces), profile, profiles, lookup
         self.background, self.concurrencies = background, tuple(int(n) for n in concurrencies)
-        self.max_requests, self.max_rows, self.step_overhead_s = max_requests, max_rows, step_overhead_s
+        self.step_overhead_s = step_overhead_s
         self.width = self.traces[0].width
         self.num_episodes = len(self.traces)
-        self.sim = ServerReplay(
-            self.traces, profile, lookup, max_requests, max_rows, step_overhead_s=step_overhead_s
-        )
+        self.sim = ServerReplay(self.traces, profile, lookup, config, step_overhead_s=step_overhead_s)
         per_request = {}
         self.spans: dict[int, float] = {}
         for n in self.concurrencies:
@@ -492,12 +494,7 @@ class ServerReplayBackend:
         sim = self.sim
         if profile is not None and profile is not self.profile:
             sim = ServerReplay(
-                self.traces,
-                profile,
-                self.lookup,
-                self.max_requests,
-                self.max_rows,
-                step_overhead_s=self.step_overhead_s,
+                self.traces, profile, self.lookup, self.sim.config, step_overhead_s=self.step_overhead_s
             )
         others = n - 1
         order = [int(i) for i in rng.permutation(len(self.traces))]
@@ -536,7 +533,7 @@ def _scaled(steps: Generator[Message, Reply, ServerRun], scale: float) -> Genera
         reply = yield (kind, payload)
 
 
-def _prompt_key(req: _Request) -> list:
+def _prompt_key(req: ReplayRequest) -> list:
     """The ids a request's prompt is cached under in the replay's prefix cache: a trace holds its prompt's length
     and name, not its ids, so (name, position) stands for each token: the same prompt matches whole, two
     prompts share nothing (live, prompts of one chat template share its first tokens: a few milliseconds)."""

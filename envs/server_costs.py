@@ -11,10 +11,10 @@ from typing import Any
 
 from engine.costs.cost_profile import CostProfile
 from engine.costs.load_model import split_forward
-from envs.server_runs import _Request
+from envs.server_runs import ReplayRequest
 
 
-def charge_step(sim: Any, running: list[_Request], shared: float) -> float:
+def charge_step(sim: Any, running: list[ReplayRequest], shared: float) -> float:
     """Time the step of ``sim`` (an ``envs.server.ServerReplay``, which imports this module) whose requests ``running`` ran their cycles: its forwards and overheads; write
     each request's charge into its record. Returns the step's time without the prefills (``shared``, split
     equally here)."""

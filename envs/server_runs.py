@@ -1,6 +1,6 @@
 """What a server replay (``envs.server``) runs and what it measures: ``Arrivals`` (a closed loop of clients,
-or Poisson arrivals whose rate changes), one replayed request's state (``_Request``) and ``ServerRun`` (the requests and steps of a run: system tokens/s,
-inter-token latencies, time to first token)."""
+or Poisson arrivals whose rate changes), one replayed request's state (``ReplayRequest``) and ``ServerRun``
+(the requests and steps of a run: system tokens/s, inter-token latencies, time to first token)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from engine.cycle import DraftLag
 from engine.errors import InputError
 from engine.load import LoadState
 from engine.results import CycleRecord
+from engine.scheduling import StepPlan
 from envs.replay import Message, ReplayTrace, Reply
 
 
@@ -76,7 +77,10 @@ class Arrivals:
 
 
 @dataclass
-class _Request:
+class ReplayRequest:
+    """One replayed request's state in a server replay (its trace, arrival, controller, cycle loop and
+    progress); ``rid``: its number in the order the run makes requests (-1: the external request of an episode)."""
+
     rid: int
     trace: ReplayTrace
     arrival: float
@@ -110,11 +114,14 @@ class ServerRun:
     """What one server replay measured."""
 
     arrivals: Arrivals
-    requests: list[_Request]
+    requests: list[ReplayRequest]
     steps: list[tuple[float, int, int]]
     """(step seconds, requests in the step, target rows) per step."""
     start: float
     end: float
+    plans: list[StepPlan] = field(default_factory=list)
+    """What each step ran (``engine.scheduling.StepPlan``; requests by ``ReplayRequest.rid``), as the live
+    engine's ``BatchedEngine.last_step``."""
 
     @property
     def tokens(self) -> int:

@@ -17,7 +17,7 @@ FIGURES = ("speedup.png", "accepted_hist.png", "learned_actions.png")
 """File names of the figures ``evaluation.report.write_report`` writes (``--restart`` removes them)."""
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
     """``fig`` as a PNG at ``path``, atomically (a kill never leaves a truncated image), then closed."""
     try:
         with atomic_path(path) as tmp:
@@ -55,7 +55,7 @@ def speedup_plot(summary: dict, path: Path) -> Path:
     if names:
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def accepted_hist(cycles_by_controller: dict[str, list], path: Path) -> Path:
@@ -73,7 +73,7 @@ def accepted_hist(cycles_by_controller: dict[str, list], path: Path) -> Path:
     for ax in axes.ravel()[len(data) :]:
         ax.axis("off")
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def verified_size_rows(rows) -> np.ndarray:
@@ -134,4 +134,4 @@ def learned_actions_plot(actions: dict, path: Path) -> Path:
             ax.text(0.5, 0.5, "no decisions recorded", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle("Learned policy: actions")
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)

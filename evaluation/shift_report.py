@@ -164,7 +164,7 @@ def write_shift_report(results: dict, out: Path) -> Path:
 
 
 def heatmap(results: dict, path: Path) -> Path:
-    from evaluation.plots import _save, plt
+    from evaluation.plots import plt, save_figure
 
     axes = list(results["axes"].items())
     fig, grid = plt.subplots(1, len(axes), figsize=(4.2 * len(axes), 3.8), squeeze=False)
@@ -182,4 +182,4 @@ def heatmap(results: dict, path: Path) -> Path:
                 ax.text(j, i, f"{m[i, j]:.2f}", ha="center", va="center", fontsize=8)
         fig.colorbar(im, ax=ax, fraction=0.046)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)

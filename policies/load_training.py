@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from engine.batch_api import BatchConfig
 from engine.control import Controller, StaticController
 from engine.costs.cost_profile import CostProfile
 from engine.lookup import LookupConfig
@@ -78,7 +79,7 @@ class LoadSetup:
             self.concurrencies,
             profiles=profiles,
             lookup=lookup,
-            max_requests=max_requests,
+            config=BatchConfig(max_requests=max_requests),
             step_overhead_s=self.train.step_overhead_s,
         )
 
@@ -100,8 +101,9 @@ def load_setup(
     """The replays of ``train_traces`` (the per-load table is tuned there) and ``val_traces`` (what is
     scored and reported). ``lookup_row``: without ``lookup``, a context lookup setting for a lookup-only row
     next to plain autoregressive decoding (with ``lookup`` that row is there anyway)."""
-    train = ServerReplay(train_traces, profile, lookup, max_requests, step_overhead_s=step_overhead_s)
-    val = ServerReplay(val_traces, profile, lookup, max_requests, step_overhead_s=step_overhead_s)
+    config = BatchConfig(max_requests=max_requests)
+    train = ServerReplay(train_traces, profile, lookup, config, step_overhead_s=step_overhead_s)
+    val = ServerReplay(val_traces, profile, lookup, config, step_overhead_s=step_overhead_s)
     concurrencies = tuple(int(n) for n in concurrencies)
     table = tune_table(train, concurrencies)
     reference = {
@@ -123,7 +125,8 @@ def tuned_lookup(
 ) -> tuple[LookupConfig, dict[int, float]]:
     """``lookup`` with its load limit tuned on the train traces' server replay (``envs.server.tune_lookup_limit``):
     (the setting, n -> lookup-only over autoregressive system tokens/s)."""
-    sim = ServerReplay(train_traces, profile, lookup.rules, max_requests, step_overhead_s=step_overhead_s)
+    config = BatchConfig(max_requests=max_requests)
+    sim = ServerReplay(train_traces, profile, lookup.rules, config, step_overhead_s=step_overhead_s)
     limit, ratios = tune_lookup_limit(sim, concurrencies)
     return replace(lookup, max_requests=limit), ratios
 

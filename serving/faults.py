@@ -93,21 +93,31 @@ class FaultyEngine(BatchedEngine):
         return rid
 
     def step(self):
+        self._arm()
         events = super().step()
+        self._forget()
         if any(event.rid in self._slow for event in events):
             time.sleep(SLOW_STEP_S)
         return events
 
-    def _prefilled(self, slot, logits) -> None:
-        super()._prefilled(slot, logits)
-        if slot.rid in self._alloc:
-            for layer in slot.req.target_cache.layers:
-                layer.reserve = _fail_allocation
+    def cancel(self, rid: int) -> None:
+        super().cancel(rid)
+        self._forget()
 
-    def _release(self, rid: int):
-        self._alloc.discard(rid)
-        self._slow.discard(rid)
-        return super()._release(rid)
+    def _arm(self) -> None:
+        """Make the target cache of each ``alloc`` request that is prefilled fail its next append: its
+        prefill ran in an earlier step, its cycles start in this one."""
+        for rid in sorted(self._alloc):
+            state = self.state_of(rid)
+            if state is not None:
+                for layer in state.target_cache.layers:
+                    layer.reserve = _fail_allocation
+
+    def _forget(self) -> None:
+        """Drop the requests that left the batch (finished, failed or cancelled)."""
+        inside = set(self.requests)
+        self._alloc &= inside
+        self._slow &= inside
 
 
 def _fail_allocation(*args, **kwargs):

@@ -371,7 +371,7 @@ class EngineWorker:
             self.engine = self.engine_factory(self.pair, self.config)
         except Exception as err:  # noqa: BLE001 - keep the old one: its slots were for the jobs just failed
             print(f"draftpilot: could not rebuild the engine: {one_line(err)}", file=sys.stderr, flush=True)
-            for rid in list(self.engine._slots):
+            for rid in self.engine.requests:
                 self._drop(rid)
         self._account()
 

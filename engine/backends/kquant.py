@@ -229,7 +229,8 @@ def tiled_parts(parts, in_features: int) -> list[torch.Tensor]:
 # -------------------------------------------------------------------------------------------- modules
 class KQuantLinear(nn.Module):
     """``y = x @ W.T + b`` with W in the k4 or k6 layout, through the compiled kernels; float32 in and out.
-    Built from the row layouts (what the conversion cache stores); holds the kernels' tiled layout."""
+    Built from the row layouts (what the conversion cache stores); holds the kernels' tiled layout and, as
+    ``ops``, the compiled kernels it calls (``engine.backends.native.kernels``)."""
 
     def __init__(
         self, kind: str, tensors: dict[str, torch.Tensor], in_features: int, bias: torch.Tensor | None
@@ -237,7 +238,7 @@ class KQuantLinear(nn.Module):
         super().__init__()
         from engine.backends.native import kernels
 
-        self._ops = kernels()  # fails here, at load, with the reason, if the kernels cannot be built
+        self.ops = kernels()  # fails here, at load, with the reason, if the kernels cannot be built
         if kind not in ("k4", "k6"):
             raise ValueError(f"unknown kquant layout {kind!r}")
         self.kind, self.in_features = kind, int(in_features)
@@ -258,7 +259,7 @@ class KQuantLinear(nn.Module):
         if x.dtype != torch.float32:
             return self.forward(x.float()).to(x.dtype)
         # the bias is added inside the kernel (one call: this runs ~200 times a step)
-        op = self._ops.k4_matmul if self.kind == "k4" else self._ops.k6_matmul
+        op = self.ops.k4_matmul if self.kind == "k4" else self.ops.k6_matmul
         return op(x, *self.tiles(), self.bias, self.in_features, self.out_features)
 
     def row_tensors(self) -> list[torch.Tensor]:

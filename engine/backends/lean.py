@@ -59,7 +59,7 @@ def native_decoder(model):
     if supports(model) and all(
         isinstance(linear, KQuantLinear) for layer in model.model.layers for linear in _linears(layer)
     ):
-        decoder = build_decoder(model.model.layers[0].self_attn.q_proj._ops, model)
+        decoder = build_decoder(model.model.layers[0].self_attn.q_proj.ops, model)
     model.__dict__["_draftpilot_decoder"] = decoder
     return decoder
 
@@ -103,7 +103,7 @@ def _native_forward(model, decoder, ids, positions, cache, mask, keep: int) -> t
     )
     for layer in cache.layers:
         layer.extend(past + q_len)
-    h = _rms_norm(inner.norm, h)
+    h = rms_norm(inner.norm, h)
     if keep:
         h = h[-keep:]
     return model.lm_head(h)
@@ -128,7 +128,7 @@ def row_plan(mask: torch.Tensor | None, past: int, q_len: int) -> tuple[torch.Te
     return counts, index
 
 
-def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
     """Qwen2RMSNorm.forward for float32 activations, operation for operation."""
     variance = x.pow(2).mean(-1, keepdim=True)
     return norm.weight * (x * torch.rsqrt(variance + norm.variance_epsilon))
@@ -154,7 +154,7 @@ def forward(
     cos, sin = inner.rotary_emb(x, positions)
     for i, layer in enumerate(inner.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        h = _rms_norm(layer.input_layernorm, x)
+        h = rms_norm(layer.input_layernorm, x)
         shape = (1, q_len, -1, attn.head_dim)
         q = attn.q_proj(h).view(shape).transpose(1, 2)
         k = attn.k_proj(h).view(shape).transpose(1, 2)
@@ -163,9 +163,9 @@ def forward(
         k, v = cache.update(k, v, i)
         o, _ = rowwise_attention(attn, q, k, v, mask, scaling=attn.scaling)
         x = x + attn.o_proj(o.reshape(1, q_len, -1).contiguous())
-        h = _rms_norm(layer.post_attention_layernorm, x)
+        h = rms_norm(layer.post_attention_layernorm, x)
         x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
-    x = _rms_norm(inner.norm, x)
+    x = rms_norm(inner.norm, x)
     if keep:
         x = x[:, -keep:]
     return model.lm_head(x)[0]

@@ -187,6 +187,16 @@ def kernels() -> ModuleType:
         return _module
 
 
+def use_variant(*defines: str) -> ModuleType:
+    """From now on ``kernels()`` is the build of ``variant(*defines)`` (a benchmark's A/B of a kernel change,
+    in this process only); returns it. Modules made before keep the kernels they were made with."""
+    global _module
+    module = variant(*defines)
+    with _lock:
+        _module = module
+    return module
+
+
 def available() -> bool:
     try:
         kernels()

@@ -3,7 +3,7 @@ command line that writes the profile file.
 
     python -m engine.costs.measure_costs --pair tiny --quick --out runs/profile_tiny.json
 
-Every timed call is exactly the forward the engine issues in a cycle (same ``_forward``, masks, positions
+Every timed call is exactly the forward the engine issues in a cycle (same ``forward``, masks, positions
 and ``logits_to_keep``) on a KV cache holding the given context, cropped back (outside the clock) before
 each call. Token ids are random: time does not depend on them. Warm-up rounds are excluded; clocks
 synchronise the device; cells are timed round-robin in random order (see ``_Profiler``).
@@ -108,7 +108,7 @@ class _Profiler:
                 for model, times in ((self.pair.target, target_s), (self.pair.draft, draft_s)):
                     cache = new_cache(model)
                     t0 = self.clock()
-                    self.engine._forward(model, prompts[j], 0, cache, keep=1)
+                    self.engine.forward(model, prompts[j], 0, cache, keep=1)
                     times[j].append(self.clock() - t0)
                     pair_caches.append(cache)
                     self.bar.update(1)
@@ -172,7 +172,7 @@ class _Profiler:
             return cell.call(self.clock, self.pair.device)
         keep_entries(cell.cache, cell.start, [])
         t0 = self.clock()
-        self.engine._forward(
+        self.engine.forward(
             cell.model,
             cell.ids,
             cell.start,

@@ -94,7 +94,7 @@ def _arm_forward_alloc(batch, rid):
 
 
 def _arm_result(batch, rid):
-    real = batch.engine._result
+    real = batch.engine.request_result
     culprit = batch._slots[rid].req
 
     def result(req, *args):
@@ -102,7 +102,7 @@ def _arm_result(batch, rid):
             raise KeyError("injected: the result could not be built")
         return real(req, *args)
 
-    batch.engine._result = result
+    batch.engine.request_result = result
 
 
 def _overflowing() -> SamplingConfig:
@@ -148,14 +148,14 @@ def test_one_failing_request_ends_alone_and_the_others_are_exact(pair, alone, fa
 
 def test_an_allocation_failure_at_prefill_ends_that_request_alone(pair, alone, monkeypatch):
     batch = BatchedEngine(pair, BatchConfig(max_requests=4))
-    real = batch.engine._prefilled_request
+    real = batch.engine.prefilled_request
 
     def prefill(prompt_ids, *args, **kwargs):
         if prompt_ids == batch.engine._prompt_ids(CULPRIT):
             raise RuntimeError("alloc")
         return real(prompt_ids, *args, **kwargs)
 
-    monkeypatch.setattr(batch.engine, "_prefilled_request", prefill)
+    monkeypatch.setattr(batch.engine, "prefilled_request", prefill)
     rids = [batch.add(BatchRequest(p, N, c())) for p, c in OTHERS[:1]]
     rids.insert(1, batch.add(BatchRequest(CULPRIT, N, StaticController(3))))
     rids += [batch.add(BatchRequest(p, N, c())) for p, c in OTHERS[1:]]

@@ -105,11 +105,11 @@ def test_the_reservation_is_the_buffers_a_full_length_request_holds(pair):
 def test_a_cache_never_grows_past_its_capacity(pair):
     cache = new_cache(pair.target, 5)
     engine = SpeculativeEngine(pair)
-    engine._forward(pair.target, [1, 2, 3], 0, cache)
-    engine._forward(pair.target, [4, 5], 3, cache)
+    engine.forward(pair.target, [1, 2, 3], 0, cache)
+    engine.forward(pair.target, [4, 5], 3, cache)
     assert cache_bytes(cache) == 5 * kv_bytes_per_entry(pair.target)
     with pytest.raises(CacheFull, match="past the 5 reserved"):
-        engine._forward(pair.target, [6], 5, cache)
+        engine.forward(pair.target, [6], 5, cache)
 
 
 def test_a_reservation_too_small_fails_that_request_alone(pair, monkeypatch):

@@ -179,13 +179,13 @@ def test_the_lazy_draft_prefill_is_reported_as_prefill(tiny_pair, prompts, skip,
     # a fake clock: every forward takes 1 ms, the draft's run over the prompt 100 s
     engine = SpeculativeEngine(tiny_pair)
     now = [0.0]
-    forward = SpeculativeEngine._forward
+    forward = SpeculativeEngine.forward
 
     def timed_forward(self, model, ids, start, *args, **kwargs):
         now[0] += 100.0 if model is self.pair.draft and start == 0 else 0.001
         return forward(self, model, ids, start, *args, **kwargs)
 
-    monkeypatch.setattr(SpeculativeEngine, "_forward", timed_forward)
+    monkeypatch.setattr(SpeculativeEngine, "forward", timed_forward)
     engine.clock = lambda: now[0]
     res = engine.generate(prompts[1], NUM_NEW, late_starter(skip, depth=3))
     drafted = skip < NUM_NEW
@@ -206,7 +206,7 @@ def test_a_lazy_draft_prefill_drafts_what_an_eager_one_would(tiny_pair, prompts,
     def eager_prefill(self, prompt_ids, generator, with_draft):  # the draft runs the prompt at once
         req = lazy_prefill(self, prompt_ids, generator, with_draft)
         if with_draft:
-            self._forward(self.pair.draft, req.draft_prompt, 0, req.draft_cache, keep=1)
+            self.forward(self.pair.draft, req.draft_prompt, 0, req.draft_cache, keep=1)
             req.draft_len, req.draft_prompt = len(req.draft_prompt), None
         return req
 

@@ -210,13 +210,13 @@ def test_non_finite_input_gives_nan_in_its_row_only():
 def test_kernel_refuses_bad_inputs():
     module = _module("k6", quantize_k6(torch.randn(16, 256)), 256)
     with pytest.raises(RuntimeError, match=r"input must be \[\.\.\., 256\]"):
-        module._ops.k6_matmul(torch.randn(2, 128), module.lo, module.hi, module.meta, None, 256, 16)
+        module.ops.k6_matmul(torch.randn(2, 128), module.lo, module.hi, module.meta, None, 256, 16)
     with pytest.raises(RuntimeError, match="bias must be"):
-        module._ops.k6_matmul(torch.randn(2, 256), module.lo, module.hi, module.meta, torch.zeros(3), 256, 16)
+        module.ops.k6_matmul(torch.randn(2, 256), module.lo, module.hi, module.meta, torch.zeros(3), 256, 16)
     with pytest.raises(RuntimeError, match="bytes, expected"):
-        module._ops.k6_matmul(torch.randn(2, 256), module.lo[:, :1], module.hi, module.meta, None, 256, 16)
+        module.ops.k6_matmul(torch.randn(2, 256), module.lo[:, :1], module.hi, module.meta, None, 256, 16)
     with pytest.raises(RuntimeError, match="bytes, expected"):  # 17 outputs need two tiles
-        module._ops.k6_matmul(torch.randn(2, 256), module.lo, module.hi, module.meta, None, 256, 17)
+        module.ops.k6_matmul(torch.randn(2, 256), module.lo, module.hi, module.meta, None, 256, 17)
 
 
 def test_unavailable_kernels_are_a_clear_error(monkeypatch):
@@ -363,7 +363,7 @@ def _kernel_digest(ops=None) -> str:
         weight = torch.from_numpy(rng.standard_normal((24, k)).astype(np.float32) * 0.05)
         module = _module(kind, quantize_k4(weight) if kind == "k4" else quantize_k6(weight), k)
         if ops is not None:
-            module._ops = ops
+            module.ops = ops
         for m in (1, 3, 9):
             x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
             digest.update(module(x).numpy().tobytes())

@@ -166,7 +166,7 @@ def test_rejected_drafts_never_enter_the_cache(kq_pair):
         held = [t for n in path for t in n.tokens]
         assert held == committed[: len(held)] and len(held) >= len(committed) - 2
         ref = new_cache(model)
-        SpeculativeEngine(kq_pair)._forward(model, held, 0, ref)
+        SpeculativeEngine(kq_pair).forward(model, held, 0, ref)
         kv = torch.cat([n.kv for n in path], dim=3)
         for layer, layer_kv in zip(ref.layers, kv):
             assert torch.equal(layer.keys[0], layer_kv[0]) and torch.equal(layer.values[0], layer_kv[1])

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from engine.batch_api import BatchConfig
 from engine.errors import InputError
 from engine.lookup import LookupConfig
 from envs.replay import ReplayTrace
@@ -29,9 +30,9 @@ def _cycles(sim: ServerReplay, n: int) -> list[tuple]:
 
 def test_the_replay_looks_up_only_within_the_load_limit(traces):
     profile = batched_profile()
-    free = ServerReplay(traces, profile, LOOKUP, 8)
-    within = ServerReplay(traces, profile, replace(LOOKUP, max_requests=2), 8)
-    below = ServerReplay(traces, profile, replace(LOOKUP, max_requests=1), 8)
+    free = ServerReplay(traces, profile, LOOKUP, BatchConfig(max_requests=8))
+    within = ServerReplay(traces, profile, replace(LOOKUP, max_requests=2), BatchConfig(max_requests=8))
+    below = ServerReplay(traces, profile, replace(LOOKUP, max_requests=1), BatchConfig(max_requests=8))
     assert sum(c[1] for c in _cycles(free, 2)) >= 10  # the test's premise: lookup proposes under load
     assert _cycles(within, 2) == _cycles(free, 2)  # a limit the load never passes changes nothing
     assert _cycles(below, 1) == _cycles(free, 1)  # one request: within any limit
@@ -44,7 +45,7 @@ def test_the_replay_looks_up_only_within_the_load_limit(traces):
 def test_the_tuned_limit_is_where_lookup_stops_paying(traces, row_s, limit):
     """Free extra rows: lookup pays at every load (no limit); the dearer a row of the batched forward, the
     lower the load from which lookup's rejected rows cost more than the steps it saves."""
-    sim = ServerReplay(traces, batched_profile(row_s=row_s), LOOKUP, 8)
+    sim = ServerReplay(traces, batched_profile(row_s=row_s), LOOKUP, BatchConfig(max_requests=8))
     got, ratios = tune_lookup_limit(sim, (1, 2, 4, 8))
     assert got == limit, ratios
     for n, ratio in ratios.items():
@@ -53,4 +54,4 @@ def test_the_tuned_limit_is_where_lookup_stops_paying(traces, row_s, limit):
 
 def test_tuning_needs_lookup(traces):
     with pytest.raises(InputError, match="context lookup"):
-        tune_lookup_limit(ServerReplay(traces, batched_profile(), None, 8), (1, 2))
+        tune_lookup_limit(ServerReplay(traces, batched_profile(), None, BatchConfig(max_requests=8)), (1, 2))

@@ -9,10 +9,11 @@ import json
 import numpy as np
 import pytest
 
-from engine.batch import plan_prefills
+from engine.batch import BatchConfig, plan_prefills
 from engine.control import StaticController
 from engine.costs.cost_profile import ProfileError
 from engine.errors import InputError
+from engine.inputs import EngineConfig
 from engine.scheduling import prefill_budget
 from envs.environments import DepthEnv, EnvConfig
 from envs.replay import ReplayTrace, replay_generate
@@ -56,14 +57,14 @@ def test_alone_every_cycle_is_the_single_request_replay(traces, make):
 
 def test_under_load_trajectories_are_exact_and_the_charges_add_up_to_the_steps(traces):
     profile = batched_profile()
-    sim = ServerReplay(traces, profile, max_requests=3)
+    sim = ServerReplay(traces, profile, config=BatchConfig(max_requests=3))
     run = sim.run(Arrivals.closed(4, 8), lambda: StaticController(2, 2))
     assert len(run.requests) == 8 and max(s[1] for s in run.steps) == 3  # one client waits
     assert run.tokens == sum(len(r.trace.trace.tokens) for r in run.requests)
     charged = sum(rec.total_s for r in run.requests for rec in r.records)
     assert charged == pytest.approx(sum(s[0] for s in run.steps), rel=1e-9)
     assert run.end > run.start and run.tokens_per_s > 0
-    slower = ServerReplay(traces, profile, max_requests=3, step_overhead_s=0.01)
+    slower = ServerReplay(traces, profile, config=BatchConfig(max_requests=3), step_overhead_s=0.01)
     again = slower.run(Arrivals.closed(4, 8), lambda: StaticController(2, 2))
     assert [_key(r) for q in again.requests for r in q.records] == [
         _key(r) for q in run.requests for r in q.records
@@ -81,7 +82,7 @@ def test_goodput_drafts_less_under_load_and_replays_exactly(traces):
     """The goodput controller in the server replay: every request's trajectory is its trace's, and it drafts
     shorter chains (on average) at 4 clients than alone; it is a per-load baseline on chain traces only."""
     profile = batched_profile()
-    sim = ServerReplay(traces, profile, max_requests=4)
+    sim = ServerReplay(traces, profile, config=BatchConfig(max_requests=4))
     depth = {}
     for n in (1, 4):
         run = sim.run(Arrivals.closed(n, 8), lambda: GoodputController(profile, 4))
@@ -112,13 +113,13 @@ def test_extra_rows_cost_more_under_load_so_drafting_pays_less(traces):
 
 
 def test_the_row_cap_cuts_verifications_not_tokens(traces):
-    sim = ServerReplay(traces, batched_profile(), max_requests=2, max_rows=2)
+    sim = ServerReplay(traces, batched_profile(), config=BatchConfig(max_requests=2, max_rows=2))
     run = sim.run(Arrivals.closed(2, 4), lambda: StaticController(3, 3))
     two_at_once = [rec for r in run.requests for rec in r.records if rec.depth > 0]
     assert two_at_once and min(rec.num_verified for rec in two_at_once) == 0  # no row left for nodes
     assert run.tokens == sum(len(r.trace.trace.tokens) for r in run.requests)
     with pytest.raises(InputError, match="max_rows"):
-        ServerReplay(traces, batched_profile(), max_requests=4, max_rows=2)
+        ServerReplay(traces, batched_profile(), config=BatchConfig(max_requests=4, max_rows=2))
 
 
 def test_poisson_arrivals_follow_their_rate_schedule():
@@ -135,7 +136,7 @@ def test_poisson_arrivals_follow_their_rate_schedule():
 
 
 def test_a_poisson_run_queues_past_the_batch(traces):
-    sim = ServerReplay(traces, batched_profile(), max_requests=2)
+    sim = ServerReplay(traces, batched_profile(), config=BatchConfig(max_requests=2))
     run = sim.run(Arrivals.poisson([(0, 50.0)], 6, seed=0), lambda: None)
     assert len(run.requests) == 6 and max(s[1] for s in run.steps) == 2
     assert max(run.ttft()) > min(run.ttft())  # the later ones waited
@@ -245,7 +246,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode():
     long = dataclasses.replace(make_synthetic_trace(1, length=10, width=1, max_depth=4), prompt_len=150)
     assert short.prompt_len + 150 > 64
     for chunked, budget in ((True, 32), (True, 64), (False, 32)):
-        sim = ServerReplay([ReplayTrace(short), ReplayTrace(long)], batched_profile(), max_prefill_tokens=budget, chunked=chunked, idle_prefill_tokens=budget)  # fmt: skip
+        sim = ServerReplay([ReplayTrace(short), ReplayTrace(long)], batched_profile(), config=BatchConfig(max_prefill_tokens=budget, idle_prefill_tokens=budget), chunked=chunked)  # fmt: skip
         run = sim.run(Arrivals.closed(2, 2), lambda: StaticController(1, 1))
         first, second = run.requests
         decoded = sorted({t for t in first.token_times if first.first_token < t <= second.first_token})
@@ -254,6 +255,22 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode():
     assert plan_prefills([150, 10], 32, True) == [32] and plan_prefills([20, 10, 5], 32, True) == [20, 10, 2]
     assert plan_prefills([150, 10], 32, False) == [150] and plan_prefills([20, 10, 5], 32, False) == [20, 10]
     assert plan_prefills([200], 500, True) == [65]
+
+
+def _recorded(pair, prompts, max_depth, new):
+    """(prompt ids, greedy chain traces recorded alone) of ``prompts`` on ``pair``."""
+    from engine import SamplingConfig
+    from envs.record_traces import record_trace
+
+    ids = [pair.tokenizer.encode(p) for p in prompts]
+    rts = [
+        ReplayTrace(
+            record_trace(pair, i, p, SamplingConfig(), max_depth, 1, max_new_tokens=new),
+            engine_max_depth=max_depth,
+        )  # fmt: skip
+        for i, p in zip(ids, prompts)
+    ]
+    return ids, rts
 
 
 def _cycle_key(rec):
@@ -266,20 +283,12 @@ def test_the_replay_makes_the_live_batchs_catch_up_cycles(tiny_pair, bound):
     a while and then drafting: under load the draft catches up ``draft_catch_up_tokens`` a cycle (catch-up
     cycles, ``CycleRecord.catch_up``), and the server replay of their traces makes the very same cycles, the
     catch-up ones included; alone (one client) neither makes any."""
-    from engine import EngineConfig, SamplingConfig
+    from engine import EngineConfig
     from engine.batch import BatchConfig, BatchedEngine, BatchRequest
-    from envs.record_traces import record_trace
 
     max_depth, new = 4, 40
     prompts = ["def main():\n    return", "The quick brown fox jumps over"]
-    ids = [tiny_pair.tokenizer.encode(p) for p in prompts]
-    rts = [
-        ReplayTrace(
-            record_trace(tiny_pair, i, p, SamplingConfig(), max_depth, 1, max_new_tokens=new),
-            engine_max_depth=max_depth,
-        )  # fmt: skip
-        for i, p in zip(ids, prompts)
-    ]
+    ids, rts = _recorded(tiny_pair, prompts, max_depth, new)
     skips = (3, 12)
     config = EngineConfig(max_depth=max_depth, draft_catch_up_tokens=bound)
     batch = BatchedEngine(tiny_pair, BatchConfig(max_requests=2, max_rows=64, engine=config))
@@ -292,7 +301,7 @@ def test_the_replay_makes_the_live_batchs_catch_up_cycles(tiny_pair, bound):
     for rid, rt in zip(rids, rts):
         assert live[rid].tokens == rt.trace.tokens.tolist()
     controllers = iter([late_starter(s, depth=2) for s in skips])
-    sim = ServerReplay(rts, batched_profile(), max_requests=2, chunked=batch._chunked, draft_catch_up_tokens=bound)  # fmt: skip
+    sim = ServerReplay(rts, batched_profile(), config=BatchConfig(max_requests=2, engine=EngineConfig(draft_catch_up_tokens=bound)), chunked=batch.chunked)  # fmt: skip
     run = sim.run(Arrivals.closed(2, 2), lambda: next(controllers), order=[0, 1])
     for rid, req in zip(rids, run.requests):
         assert [_cycle_key(r) for r in req.records] == [_cycle_key(r) for r in live[rid].cycles], rid
@@ -302,7 +311,9 @@ def test_the_replay_makes_the_live_batchs_catch_up_cycles(tiny_pair, bound):
     charged = sum(rec.total_s for r in run.requests for rec in r.records)
     assert charged == pytest.approx(sum(s[0] for s in run.steps), rel=1e-9)
     for rt, skip in zip(rts, skips):  # alone: no catch-up cycle, the single-request replay's cycles
-        alone = ServerReplay([rt], batched_profile(), draft_catch_up_tokens=bound)
+        alone = ServerReplay(
+            [rt], batched_profile(), config=BatchConfig(engine=EngineConfig(draft_catch_up_tokens=bound))
+        )
         solo = (
             alone.run(Arrivals.closed(1, 1), lambda skip=skip: late_starter(skip, depth=2))
             .requests[0]
@@ -312,6 +323,52 @@ def test_the_replay_makes_the_live_batchs_catch_up_cycles(tiny_pair, bound):
         assert [_cycle_key(r) for r in solo] == [
             _cycle_key(r) for r in replay_generate(rt, late_starter(skip, depth=2))
         ]
+
+
+def _step_key(plan):
+    """A step's plan (``engine.scheduling.StepPlan``): its prefill chunks and each cycle's shape."""
+    cycles = [(rid, rec.context_len, *_cycle_key(rec)) for rid, rec in plan.cycles]
+    return list(plan.prefill), cycles
+
+
+def test_the_live_batch_and_its_replay_plan_the_same_steps(tiny_pair):
+    """Three requests decoded together by the live batched engine under a row cap that cuts verifications,
+    each controller deterministic (holding back for a while, then a static chain: catch-up cycles under
+    load), and the server replay of their traces with the same ``BatchConfig`` and the same controllers: step
+    by step, the same prefill chunks, the same requests running a cycle, each with the same kind, depth,
+    verified rows (granted under the cap), accepted and emitted tokens."""
+    from engine import EngineConfig
+    from engine.batch import BatchedEngine, BatchRequest
+
+    max_depth, new = 4, 32
+    prompts = ["def main():\n    return", "The quick brown fox jumps over", "Once upon a time, in a land far"]
+    ids, rts = _recorded(tiny_pair, prompts, max_depth, new)
+    skips = (0, 3, 9)
+    config = BatchConfig(
+        max_requests=3, max_rows=5, engine=EngineConfig(max_depth=max_depth, draft_catch_up_tokens=6)
+    )
+    batch = BatchedEngine(tiny_pair, config)
+    rids = [batch.add(BatchRequest(i, new, late_starter(s, depth=3))) for i, s in zip(ids, skips)]
+    assert rids == [0, 1, 2]
+    live_steps, live = [], {}
+    while batch.active or batch.pending:
+        for ev in batch.step():
+            if ev.finished:
+                live[ev.rid] = batch.result(ev.rid)
+        live_steps.append(_step_key(batch.last_step))
+    for rid, rt in zip(rids, rts):
+        assert live[rid].tokens == rt.trace.tokens.tolist()
+    controllers = iter([late_starter(s, depth=3) for s in skips])
+    sim = ServerReplay(rts, batched_profile(), config=config, chunked=batch.chunked)
+    run = sim.run(Arrivals.closed(3, 3), lambda: next(controllers), order=[0, 1, 2])
+    assert [r.rid for r in run.requests] == rids
+    replayed = [_step_key(plan) for plan in run.plans]
+    assert len(replayed) == len(run.steps)
+    assert replayed == live_steps
+    assert any(cycles for _, cycles in live_steps)  # cycles ran, the cap cut some and catch-ups happened
+    verified = [rec for plan in run.plans for _, rec in plan.cycles if rec.depth]
+    assert any(rec.num_verified < rec.depth for rec in verified)
+    assert any(rec.catch_up for plan in run.plans for _, rec in plan.cycles)
 
 
 def test_catch_up_chunks_are_charged_as_draft_rows_and_the_rest_of_the_prompt_as_prefill(traces):
@@ -328,7 +385,11 @@ def test_catch_up_chunks_are_charged_as_draft_rows_and_the_rest_of_the_prompt_as
     assert draft_prefill_s(profile, 100, 30) == pytest.approx(0.3 * (0.154 - 0.005) / (512 - 16) * 100)
     counts = {}
     for bound in (2, 4, 10**6):
-        sim = ServerReplay(traces, profile, max_requests=4, draft_catch_up_tokens=bound)
+        sim = ServerReplay(
+            traces,
+            profile,
+            config=BatchConfig(max_requests=4, engine=EngineConfig(draft_catch_up_tokens=bound)),
+        )
         run = sim.run(Arrivals.closed(4, 4), lambda: late_starter(6, depth=2))
         recs = [rec for r in run.requests for rec in r.records]
         counts[bound] = sum(rec.catch_up > 0 for rec in recs)
@@ -338,7 +399,7 @@ def test_catch_up_chunks_are_charged_as_draft_rows_and_the_rest_of_the_prompt_as
                 assert rec.catch_up == bound and rec.draft_s > 0
     assert counts[2] > counts[4] > counts[10**6] == 0
     with pytest.raises(InputError):
-        ServerReplay(traces, profile, draft_catch_up_tokens=0)
+        ServerReplay(traces, profile, config=BatchConfig(engine=EngineConfig(draft_catch_up_tokens=0)))
 
 
 def test_the_prefill_budget_follows_the_load_as_the_engine_s():
@@ -347,7 +408,11 @@ def test_the_prefill_budget_follows_the_load_as_the_engine_s():
 
     short = make_synthetic_trace(0, length=60, width=1, max_depth=4)
     long = dataclasses.replace(make_synthetic_trace(1, length=10, width=1, max_depth=4), prompt_len=150)
-    sim = ServerReplay([ReplayTrace(short), ReplayTrace(long)], batched_profile(), idle_prefill_tokens=512)
+    sim = ServerReplay(
+        [ReplayTrace(short), ReplayTrace(long)],
+        batched_profile(),
+        config=BatchConfig(idle_prefill_tokens=512),
+    )
     run = sim.run(Arrivals.closed(2, 2), lambda: StaticController(1, 1))
     first, second = run.requests
     assert first.first_token == second.first_token  # one step prefilled both
@@ -360,8 +425,10 @@ def test_a_replayed_prompt_hits_the_prefix_cache_as_live():
     profile's last-token difference, the draft's prefill is skipped too, and the tokens are the same."""
     trace = dataclasses_replace_prompt(make_synthetic_trace(0, length=20, width=1, max_depth=4), 200)
     profile = batched_profile()
-    cold = ServerReplay([ReplayTrace(trace)], profile, max_requests=1)
-    hot = ServerReplay([ReplayTrace(trace)], profile, max_requests=1, prefix_cache_tokens=10_000)
+    cold = ServerReplay([ReplayTrace(trace)], profile, config=BatchConfig(max_requests=1))
+    hot = ServerReplay(
+        [ReplayTrace(trace)], profile, config=BatchConfig(max_requests=1), prefix_cache_tokens=10_000
+    )
     a = cold.run(Arrivals.closed(1, 3), lambda: StaticController(2, 2))
     b = hot.run(Arrivals.closed(1, 3), lambda: StaticController(2, 2))
     assert [r.cached for r in a.requests] == [0, 0, 0]
@@ -374,7 +441,7 @@ def test_a_replayed_prompt_hits_the_prefix_cache_as_live():
     with pytest.raises(InputError, match="prefix_cache_tokens"):
         ServerReplay([ReplayTrace(trace)], profile, prefix_cache_tokens=-1)
     with pytest.raises(InputError, match="idle_prefill_tokens"):
-        ServerReplay([ReplayTrace(trace)], profile, idle_prefill_tokens=0)
+        ServerReplay([ReplayTrace(trace)], profile, config=BatchConfig(idle_prefill_tokens=0))
 
 
 def dataclasses_replace_prompt(trace, prompt_len: int):

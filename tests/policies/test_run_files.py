@@ -267,7 +267,7 @@ def _writers(tmp_path):
 
         fig, ax = plt.subplots()
         ax.plot([0, 1])
-        return plots._save(fig, path)
+        return plots.save_figure(fig, path)
 
     eval_config = EvalConfig(controllers="autoregressive", out=str(tmp_path))
     return {
