@@ -22,20 +22,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.batch import BatchConfig, BatchedEngine, format_bytes
-from engine.cli import (
-    CLI_ERRORS,
-    ArgumentParser,
-    ModelConfig,
-    add_dataclass_args,
-    check_positive,
-    from_args,
-    report_error,
-    warn,
-)
+from engine.batch import BatchedEngine
+from engine.batch_api import BatchConfig, format_bytes
+from engine.cli import CLI_ERRORS, ArgumentParser, ModelConfig, check_positive, report_error, warn
+from engine.config_flags import add_dataclass_args, from_args
 from engine.control import StaticController
-from engine.engine import EngineConfig
 from engine.errors import InputError
+from engine.inputs import EngineConfig
 from engine.lookup import describe_lookup, resolve_lookup
 from serving.worker import off_main_thread
 
@@ -163,9 +156,9 @@ def policy_kind(policy: str) -> tuple[str, str | None]:
 
 
 def read_table(config: ServeConfig) -> dict[int, int]:
-    """``--policy table:FILE``'s table, checked as vLLM checks it (``serving.vllm_peer``'s reader): the first
+    """``--policy table:FILE``'s table, checked as vLLM checks it (``policies.static``'s reader): the first
     batch size of each range -> its depth (a gap or the sizes past the last range keep the previous depth)."""
-    from serving.vllm_peer import read_batch_size_table
+    from policies.static import read_batch_size_table
 
     try:
         rows = read_batch_size_table(policy_kind(config.policy)[1])
@@ -179,8 +172,8 @@ def analytic_profile(config: ServeConfig):
     one the policy file carries (``analytic:FILE``, else runs/main/policy.pt). (profile, where it comes from, that policy
     or None)."""
     from engine.costs.cost_profile import load_profile_arg
-    from policies import load_policy
-    from policies.learned import stored_profile
+    from policies.learned import load_policy
+    from policies.learned_controller import stored_profile
 
     kind, path = policy_kind(config.policy)
     if config.profile is not None:
@@ -212,7 +205,7 @@ def controller_factory(config: ServeConfig, pair):
         return (lambda: None), "autoregressive", None
     kind, path = policy_kind(config.policy)
     if kind == "analytic":
-        from policies import AnalyticController
+        from policies.analytic import AnalyticController
 
         profile, source, template = analytic_profile(config)
         options, trained = {"tree_width": config.tree_width}, None
@@ -229,7 +222,7 @@ def controller_factory(config: ServeConfig, pair):
             )
         return (lambda: AnalyticController(profile, **options)), f"{analytic!r} profile={source}", trained
     if kind == "goodput":
-        from policies import GoodputController
+        from policies.goodput import GoodputController
 
         profile, source, template = analytic_profile(config)
         depth = {"max_depth": template.max_depth} if template is not None else {}
@@ -242,14 +235,14 @@ def controller_factory(config: ServeConfig, pair):
         trained = template.trained_lookup if template is not None else None
         return (lambda: GoodputController(profile, **depth)), f"{goodput!r} profile={source}", trained
     if kind == "table":
-        from policies import BatchSizeTableController
+        from policies.static import BatchSizeTableController
 
         table = BatchSizeTableController(read_table(config), tree_width=config.tree_width)
         return (lambda: copy.deepcopy(table)), f"{table!r} from {path}", None
     auto = kind == "auto"
     path = str(DEFAULT_POLICY) if auto else path
     if path is not None and (not auto or DEFAULT_POLICY.is_file()):
-        from policies import load_policy  # torch-only inference code (no SB3)
+        from policies.learned import load_policy  # torch-only inference code (no SB3)
 
         device = "cpu" if pair.device.type == "cpu" else pair.device
         try:

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from envs.record_traces import read_prompts
+from envs.recording import read_prompts
 
 DEFAULT_SUITE: Path = Path(__file__).resolve().parents[1] / "prompts" / "suite.jsonl"
 """The shipped suite: 160 prompts, 40 per language (20 train, 8 tune, 12 test)."""

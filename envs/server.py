@@ -48,8 +48,9 @@ import numpy as np
 
 from engine.batch_api import BatchConfig
 from engine.control import Controller, StaticController
-from engine.costs.cost_profile import CostProfile, ProfileError
+from engine.costs.cost_profile import CostProfile
 from engine.costs.load_model import batch_table
+from engine.costs.profile_io import ProfileError
 from engine.cycle import DRAFT_CATCH_UP_TOKENS, DraftLag, answer
 from engine.errors import InputError, is_int
 from engine.load import LoadState, LoadTracker
@@ -60,7 +61,6 @@ from engine.scheduling import grant_rows, plan_prefills, prefill_budget
 from envs.backends import ReplayBackend
 from envs.replay import Message, ReplayTrace, Reply, replay_cycles
 from envs.server_costs import charge_step
-from envs.server_costs import draft_prefill_s as draft_prefill_s  # re-exported
 from envs.server_runs import Arrivals, ServerRun, _Request
 
 

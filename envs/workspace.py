@@ -29,7 +29,9 @@ from engine.backends.models import load_pair
 from engine.backends.native import KERNEL_NUMERICS
 from engine.backends.pair import ModelPair
 from engine.costs.cost_profile import CostProfile, load_profile_arg
-from engine.costs.measure_costs import ProfileConfig, measure_profile, measure_step_overhead
+from engine.costs.measure_batch import measure_step_overhead
+from engine.costs.measure_costs import measure_profile
+from engine.costs.profile_config import ProfileConfig
 from engine.lookup import describe_lookup
 from engine.sampling import SamplingConfig
 from envs.prompts import suite_split
@@ -193,7 +195,7 @@ def replay_inputs(
     temperature: float | None = None,
 ):
     """(cost profile, measured traces, tune traces) to replay ``policy``'s (a loaded policy file,
-    ``policies.load_policy``: its ``meta``, ``tree_width``, ``max_depth``) kind of controller on: the models
+    ``policies.learned.load_policy``: its ``meta``, ``tree_width``, ``max_depth``) kind of controller on: the models
     and trace settings it was trained with (``max_new_tokens`` / ``temperature`` override its own), traces
     from the shared cache (recorded on first use), ``profile`` or else the policy's training profile."""
     config = policy.meta["train_config"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from policies.static import write_batch_size_table
 from serving import vllm_peer
 from serving.load_client import Row
 
@@ -85,7 +86,7 @@ def vllm_rows(args, slots: int, root: Path) -> list[Row]:
         elif name == "table":
             table = args.vllm_table
             if table is None:
-                table = vllm_peer.write_batch_size_table(
+                table = write_batch_size_table(
                     DEFAULT_VLLM_TABLE, root / "runs" / "serve_load_logs" / "vllm_table.json"
                 )
             options = {"draft": draft, "table": table}

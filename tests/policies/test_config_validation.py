@@ -10,11 +10,11 @@ import math
 import pytest
 
 import train
-from engine.costs.cost_profile import CostProfile, ProfileError
+from engine.costs.cost_profile import CostProfile, load_profile_arg
+from engine.costs.profile_io import ProfileError
 from engine.errors import InputError
-from envs.workspace import load_profile_arg
 from evaluation.config import EvalConfig
-from policies.ppo import PPOConfig
+from training.ppo_config import PPOConfig
 
 
 @pytest.mark.parametrize(

@@ -13,16 +13,18 @@ import pytest
 import torch
 
 import train
-from engine import SamplingConfig, SpeculativeEngine
-from engine.cli import load_config, save_config
-from engine.costs.features import FEATURE_VERSION, NUM_DEVICE_FEATURES
+from engine.config_flags import load_config, save_config
+from engine.control import StaticController
+from engine.costs.observation import FEATURE_VERSION, NUM_DEVICE_FEATURES
+from engine.engine import SpeculativeEngine
 from engine.errors import InputError
 from engine.results import CycleRecord
+from engine.sampling import SamplingConfig
 from envs.backends import ReplayBackend
 from envs.environments import DepthEnv, EnvConfig, SizeEnv
-from policies import LearnedController, PolicyFileError, StaticController, load_policy
-from policies.learned import HASH_KEY, payload_digest, save_policy
-from policies.ppo import CoTrainer
+from policies.learned import HASH_KEY, load_policy, payload_digest, save_policy
+from policies.learned_controller import LearnedController, PolicyFileError
+from training.ppo import CoTrainer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -302,7 +304,8 @@ def test_inference_path_does_not_import_stable_baselines3(tiny_data, tmp_path):
         profile=None,
     )
     code = (
-        "import sys; from policies import load_policy; from engine import load_pair, SpeculativeEngine; "
+        "import sys; from policies.learned import load_policy; from engine.backends.models import load_pair; "
+        "from engine.engine import SpeculativeEngine; "
         f"c = load_policy({str(path)!r}); p = load_pair('tiny'); "
         "SpeculativeEngine(p).generate('abc', max_new_tokens=8, controller=c); "
         "assert 'stable_baselines3' not in sys.modules, 'SB3 imported'; print('ok')"
@@ -384,7 +387,7 @@ def test_a_size_phase_with_no_size_decision_is_skipped(tiny_data):
 
 
 def test_the_draft_lag_counts_the_tokens_of_autoregressive_steps_since_the_last_draft():
-    from engine.costs.features import MAX_LAG, history_features
+    from engine.costs.observation import MAX_LAG, history_features
 
     def rec(depth, emitted):
         return CycleRecord(100, depth, depth, depth, max(depth - 1, 0), emitted)
@@ -400,7 +403,7 @@ def test_the_temperature_is_observed_by_both_decisions_and_reaches_them_from_eng
     """Feature version 3: the request's temperature is in the common part of both observations (saturating at
     MAX_TEMPERATURE); the engine shows a controller its sampling temperature, replay the trace's."""
     from engine.control import DraftState, StaticController
-    from engine.costs.features import MAX_TEMPERATURE, depth_observation, size_observation
+    from engine.costs.observation import MAX_TEMPERATURE, depth_observation, size_observation
 
     def state(temperature):
         scores = np.asarray([-0.1, -0.5], dtype=np.float32)

@@ -17,8 +17,9 @@ import torch
 import serve
 from engine.costs.cost_profile import CostProfile
 from engine.lookup import LookupConfig
-from policies import AnalyticController, BatchSizeTableController, GoodputController
-from serving.vllm_peer import write_batch_size_table
+from policies.analytic import AnalyticController
+from policies.goodput import GoodputController
+from policies.static import BatchSizeTableController, write_batch_size_table
 from tests_helpers import batched_profile, make_policy, one_error_line
 from tests_serving_helpers import (
     assert_matches_reference,

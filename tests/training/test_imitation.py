@@ -8,14 +8,16 @@ import numpy as np
 import pytest
 
 import train
-from engine.costs.features import device_features
+from engine.control import StaticController
+from engine.costs.observation import device_features
+from engine.costs.speedup_model import SIZE_LADDER
 from envs.backends import ReplayBackend
 from envs.environments import EnvConfig
 from envs.profiles import ProfileMix
-from envs.replay import SIZE_LADDER, replay_cycles
-from policies import AnalyticController, StaticController
-from policies.imitation import FollowingTeacher, collect, ladder_index
-from policies.ppo import CoTrainer
+from envs.replay import replay_cycles
+from policies.analytic import AnalyticController
+from training.imitation import FollowingTeacher, collect, ladder_index
+from training.ppo import CoTrainer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -17,11 +17,12 @@ import pytest
 import torch
 
 import generate
-import policies.ppo as ppo
 import train
+import training.ppo as ppo
 from engine.backends.files import DirectoryBusyError, sha256_file, user_hmac
-from engine.cli import save_config
-from engine.costs.features import NUM_DEVICE_FEATURES
+from engine.config_flags import save_config
+from engine.control import StaticController
+from engine.costs.observation import NUM_DEVICE_FEATURES
 from engine.errors import InputError
 from engine.lookup import LookupConfig, describe_lookup
 from envs.backends import ReplayBackend
@@ -31,9 +32,11 @@ from evaluation import plots
 from evaluation.checkpoint import Checkpoint
 from evaluation.config import EvalConfig
 from evaluation.report import write_json
-from policies import StaticController, load_policy, load_training
-from policies.ppo import MANIFEST, CheckpointError, CoTrainer, read_trainer_state, verify_checkpoint
-from serving.export import EXPORTS, SGLANG_FILE
+from policies.learned import load_policy
+from training import load_training
+from training.export import EXPORTS, SGLANG_FILE
+from training.ppo import CoTrainer
+from training.ppo_checkpoint import MANIFEST, CheckpointError, read_trainer_state, verify_checkpoint
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -605,8 +608,8 @@ def test_the_main_job_exports_the_per_load_baseline_for_serve_py(base):
     """Beside the policy, the static chain tuned per load level (the per-load baseline) in vLLM's table format;
     ``serve.py --policy table:FILE`` serves it live at the tuned depth of every load level."""
     import serve
-    from policies import BatchSizeTableController
-    from serving.export import TUNED_FILE
+    from policies.static import BatchSizeTableController
+    from training.export import TUNED_FILE
 
     run = base["run"]
     load = json.loads((run / "metrics.json").read_text())["load"]
@@ -624,7 +627,8 @@ def test_the_step_cost_is_measured_when_not_given_and_goes_with_the_policy(base)
     """Without --step-overhead-ms the run measures a batched step's own cost (cached per profile) and stores it
     in its metrics, where ``load_training.trained_server`` reads it for a policy whose config leaves it unset;
     the config keeps None, so the same command reuses the run."""
-    from policies import load_policy, load_training
+    from policies.learned import load_policy
+    from training import load_training
 
     run = base["run"]
     metrics = json.loads((run / "metrics.json").read_text())

@@ -2,7 +2,7 @@
 baseline's table beside them.
 
 * vLLM: ``speculative_config.num_speculative_tokens_per_batch_size``, a JSON list of ``[first, last, k]``
-  (``serving.vllm_peer.write_batch_size_table``, checked as vLLM 0.32.0 checks it). A range where the policy
+  (``policies.static.write_batch_size_table``, checked as vLLM 0.32.0 checks it). A range where the policy
   does not draft carries 1, not 0: in vLLM a 0 there still runs the draft model over every committed token
   and keeps the speculative step on, for no drafted token (measured on the CPU: 0.64x vLLM's autoregressive
   row at 4 clients, where a draft length of 1 was 0.99x; docs/results/2026-12-06-vllm-peer.md).
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from engine.backends.files import atomic_write
-from serving.vllm_peer import batch_size_table, write_batch_size_table
+from policies.static import batch_size_table, write_batch_size_table
 
 SGLANG_KEYS = (
     "candidate_steps",
