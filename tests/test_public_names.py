@@ -2,10 +2,11 @@
 
 * No module of the packages re-exports a name it imports from another project module: by listing it in
   ``__all__``, or by importing it as itself (``from a import X as X``, ``import a.b as b``).
-* Nothing (the packages, the root commands, tests, benchmarks) imports a name from a project module that
-  only imported it (``from engine import SpeculativeEngine`` when ``engine.engine`` defines it), or reads it
-  as that module's attribute (``workspace.load_profile_arg``), except a test's monkeypatch seam: the test
-  reads and replaces the binding in the module that uses it (``monkeypatch.setattr(module, "name", ...)``).
+* Nothing (the packages, the root commands, tests, benchmarks) imports a name from a project module or root
+  command that only imported it (``from engine import SpeculativeEngine`` when ``engine.engine`` defines it),
+  or reads it as that module's attribute (``workspace.load_profile_arg``, ``train.TrainConfig``), except a
+  test's monkeypatch seam: the test reads and replaces the binding in the module that uses it
+  (``monkeypatch.setattr(module, "name", ...)``).
 * A package's ``__init__`` binds no name but its docstring (the environments' one registers the gymnasium
   ids, with what registration needs).
 
@@ -156,11 +157,11 @@ def indirect_imports(
     """``from M import x`` and ``M.x`` where the project module ``M`` does not define ``x`` but imports it
     from another project module (a test's monkeypatch seam aside): ``x``'s one path is its defining module."""
     modules = project_modules(root, packages)
+    modules.update({Path(name).stem: root / name for name in commands if (root / name).is_file()})
     names = {m: module_names(path, _package_of(m, path), modules)[1] for m, path in modules.items()}
     files = {path: _package_of(m, path) for m, path in modules.items()}
     for folder in importers:
         files.update({path: folder for path in sorted((root / folder).rglob("*.py"))})
-    files.update({root / name: "" for name in commands if (root / name).is_file()})
     found = set()
     for path, package in files.items():
         rel = path.relative_to(root).as_posix()
@@ -205,8 +206,9 @@ def _tree(root: Path, files: dict[str, str]) -> None:
 
 def test_re_exports_and_indirect_imports_are_reported(tmp_path):
     """Negative controls: ``__all__`` handing on an imported name, ``X as X``, a package ``__init__``
-    importing a name, an import and an attribute read through a module that only imported the name are
-    reported; a monkeypatch seam, a name defined where it is imported from, and a submodule are not."""
+    importing a name, an import and an attribute read through a module (or a root command) that only
+    imported the name are reported; a monkeypatch seam, a name defined where it is imported from, and a
+    submodule are not."""
     _tree(
         tmp_path,
         {
@@ -214,29 +216,31 @@ def test_re_exports_and_indirect_imports_are_reported(tmp_path):
             "pkg/core.py": "class Thing:\n    pass\n\n\ndef helper():\n    return 1\n",
             "pkg/shim.py": "from pkg.core import Thing, helper\nfrom pkg.core import helper as helper\n\n"
             '__all__ = ["Thing", "local"]\n\n\ndef local():\n    return helper()\n',
-            "tests/test_x.py": "from pkg import Thing, core\nfrom pkg import shim\nfrom pkg.shim import local\n\n"
+            "tool.py": "from pkg.core import Thing\n\n\ndef run():\n    return Thing()\n",
+            "tests/test_x.py": "import tool\nfrom pkg import Thing, core\nfrom pkg import shim\nfrom pkg.shim import local\n\n"
             "def test_a(monkeypatch):\n    monkeypatch.setattr(shim, 'helper', lambda: 2)\n"
-            "    return shim.Thing, shim.local, core.helper, shim.helper, Thing, local\n",
+            "    return shim.Thing, shim.local, core.helper, shim.helper, Thing, local, tool.Thing, tool.run\n",
         },
     )
-    kwargs = {"packages": ("pkg",), "commands": ()}
+    kwargs = {"packages": ("pkg",), "commands": ("tool.py",)}
     assert re_exports(tmp_path, ("pkg",)) == [
         "pkg/__init__.py binds Thing",
         "pkg/shim.py lists Thing in __all__ (from pkg.core)",
         "pkg/shim.py:2 imports helper as helper",
     ]
     assert indirect_imports(tmp_path, **kwargs) == [
-        "tests/test_x.py:1 imports Thing from pkg, not from pkg.core",
-        "tests/test_x.py:7 reads pkg.shim.Thing, not pkg.core.Thing",
+        "tests/test_x.py:2 imports Thing from pkg, not from pkg.core",
+        "tests/test_x.py:8 reads pkg.shim.Thing, not pkg.core.Thing",
+        "tests/test_x.py:8 reads tool.Thing, not pkg.core.Thing",
     ]
     _tree(
         tmp_path,
         {
             "pkg/__init__.py": '"""Docstring."""\n',
             "pkg/shim.py": "from pkg.core import helper\n\n\ndef local():\n    return helper()\n",
-            "tests/test_x.py": "from pkg import core, shim\nfrom pkg.core import Thing\nfrom pkg.shim import local\n\n"
+            "tests/test_x.py": "import tool\nfrom pkg import core, shim\nfrom pkg.core import Thing\nfrom pkg.shim import local\n\n"
             "def test_a(monkeypatch):\n    monkeypatch.setattr(shim, 'helper', lambda: 2)\n"
-            "    return core.Thing, shim.local, core.helper, shim.helper, Thing, local\n",
+            "    return core.Thing, shim.local, core.helper, shim.helper, Thing, local, tool.run\n",
         },
     )
     assert re_exports(tmp_path, ("pkg",)) == []

@@ -21,7 +21,9 @@ from engine.costs import measure_costs
 from engine.errors import InputError
 from envs import record_traces
 from evaluation import shift_config
+from evaluation.config import EvalConfig
 from tests_helpers import one_error_line
+from training.train_config import TrainConfig
 
 
 @dataclass
@@ -78,8 +80,8 @@ def test_model_config_refuses_negative_threads():
         generate.GenerateConfig,
         measure_costs.MeasureCostsConfig,
         record_traces.RecordConfig,
-        train.TrainConfig,
-        evaluate.EvalConfig,
+        TrainConfig,
+        EvalConfig,
     ],
 )
 def test_every_command_line_config_extends_model_config(config_class):
