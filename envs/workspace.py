@@ -119,7 +119,7 @@ def ensure_step_overhead(
     pair: ModelPair, profile: CostProfile, cache_dir: str | Path, progress: bool = True
 ) -> float:
     """Seconds a batched decoding step costs beyond ``profile``'s charge
-    (``engine.costs.measure_costs.measure_step_overhead``), measured once per profile and cached beside the
+    (``engine.costs.measure_batch.measure_step_overhead``), measured once per profile and cached beside the
     pair's profile (a profile measured again is measured again against)."""
     digest = hashlib.sha256(json.dumps(profile.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
     cached = pair_dir(pair, cache_dir) / "step_overhead.json"

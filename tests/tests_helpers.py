@@ -91,7 +91,7 @@ def batched_profile(row_s: float = 0.006, draft_row_s: float = 0.002, batched: b
 
 
 def random_actor(obs_dim: int, actions: int, seed: int):
-    """A policy actor (``policies.learned.Actor``) of random weights."""
+    """A policy actor (``policies.learned_controller.Actor``) of random weights."""
     import torch
 
     from policies.learned_controller import Actor

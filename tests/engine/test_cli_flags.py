@@ -1,4 +1,4 @@
-"""Every command line builds its flags one way (``engine.cli.add_dataclass_args`` over a dataclass that extends
+"""Every command line builds its flags one way (``engine.config_flags.add_dataclass_args`` over a dataclass that extends
 ``ModelConfig``) and names a pair one way (``--pair NAME`` or ``--pair TARGET::DRAFT``, parsed by
 ``engine.backends.models.split_pair``)."""
 

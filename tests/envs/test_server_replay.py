@@ -236,7 +236,7 @@ def test_a_request_its_first_token_ends_costs_its_prefill_only():
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode():
-    """As the engine schedules it (``engine.batch.plan_prefills``) with a fixed budget (``idle_prefill_tokens`` =
+    """As the engine schedules it (``engine.scheduling.plan_prefills``) with a fixed budget (``idle_prefill_tokens`` =
     ``max_prefill_tokens``): a 150-token prompt admitted behind a short one is prefilled a chunk a step while the
     short one decodes, in ceil(tokens left / budget) steps; whole-prompt
     prefill (``chunked=False``) waits for the next step and takes it whole."""
