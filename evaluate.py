@@ -36,7 +36,8 @@ import sys
 from pathlib import Path
 
 from engine.backends.files import DirectoryLock, atomic_write_json
-from engine.cli import CLI_ERRORS, ArgumentParser, add_dataclass_args, apply_preset, from_args, report_error
+from engine.cli import CLI_ERRORS, ArgumentParser, report_error
+from engine.config_flags import add_dataclass_args, apply_preset, from_args
 from evaluation import shift, shift_config, shift_report
 from evaluation.checkpoint import prepare_output, stored_config
 from evaluation.config import QUICK, EvalConfig

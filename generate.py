@@ -25,17 +25,16 @@ from engine.cli import (
     CLI_ERRORS,
     ArgumentParser,
     ModelConfig,
-    add_dataclass_args,
     check_model_path,
     check_positive,
-    from_args,
-    given_flags,
     report_error,
     warn,
 )
+from engine.config_flags import add_dataclass_args, from_args, given_flags
 from engine.control import StaticController
-from engine.engine import MAX_SEED, EngineConfig, SpeculativeEngine
+from engine.engine import SpeculativeEngine
 from engine.errors import InputError
+from engine.inputs import MAX_SEED, EngineConfig
 from engine.lookup import describe_lookup, resolve_lookup
 from engine.sampling import SamplingConfig
 from policies.selection import parse_policy, select_controller

@@ -20,20 +20,13 @@ import sys
 import time
 from dataclasses import dataclass
 
-from engine.batch import BatchConfig, BatchedEngine, format_bytes
-from engine.cli import (
-    CLI_ERRORS,
-    ArgumentParser,
-    ModelConfig,
-    add_dataclass_args,
-    check_positive,
-    from_args,
-    report_error,
-    warn,
-)
+from engine.batch import BatchedEngine
+from engine.batch_api import BatchConfig, format_bytes
+from engine.cli import CLI_ERRORS, ArgumentParser, ModelConfig, check_positive, report_error, warn
+from engine.config_flags import add_dataclass_args, from_args
 from engine.control import StaticController
-from engine.engine import EngineConfig
 from engine.errors import InputError
+from engine.inputs import EngineConfig
 from engine.lookup import describe_lookup, resolve_lookup
 from policies.selection import (
     DEFAULT_POLICY,

@@ -10,7 +10,7 @@
 Pipeline: cost profile (measured once per pair/device/dtype, cached) -> traces of the train and validation
 prompts (recorded once, cached, resumable) -> replay environments -> PPO: size policy (depth from the best
 static setting), then depth (size from the size policy), alternating -> the joint controller with the best
-validation throughput is exported to ``<run>/policy.pt`` (load it with ``policies.load_policy``, or
+validation throughput is exported to ``<run>/policy.pt`` (load it with ``policies.learned.load_policy``, or
 ``python generate.py --policy <run>/policy.pt``). TensorBoard: ``tensorboard --logdir runs``.
 
 Run directories: a run holds an exclusive lock on its directory while it works (a second run with the same
@@ -20,7 +20,7 @@ inside the policy file, not ``config.json``) is reused; one trained with another
 An interrupted run (a checkpoint, no policy) is continued with ``--resume RUN``, which takes every setting
 from the run's ``config.json``: a flag given with it must agree with that config (``--progress`` excepted),
 else it is refused naming the flag; start a new run to change settings. Checkpoints are trusted-only (see
-``policies.ppo``): resume only runs you wrote.
+``training.ppo``): resume only runs you wrote.
 """
 
 from __future__ import annotations
@@ -36,28 +36,32 @@ from pathlib import Path
 
 import torch
 
-from engine import SamplingConfig, SpeculativeEngine
 from engine.backends.files import DirectoryLock, atomic_write_json
-from engine.cli import (
-    CLI_ERRORS,
-    ArgumentParser,
+from engine.cli import CLI_ERRORS, ArgumentParser, report_error
+from engine.config_flags import (
     add_dataclass_args,
     apply_preset,
     from_args,
     given_flags,
     load_config,
-    report_error,
     save_config,
 )
-from engine.costs.features import DeviceAtLoad, device_features
+from engine.control import StaticController
+from engine.costs.observation import DeviceAtLoad, device_features
+from engine.engine import SpeculativeEngine
 from engine.lookup import describe_lookup, parse_lookup
+from engine.sampling import SamplingConfig
 from envs import workspace
 from envs.backends import LiveBackend, ReplayBackend
 from envs.environments import EnvConfig
-from policies import AnalyticController, StaticController, load_training
+from policies.analytic import AnalyticController
 from policies.learned import save_policy
-from policies.ppo import CoTrainer, PPOConfig, verify_checkpoint
-from policies.train_config import (
+from training import load_training
+from training.export import EXPORTS, write_exports
+from training.ppo import CoTrainer
+from training.ppo_checkpoint import verify_checkpoint
+from training.ppo_config import PPOConfig
+from training.train_config import (
     QUICK,
     QUICK_PPO,
     RunDirectoryError,
@@ -68,7 +72,7 @@ from policies.train_config import (
     reuse_run,
     run_directory,
 )
-from policies.train_data import (
+from training.train_data import (
     baselines,
     ensure_long_traces,
     ensure_profile,
@@ -83,7 +87,6 @@ from policies.train_data import (
     validation,
     verdict,
 )
-from serving.export import EXPORTS, write_exports
 
 
 def train(config: TrainConfig, resume: Path | None = None, retrain: bool = False) -> dict:

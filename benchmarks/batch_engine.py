@@ -16,9 +16,12 @@ import time
 
 import torch
 
-from engine import SpeculativeEngine, StaticController, load_pair
 from engine.backends import native
-from engine.batch import BatchConfig, BatchedEngine, BatchRequest
+from engine.backends.models import load_pair
+from engine.batch import BatchedEngine
+from engine.batch_api import BatchConfig, BatchRequest
+from engine.control import StaticController
+from engine.engine import SpeculativeEngine
 
 PROMPTS = [
     "Write a Python function that returns the prime numbers below n.",

@@ -23,8 +23,10 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from engine import SamplingConfig, SpeculativeEngine, load_pair
-from policies import StaticController
+from engine.backends.models import load_pair
+from engine.control import StaticController
+from engine.engine import SpeculativeEngine
+from engine.sampling import SamplingConfig
 
 MEASURE_PROMPTS = {
     "it": "Scrivi una funzione Python che restituisca i numeri primi minori di n, con una breve spiegazione.",

@@ -30,14 +30,20 @@ import sys
 import time
 from pathlib import Path
 
-from engine import EngineConfig, SamplingConfig, SpeculativeEngine
+from engine.control import StaticController
+from engine.costs.cost_profile import load_profile_arg
+from engine.engine import SpeculativeEngine
 from engine.errors import InputError
+from engine.inputs import EngineConfig
 from engine.lookup import describe_lookup, resolve_lookup
+from engine.sampling import SamplingConfig
 from envs import workspace
 from envs.prompts import language_of, suite_split
 from evaluation.measurements import run_engine
 from evaluation.stats import paired_bootstrap_ratio
-from policies import AnalyticController, PolicyFileError, StaticController, load_policy
+from policies.analytic import AnalyticController
+from policies.learned import load_policy
+from policies.learned_controller import PolicyFileError
 
 
 def parse_static(text: str) -> tuple[int, int, int]:
@@ -107,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             trained, max_depth = loaded.trained_lookup, loaded.max_depth
     try:
         lookup = resolve_lookup(args.lookup, trained)
-        given_profile = workspace.load_profile_arg(args.profile) if args.profile else None
+        given_profile = load_profile_arg(args.profile) if args.profile else None
         pair = workspace.load_models(
             args.pair, threads=args.threads, weights=args.weights, draft_weights=args.draft_weights
         )

@@ -18,11 +18,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engine import EngineConfig, SamplingConfig, SpeculativeEngine, load_pair
+from engine.backends.models import load_pair
+from engine.control import StaticController
 from engine.costs.cost_profile import CostProfile
+from engine.engine import SpeculativeEngine
+from engine.inputs import EngineConfig
+from engine.sampling import SamplingConfig
 from envs.record_traces import record_trace
 from envs.replay import ReplayTrace, replay_generate
-from policies import AnalyticController, ConfidenceController, HeuristicController, StaticController
+from policies.analytic import AnalyticController
+from policies.heuristic import ConfidenceController, HeuristicController
 
 PROMPTS = {
     "en": "Write a Python function that merges two sorted lists into one sorted list.",

@@ -32,14 +32,15 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.control import Controller, DraftState
+from engine.control import Controller, DraftState, StaticController
+from engine.costs.cost_profile import load_profile_arg
 from engine.errors import InputError
 from engine.lookup import describe_lookup, resolve_lookup
-from envs import workspace
 from envs.oracle import oracle_throughput, static_grid
 from envs.replay import ReplayTrace, replay_generate, throughput
 from envs.workspace import replay_inputs, trace_summary
-from policies import AnalyticController, StaticController, load_policy
+from policies.analytic import AnalyticController
+from policies.learned import load_policy
 
 
 # --------------------------------------------------------------------------------- in-sample calibration
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write the numbers as JSON here")
     args = ap.parse_args(argv)
 
-    held_out = workspace.load_profile_arg(args.profile) if args.profile else None
+    held_out = load_profile_arg(args.profile) if args.profile else None
     policy = load_policy(args.policy, profile=held_out)
     if policy.tree_width != 1:
         ap.error("foresight rows are defined for chain policies (tree width 1)")

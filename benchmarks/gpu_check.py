@@ -32,15 +32,19 @@ from pathlib import Path
 
 import torch
 
-from engine import SamplingConfig, SpeculativeEngine
 from engine.backends.models import load_pair
 from engine.backends.random_pair import build_random_pair
-from engine.batch import BatchConfig, BatchedEngine, BatchRequest
-from engine.costs.measure_costs import ProfileConfig, device_name, measure_profile
+from engine.batch import BatchedEngine
+from engine.batch_api import BatchConfig, BatchRequest
+from engine.control import StaticController
+from engine.costs.measure_costs import device_name, measure_profile
+from engine.costs.profile_config import ProfileConfig
+from engine.engine import SpeculativeEngine
 from engine.errors import DraftpilotError
 from engine.results import GenerationResult
+from engine.sampling import SamplingConfig
 from evaluation.exactness import first_divergence, greedy_audit, law_checks, sampled_test
-from policies import HeuristicController, StaticController
+from policies.heuristic import HeuristicController
 
 SMALL = dict(
     hidden_size=64,

@@ -46,7 +46,7 @@ def one(path: str, context: int, reps: int, threads: int) -> str:
         native.use_variant(*VARIANTS[path])
     from engine.backends.kvcache import keep_entries, new_cache
     from engine.backends.models import load_pair
-    from engine.engine import forward_logits
+    from engine.forward import forward_logits
 
     int4 = path.startswith("int4")
     pair = load_pair(

@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     prompts = prompts_of(args.pair, args.tokens, 2 * args.repeats)
-    from engine import SpeculativeEngine, load_pair
+    from engine.backends.models import load_pair
+    from engine.engine import SpeculativeEngine
 
     served, engine_s = [], []
     for repeat in range(args.repeats):

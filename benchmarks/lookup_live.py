@@ -15,8 +15,9 @@ import os
 import sys
 from pathlib import Path
 
-from engine import EngineConfig, SpeculativeEngine
 from engine.costs.measure_costs import device_name
+from engine.engine import SpeculativeEngine
+from engine.inputs import EngineConfig
 from engine.lookup import describe_lookup, parse_lookup
 from envs import workspace
 from envs.prompts import LONG_SUITE, interleave_languages, load_suite

@@ -15,12 +15,13 @@ import time
 import numpy as np
 import torch
 
-from engine import SamplingConfig, SpeculativeEngine
-from engine.control import Controller
-from engine.costs.features import DEPTH_OBS_DIM, SIZE_OBS_DIM
+from engine.control import Controller, StaticController
+from engine.costs.observation import DEPTH_OBS_DIM, SIZE_OBS_DIM
+from engine.engine import SpeculativeEngine
+from engine.sampling import SamplingConfig
 from envs.prompts import suite_split
 from envs.workspace import load_models
-from policies import StaticController, load_policy
+from policies.learned import load_policy
 
 
 class Counting(Controller):

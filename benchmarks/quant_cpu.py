@@ -30,13 +30,15 @@ from pathlib import Path
 
 import torch
 
-from engine import SamplingConfig, SpeculativeEngine, load_pair
 from engine.backends.kvcache import keep_entries, new_cache
+from engine.backends.models import load_pair
 from engine.backends.quant import WEIGHT_FORMATS, weight_bytes
+from engine.control import StaticController
 from engine.costs.measure_costs import device_name
-from engine.engine import forward_logits
+from engine.engine import SpeculativeEngine
+from engine.forward import forward_logits
+from engine.sampling import SamplingConfig
 from envs.prompts import suite_split
-from policies import StaticController
 
 
 def read_bandwidth_gbs(size_mb: int = 1024, reps: int = 5) -> float:

@@ -20,12 +20,15 @@ import gymnasium as gym
 import numpy as np
 
 import envs  # noqa: E402,F401 - registers the environment ids
-from engine.control import Controller
+from engine.control import Controller, StaticController
 from engine.costs.cost_profile import CostProfile
-from envs import ReplayBackend, ReplayTrace, replay_generate, throughput
+from envs.backends import ReplayBackend
 from envs.oracle import oracle_throughput, static_grid
 from envs.recording import load_traces
-from policies import AnalyticController, ConfidenceController, StaticController, load_policy
+from envs.replay import ReplayTrace, replay_generate, throughput
+from policies.analytic import AnalyticController
+from policies.heuristic import ConfidenceController
+from policies.learned import load_policy
 
 
 class GatedConfidence(Controller):

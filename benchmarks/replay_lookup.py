@@ -20,12 +20,13 @@ import json
 import sys
 from pathlib import Path
 
+from engine.control import StaticController
 from engine.lookup import LookupConfig, describe_lookup
 from envs import workspace
 from envs.oracle import oracle_throughput, static_grid
 from envs.prompts import LONG_SUITE, language_of, suite_split
 from envs.replay import replay_generate, throughput
-from policies import StaticController, load_policy
+from policies.learned import load_policy
 
 GRID = [
     LookupConfig(

@@ -19,13 +19,15 @@ import json
 import sys
 from pathlib import Path
 
+from engine.control import StaticController
+from engine.costs.cost_profile import load_profile_arg
 from engine.errors import InputError
 from engine.lookup import describe_lookup, resolve_lookup
-from envs import workspace
 from envs.oracle import oracle_throughput, static_grid
 from envs.replay import replay_generate, throughput
 from envs.workspace import replay_inputs, trace_summary
-from policies import AnalyticController, StaticController, load_policy
+from policies.analytic import AnalyticController
+from policies.learned import load_policy
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write the numbers as JSON here")
     args = ap.parse_args(argv)
 
-    held_out = workspace.load_profile_arg(args.profile) if args.profile else None
-    believed = workspace.load_profile_arg(args.features_profile) if args.features_profile else held_out
+    held_out = load_profile_arg(args.profile) if args.profile else None
+    believed = load_profile_arg(args.features_profile) if args.features_profile else held_out
     policies = {p: load_policy(p, profile=believed) for p in args.policy}
     first = next(iter(policies.values()))
     try:

@@ -11,7 +11,7 @@ Every row is a server started for the row and stopped after it:
 * ``vllm <name>`` (``--vllm ar,draft-K,table,lookup``, none by default): vLLM's OpenAI server from its own
   environment (peers/vllm_peer.py, docs/vllm.md) autoregressive, with the draft model at a fixed
   ``num_speculative_tokens`` K, with a per-batch-size table (``--vllm-table FILE``, written by
-  ``peers.vllm_peer.write_batch_size_table``), and with the engine's context lookup as vLLM's custom
+  ``policies.static.write_batch_size_table``), and with the engine's context lookup as vLLM's custom
   proposer (``--vllm-lookup SETTING``, peers/vllm_lookup.py); in float32 or ``--vllm-dtype bfloat16``;
   the rows are skipped with one line where vLLM is absent.
 

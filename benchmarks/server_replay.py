@@ -17,12 +17,13 @@ import json
 import sys
 from pathlib import Path
 
-from engine.cli import int_tuple
+from engine.config_flags import int_tuple
 from engine.costs.cost_profile import load_profile_arg
 from engine.errors import InputError
 from envs import workspace
-from policies import load_policy, load_training
-from policies.learned import trained_lookup
+from policies.learned import load_policy
+from policies.learned_controller import trained_lookup
+from training import load_training
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from engine import load_pair
 from engine.backends import lean, native
+from engine.backends.models import load_pair
 from evaluation.kernel_revisions import revision_sources
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,25 +1,9 @@
 """Exact speculative decoding engine: models, sampler, drafting, verification, the cycle loop, timing.
 
-The engine knows nothing of environments or policies; controllers plug in through ``engine.control``.
+The engine knows nothing of environments or policies; controllers plug in through ``engine.control``. Each
+name is imported from the module that defines it (docs/architecture.md "Modules" lists them), e.g.
+``engine.engine.SpeculativeEngine``, ``engine.inputs.EngineConfig``, ``engine.sampling.SamplingConfig``,
+``engine.control.StaticController``, ``engine.backends.models.load_pair``. Three layers: ``engine.backends``
+(models, weights, kernels, caches), the loop (this package's own modules) and ``engine.costs`` (measurement,
+cost profiles, the speedup model, the observation).
 """
-
-from engine.backends.models import load_pair
-from engine.backends.pair import IncompatiblePairError, ModelPair
-from engine.control import Controller, DraftState, StaticController
-from engine.engine import EngineConfig, SpeculativeEngine
-from engine.results import CycleRecord, GenerationResult
-from engine.sampling import SamplingConfig
-
-__all__ = [
-    "Controller",
-    "CycleRecord",
-    "DraftState",
-    "EngineConfig",
-    "GenerationResult",
-    "IncompatiblePairError",
-    "ModelPair",
-    "SamplingConfig",
-    "SpeculativeEngine",
-    "StaticController",
-    "load_pair",
-]

@@ -41,44 +41,7 @@ from engine.backends.pair import ModelPair
 from engine.backends.random_pair import RANDOM_PAIR_CONFIGS
 from engine.backends.tiny import tiny_config
 from engine.backends.weights import DEFAULT_PAIRS
-from engine.config_flags import (
-    ConfigFileError,
-    add_dataclass_args,
-    apply_preset,
-    field_docs,
-    from_args,
-    given_flags,
-    int_tuple,
-    load_config,
-    save_config,
-)
 from engine.errors import DraftpilotError, InputError, is_int
-
-__all__ = [  # the flags from config dataclasses (engine.config_flags) are part of every command line's imports
-    "CLI_ERRORS",
-    "ArgumentParser",
-    "ConfigFileError",
-    "ModelConfig",
-    "PairLimits",
-    "add_dataclass_args",
-    "apply_preset",
-    "check_device",
-    "check_model_path",
-    "check_output_dir",
-    "check_output_file",
-    "check_pair_args",
-    "check_pair_spec",
-    "check_positive",
-    "field_docs",
-    "from_args",
-    "given_flags",
-    "int_tuple",
-    "load_config",
-    "pair_limits",
-    "report_error",
-    "save_config",
-    "warn",
-]
 
 CLI_ERRORS = (DraftpilotError, OSError)
 """What a command line reports as one line: deliberate errors and unusable files; anything else is a bug and

@@ -1,5 +1,5 @@
-"""Flags generated from config dataclasses, and the config saved as JSON (``engine.cli`` re-exports these names):
-every default and help text written once. A field's help is the docstring written under it
+"""Flags generated from config dataclasses, and the config saved as JSON (every command line imports them from
+here): every default and help text written once. A field's help is the docstring written under it
 (``field: int = 3`` then ``\"\"\"what it is\"\"\"``); the flag is ``--field-name``; booleans get ``--flag`` /
 ``--no-flag``; ``X | None`` fields accept ``none``; ``tuple[int, ...]`` fields take comma-separated integers; a
 field without a default is a required flag. Presets (``--quick``) go through ``apply_preset``: explicit flags win."""

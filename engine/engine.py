@@ -51,7 +51,6 @@ from engine.forward import (
     peak_memory,
     validate_caches,
 )
-from engine.inputs import MAX_SEED as MAX_SEED  # re-exported: the command lines and the server use it
 from engine.inputs import EngineConfig, check_request, prompt_ids_of
 from engine.lookup import NgramIndex
 from engine.prefill import PrefillPhase, RequestState
@@ -111,7 +110,7 @@ class SpeculativeEngine(PrefillPhase, DraftPhase):
 
         ``prompt``: a string, a list/tuple of integer token ids, or an integer tensor/array of shape [n] (or
         [1, n], a batch of one). ``controller=None`` decodes autoregressively with the target only, through
-        the same loop; otherwise it must be an ``engine.Controller``. ``seed``: an integer in [0, 2**64)
+        the same loop; otherwise it must be an ``engine.control.Controller``. ``seed``: an integer in [0, 2**64)
         (there is no random default: a request is reproducible from its arguments). Bad arguments raise
         ``InputError`` (``ControllerError`` for the controller) before any model runs.
         """

@@ -38,7 +38,7 @@ class CycleRecord:
     """A context-lookup cycle (``engine.lookup``): ``num_drafted``/``num_verified`` proposed tokens, depth 0 (no
     draft step), the controller neither asked nor shown it through ``observe``; ``draft_s`` is the lookup."""
     catch_up: int = 0
-    """Tokens a catch-up cycle ran on the draft (``engine.engine.EngineConfig.draft_catch_up_tokens``: under
+    """Tokens a catch-up cycle ran on the draft (``engine.inputs.EngineConfig.draft_catch_up_tokens``: under
     load, a chunk of what the draft is behind by, next to an autoregressive step, depth 0; ``draft_s`` is the
     chunk's forward); 0 for every other cycle."""
 

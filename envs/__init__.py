@@ -6,11 +6,6 @@ trace replay, the live engine). Registered ids: ``draftpilot/ReplayDepth-v0``, `
 
 from gymnasium.envs.registration import register, registry
 
-from envs.backends import LiveBackend, ReplayBackend
-from envs.environments import DepthEnv, EnvConfig, SizeEnv, WrongBackendError
-from envs.replay import SIZE_LADDER, ReplayTrace, replay_generate, throughput
-from envs.trace import Trace, TraceError
-
 
 def _register(env_id: str, entry_point: str, backend_kind: str) -> None:
     """Register ``env_id`` once (a re-import must not register it twice); it refuses the other backend."""
@@ -22,18 +17,3 @@ _register("draftpilot/ReplayDepth-v0", "envs.environments:DepthEnv", "replay")
 _register("draftpilot/ReplaySize-v0", "envs.environments:SizeEnv", "replay")
 _register("draftpilot/LiveDepth-v0", "envs.environments:DepthEnv", "live")
 _register("draftpilot/LiveSize-v0", "envs.environments:SizeEnv", "live")
-
-__all__ = [
-    "SIZE_LADDER",
-    "DepthEnv",
-    "EnvConfig",
-    "LiveBackend",
-    "ReplayBackend",
-    "ReplayTrace",
-    "SizeEnv",
-    "Trace",
-    "TraceError",
-    "WrongBackendError",
-    "replay_generate",
-    "throughput",
-]

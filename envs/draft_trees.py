@@ -11,7 +11,7 @@ import torch
 
 from engine.backends.kvcache import keep_entries, new_cache
 from engine.backends.pair import ModelPair
-from engine.engine import forward_logits
+from engine.forward import forward_logits
 from engine.sampling import SamplingConfig, check_finite, score_logprobs
 from engine.tree import DraftTree, expand_topk
 from envs.recording import DEFAULT_CHUNK, check_record_settings

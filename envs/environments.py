@@ -17,7 +17,7 @@ import gymnasium as gym
 import numpy as np
 
 from engine.control import Controller, StaticController
-from engine.costs.features import (
+from engine.costs.observation import (
     DEPTH_OBS_DIM,
     DEPTH_OBS_HIGH,
     SIZE_OBS_DIM,
@@ -27,10 +27,10 @@ from engine.costs.features import (
     device_features,
     size_observation,
 )
+from engine.costs.speedup_model import SIZE_LADDER
 from engine.cycle import answer
 from engine.errors import DraftpilotError
 from envs.backends import Backend
-from envs.replay import SIZE_LADDER
 
 
 class WrongBackendError(DraftpilotError, ValueError):
@@ -220,7 +220,7 @@ class DepthEnv(_DecisionEnv):
     Action Space: ``Discrete(2)``: 0 = stop drafting and verify, 1 = draft one more level (the engine
     stops by itself at its depth cap).
 
-    Observation Space: ``Box(0, 64, (DEPTH_OBS_DIM,), float32)``: ``engine.costs.features.depth_observation``
+    Observation Space: ``Box(0, 64, (DEPTH_OBS_DIM,), float32)``: ``engine.costs.observation.depth_observation``
     (frontier path probabilities, last-step probabilities, depth, cap, log context, history, device).
 
     Rewards: "average": -rho * t_draft_step for each continue, emitted - rho * (rest of the cycle time) at
@@ -274,7 +274,7 @@ class SizeEnv(_DecisionEnv):
     Action Space: ``Discrete(len(size_ladder))``: index into the size ladder (1, 2, 3, 4, 6, 8, 12, 16,
     24, 32, 48, 64 by default), capped by the number of nodes drafted.
 
-    Observation Space: ``Box(0, 64, (SIZE_OBS_DIM,), float32)``: ``engine.costs.features.size_observation``
+    Observation Space: ``Box(0, 64, (SIZE_OBS_DIM,), float32)``: ``engine.costs.observation.size_observation``
     (top-64 node path probabilities, their running sums, depth, cap, log context, history, device).
 
     Rewards: "average": emitted - rho * T_cycle; "throughput": emitted / T_cycle / rho (LTD).

@@ -19,9 +19,10 @@ from tqdm.auto import tqdm
 
 from engine.control import Controller, DraftState, StaticController
 from engine.costs.cost_profile import CostProfile, chunk_curve
+from engine.costs.speedup_model import SIZE_LADDER
 from engine.lookup import LookupConfig
 from engine.results import CycleRecord
-from envs.replay import SIZE_LADDER, ReplayTrace, replay_generate, throughput
+from envs.replay import ReplayTrace, replay_generate, throughput
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Randomised cost profiles for training one policy that serves devices it never saw (docs/architecture.md, "Training").
 
-A policy observes its device only through ``engine.costs.features.device_features`` (ratios of the cost profile:
+A policy observes its device only through ``engine.costs.observation.device_features`` (ratios of the cost profile:
 draft step, verify(16), verify(64), verify(0), verify(2) and verify(4), each over verify(1)). Trained on one profile, it
 sees one point of that space and learns nothing about how the right depth moves with it. ``ProfileMix``
 draws, per training episode, one measured profile from a set (other weight formats, thread counts, CPUs)
@@ -30,7 +30,7 @@ REFERENCE_CONTEXT = 512
 class PerturbedProfile:
     """``base`` with every time scaled by ``scale``, draft forwards by ``draft``, the cost of verified rows
     beyond the first by ``slope`` and the per-cycle overhead by ``overhead`` (the replay interface of
-    ``CostProfile``: what ``envs.replay`` and ``engine.costs.features`` call)."""
+    ``CostProfile``: what ``envs.replay`` and ``engine.costs.observation`` call)."""
 
     base: CostProfile
     scale: float = 1.0

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from envs.record_traces import read_prompts
+from envs.recording import read_prompts
 
 DEFAULT_SUITE: Path = Path(__file__).resolve().parents[1] / "prompts" / "suite.jsonl"
 """The shipped suite: 160 prompts, 40 per language (20 train, 8 tune, 12 test)."""
@@ -82,7 +82,7 @@ def mixed_suite() -> list[dict]:
 
 def read_suite(path: str | Path | None = None) -> list[dict]:
     """Every prompt of a suite file or of a named set (``PROMPT_SETS``; None: ``DEFAULT_SUITE``), validated by
-    ``envs.record_traces.read_prompts``."""
+    ``envs.recording.read_prompts``."""
     if path is None:
         return read_prompts(DEFAULT_SUITE)
     if is_prompt_set(path):
@@ -101,7 +101,7 @@ def load_suite(
     """Prompts of a JSONL suite or a named set (``read_suite``; ``DEFAULT_SUITE`` when ``path`` is None), in
     file order.
 
-    The file is read and validated by ``envs.record_traces.read_prompts`` (unique, file-name-safe ids, string
+    The file is read and validated by ``envs.recording.read_prompts`` (unique, file-name-safe ids, string
     prompts); the items are returned as read. ``split`` keeps the items of that split or those splits (each
     one of ``SPLITS``); an item without a ``split`` key is in no split, and asking for a split from a file
     that has no ``split`` keys at all is an error. ``languages`` keeps those languages (an item without a

@@ -36,15 +36,8 @@ from tqdm.auto import tqdm
 from engine.backends.files import DirectoryLock
 from engine.backends.models import pair_name
 from engine.backends.pair import ModelPair
-from engine.cli import (
-    CLI_ERRORS,
-    ArgumentParser,
-    ModelConfig,
-    add_dataclass_args,
-    check_output_dir,
-    from_args,
-    report_error,
-)
+from engine.cli import CLI_ERRORS, ArgumentParser, ModelConfig, check_output_dir, report_error
+from engine.config_flags import add_dataclass_args, from_args
 from engine.control import StaticController
 from engine.engine import SpeculativeEngine
 from engine.errors import InputError

@@ -10,8 +10,8 @@ import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from engine.engine import MAX_SEED
 from engine.errors import DraftpilotError, InputError, is_int
+from engine.inputs import MAX_SEED
 from envs.trace import Trace, TraceError
 
 DEFAULT_CHUNK = 64

@@ -28,7 +28,6 @@ import numpy as np
 from engine.backends.attention import MAX_VERIFY_NODES
 from engine.control import Controller, DraftState
 from engine.costs.cost_profile import CostProfile
-from engine.costs.speedup_model import SIZE_LADDER as SIZE_LADDER  # re-exported: the size action space
 from engine.cycle import (
     DRAFT_CATCH_UP_TOKENS,
     DraftLag,

@@ -11,7 +11,7 @@ forward of every request's root and granted nodes, the step's prefill chunks, an
 overhead. Prefills as the engine schedules them: chunks of the waiting prompts in admission order, up to
 ``max_prefill_tokens`` tokens a step and ``MAX_ROWWISE_ROWS`` of one prompt (``chunked``, the native decoder's
 rule; else whole prompts while they fit, at least one a step), each chunk charged the profile's prefill time of
-its tokens at its offset (``engine.batch.plan_prefills``, the engine's own rule) (``prefill_s(end) - prefill_s(start)``: the chunks of a prompt add up to its whole
+its tokens at its offset (``engine.scheduling.plan_prefills``, the engine's own rule) (``prefill_s(end) - prefill_s(start)``: the chunks of a prompt add up to its whole
 prefill); a prompt's last chunk gives its first token, and it decodes from the next step on.
 Every request's decision changes the step time of all of them.
 
@@ -48,8 +48,9 @@ import numpy as np
 
 from engine.batch_api import BatchConfig
 from engine.control import Controller, StaticController
-from engine.costs.cost_profile import CostProfile, ProfileError
+from engine.costs.cost_profile import CostProfile
 from engine.costs.load_model import batch_table
+from engine.costs.profile_io import ProfileError
 from engine.cycle import DraftLag, answer
 from engine.errors import InputError, is_int
 from engine.load import LoadTracker
@@ -60,7 +61,6 @@ from engine.scheduling import StepPlan, grant_rows, plan_prefills, prefill_budge
 from envs.backends import ReplayBackend
 from envs.replay import Message, ReplayTrace, Reply, replay_cycles
 from envs.server_costs import charge_step
-from envs.server_costs import draft_prefill_s as draft_prefill_s  # re-exported
 from envs.server_runs import Arrivals, ReplayRequest, ServerRun
 
 

@@ -29,7 +29,9 @@ from engine.backends.models import load_pair
 from engine.backends.native import KERNEL_NUMERICS
 from engine.backends.pair import ModelPair
 from engine.costs.cost_profile import CostProfile, load_profile_arg
-from engine.costs.measure_costs import ProfileConfig, measure_profile, measure_step_overhead
+from engine.costs.measure_batch import measure_step_overhead
+from engine.costs.measure_costs import measure_profile
+from engine.costs.profile_config import ProfileConfig
 from engine.lookup import describe_lookup
 from engine.sampling import SamplingConfig
 from envs.prompts import suite_split
@@ -117,7 +119,7 @@ def ensure_step_overhead(
     pair: ModelPair, profile: CostProfile, cache_dir: str | Path, progress: bool = True
 ) -> float:
     """Seconds a batched decoding step costs beyond ``profile``'s charge
-    (``engine.costs.measure_costs.measure_step_overhead``), measured once per profile and cached beside the
+    (``engine.costs.measure_batch.measure_step_overhead``), measured once per profile and cached beside the
     pair's profile (a profile measured again is measured again against)."""
     digest = hashlib.sha256(json.dumps(profile.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
     cached = pair_dir(pair, cache_dir) / "step_overhead.json"
@@ -193,7 +195,7 @@ def replay_inputs(
     temperature: float | None = None,
 ):
     """(cost profile, measured traces, tune traces) to replay ``policy``'s (a loaded policy file,
-    ``policies.load_policy``: its ``meta``, ``tree_width``, ``max_depth``) kind of controller on: the models
+    ``policies.learned.load_policy``: its ``meta``, ``tree_width``, ``max_depth``) kind of controller on: the models
     and trace settings it was trained with (``max_new_tokens`` / ``temperature`` override its own), traces
     from the shared cache (recorded on first use), ``profile`` or else the policy's training profile."""
     config = policy.meta["train_config"]

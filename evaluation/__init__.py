@@ -15,7 +15,3 @@ transformers' assisted generation; replay upper bound; load; exactness audit; re
     report.py, report_tables.py, plots.py   report.md (writers; sections), results.json, PNG figures
     shift.py, shift_config.py, shift_report.py   python evaluate.py shift (runner; config, slices; report)
 """
-
-from evaluation.config import EvalConfig
-
-__all__ = ["EvalConfig"]

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from engine import SpeculativeEngine
+from engine.engine import SpeculativeEngine
 from evaluation.measurements import itl_samples, run_engine
 
 

@@ -9,21 +9,21 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine import EngineConfig, SamplingConfig, SpeculativeEngine
+from engine.control import StaticController
+from engine.costs.cost_profile import load_profile_arg
+from engine.engine import SpeculativeEngine
 from engine.errors import DraftpilotError, InputError
+from engine.inputs import EngineConfig
 from engine.lookup import LookupConfig, describe_lookup, resolve_lookup
+from engine.sampling import SamplingConfig
 from envs import workspace
 from evaluation.config import LLAMA_PEERS, LOOKUP_SUFFIX, EvalConfig, find_policy, select_prompts
 from peers.llama_peer import LlamaPeer
-from policies import (
-    AnalyticController,
-    ConfidenceController,
-    GoodputController,
-    HeuristicController,
-    StaticController,
-    load_policy,
-)
-from policies.learned import trained_lookup
+from policies.analytic import AnalyticController
+from policies.goodput import GoodputController
+from policies.heuristic import ConfidenceController, HeuristicController
+from policies.learned import load_policy
+from policies.learned_controller import trained_lookup
 
 STATIC = ("static_chain", "static_tree")
 DEFAULT_WIDTH, DEFAULT_DEPTH = 4, 8
@@ -80,7 +80,7 @@ class Setup:
             )
         self._profile = None
         if config.profile:  # a given profile file is read now: a bad one fails before anything is written
-            self._profile = workspace.load_profile_arg(config.profile)
+            self._profile = load_profile_arg(config.profile)
 
     @property
     def loaded_profile(self):

@@ -21,7 +21,7 @@ import torch
 from scipy import stats
 from tqdm.auto import tqdm
 
-from engine import SpeculativeEngine
+from engine.engine import SpeculativeEngine
 from engine.sampling import SamplingConfig, verify_chain
 
 P_FLOOR = 1e-3

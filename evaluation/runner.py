@@ -33,7 +33,7 @@ from evaluation.summary import conditions, summarize
 from evaluation.tuning import tune_static
 from evaluation.under_load import measured_traces, server_replay_section
 from peers.llama_cpp import LlamaCppRunError
-from policies.learned import trained_lookup
+from policies.learned_controller import trained_lookup
 
 
 def live_runs(

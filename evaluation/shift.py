@@ -30,22 +30,27 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from engine.control import StaticController
 from engine.costs.cost_profile import CostProfile
 from engine.costs.measure_costs import device_name
-from engine.engine import EngineConfig, SpeculativeEngine
+from engine.costs.speedup_model import SIZE_LADDER
+from engine.engine import SpeculativeEngine
 from engine.errors import InputError
+from engine.inputs import EngineConfig
 from engine.lookup import LookupConfig, describe_lookup, parse_lookup, resolve_lookup
 from engine.sampling import SamplingConfig
 from envs import workspace
 from envs.oracle import oracle_plan, static_grid
 from envs.prompts import LONG_SUITE, interleave_languages, suite_split
-from envs.replay import SIZE_LADDER, ReplayTrace, replay_generate
+from envs.replay import ReplayTrace, replay_generate
 from evaluation.config import find_policy
 from evaluation.measurements import run_engine
 from evaluation.shift_config import ShiftConfig, in_slice, slice_names, temperature_name
 from evaluation.shift_report import summarize, summarize_live
 from evaluation.stats import paired_bootstrap_ratio
-from policies import AnalyticController, ConfidenceController, StaticController, load_policy
+from policies.analytic import AnalyticController
+from policies.heuristic import ConfidenceController
+from policies.learned import load_policy
 
 
 # ------------------------------------------------------------------------------------------- replay

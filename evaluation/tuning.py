@@ -19,13 +19,13 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from engine.backends.pair import ModelPair
+from engine.control import StaticController
 from engine.costs.cost_profile import CostProfile
 from engine.engine import SpeculativeEngine
 from envs import workspace
 from envs.oracle import static_grid
 from envs.replay import ReplayTrace
 from evaluation.measurements import run_engine
-from policies import StaticController
 
 
 def replay_ranking(traces: Sequence[ReplayTrace], profile: CostProfile) -> list[dict]:

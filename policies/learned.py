@@ -2,7 +2,7 @@
 
 File format (``torch.save`` of plain types and tensors, read back with ``weights_only=True``)::
 
-    {"format": "draftpilot-policy", "format_version": 1, "feature_version": engine.costs.features.FEATURE_VERSION,
+    {"format": "draftpilot-policy", "format_version": 1, "feature_version": engine.costs.observation.FEATURE_VERSION,
      "depth": ACTOR, "size": ACTOR, "size_ladder": [1, 2, ...], "tree_width": W, "max_depth": D,
      "depth_zero": bool, "device_features": [6 floats], "pair": str, "profile": JSON str,
      "train_config": JSON str, "metrics": JSON str, "payload_sha256": hex str}
@@ -11,7 +11,7 @@ File format (``torch.save`` of plain types and tensors, read back with ``weights
 
 An actor is the MLP that maps the normalised observation to action logits (stable-baselines3's
 ``mlp_extractor.policy_net`` followed by ``action_net``); decisions are the argmax (deterministic).
-Observations come from ``engine.costs.features``: the same functions the environments use in training.
+Observations come from ``engine.costs.observation``: the same functions the environments use in training.
 
 Integrity: ``payload_sha256`` is a SHA-256 over every other entry (tensors by dtype, shape and bytes; the
 other values by type and value; ``payload_digest``), computed by ``save_policy``. ``load_policy`` recomputes
@@ -20,8 +20,8 @@ written before the hash existed still load, with a ``PolicyFileWarning`` that th
 file is also validated: finite weights and normaliser, a positive normaliser scale, a size ladder of
 distinct ascending sizes in [0, 64], 1 <= max_depth <= 127, a tree width >= 1. A policy records the pair it
 was trained for (``pair``, and the cost profile's weight format); ``LearnedController.pair_warning`` says when
-it runs on another one (decoding stays exact: only its speed is at stake). The controller and its actors are
-``policies.learned_controller`` (re-exported here).
+it runs on another one (decoding stays exact: only its speed is at stake). The controller, its actors and the
+file's errors are ``policies.learned_controller``'s.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from engine.backends.attention import MAX_VERIFY_NODES
 from engine.backends.files import atomic_save, load_plain
 from engine.backends.pair import ModelPair
 from engine.costs.cost_profile import CostProfile
-from engine.costs.features import (
+from engine.costs.observation import (
     DEPTH_OBS_DIM,
     FEATURE_VERSION,
     NUM_DEVICE_FEATURES,
@@ -56,21 +56,7 @@ from policies.learned_controller import (
     PolicyFileError,
     PolicyFileWarning,
     stored_profile,
-    trained_lookup,
 )
-
-__all__ = [  # the controller's names stay importable from here, the policy file's module
-    "HASH_KEY",
-    "Actor",
-    "LearnedController",
-    "PolicyFileError",
-    "PolicyFileWarning",
-    "load_policy",
-    "payload_digest",
-    "save_policy",
-    "stored_profile",
-    "trained_lookup",
-]
 
 FORMAT = "draftpilot-policy"
 FORMAT_VERSION = 1

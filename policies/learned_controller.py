@@ -1,6 +1,6 @@
 """The learned controller on the inference path (torch only; ``policies.learned`` reads and writes its file):
 ``Actor`` (an exported PPO actor: the MLP from the normalised observation to action logits, decisions by argmax),
-``LearnedController`` (depth and size from the two actors, observations from ``engine.costs.features``), the
+``LearnedController`` (depth and size from the two actors, observations from ``engine.costs.observation``), the
 cost profile and context lookup a policy file's metadata carries (``stored_profile``, ``trained_lookup``), and
 ``PolicyFileError`` / ``PolicyFileWarning``."""
 
@@ -17,7 +17,7 @@ import torch
 from engine.backends.pair import ModelPair
 from engine.control import Controller, DraftState
 from engine.costs.cost_profile import CostProfile
-from engine.costs.features import (
+from engine.costs.observation import (
     DeviceAtLoad,
     depth_observation,
     size_observation,

@@ -40,7 +40,8 @@ from engine.errors import InputError
 from engine.lookup import LookupConfig
 from policies.analytic import AnalyticController
 from policies.goodput import GoodputController
-from policies.learned import LearnedController, load_policy, stored_profile
+from policies.learned import load_policy
+from policies.learned_controller import LearnedController, stored_profile
 from policies.static import BatchSizeTableController, read_table
 
 if TYPE_CHECKING:

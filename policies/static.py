@@ -1,13 +1,11 @@
-"""Fixed depth and verification size: the grid-searched baseline. ``StaticController`` is an engine
-primitive (``engine.control``: the cost measurement and the generate command use it, and the engine may not
-import policies); it is re-exported here with the other controllers.
+"""The static setting tuned per load level, the rule serving engines ship (vLLM's
+``num_speculative_tokens_per_batch_size``: a draft length looked up from the batch size), and its file.
 
-``BatchSizeTableController`` is the static setting tuned per load level, the rule serving engines ship
-(vLLM's ``num_speculative_tokens_per_batch_size``: a draft length looked up from the batch size): a chain of
-the table's depth for the number of requests in the step (``DraftState.load``; alone: one request). Its
-table file is vLLM's (``write_batch_size_table``, ``read_batch_size_table``: the JSON list vLLM 0.32.0 reads as
-``num_speculative_tokens_per_batch_size``, checked as vLLM checks it), read by ``BatchSizeTableController.from_file``
-(``serve.py --policy table:FILE``)."""
+``BatchSizeTableController``: a chain of the table's depth for the number of requests in the step
+(``DraftState.load``; alone: one request). The table file is the JSON list vLLM reads (``batch_size_table``,
+``write_batch_size_table``, ``read_batch_size_table``): ``serve.py --policy table:FILE`` serves it, vLLM runs
+it (``peers.vllm_peer``), training writes the tuned one and the policy's own (``training.export``).
+(The fixed depth and size, ``StaticController``, is an engine primitive: ``engine.control``.)"""
 
 from __future__ import annotations
 
@@ -16,16 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from engine.backends.files import atomic_write
-from engine.control import Controller, DraftState, StaticController
+from engine.control import Controller, DraftState
 from engine.errors import InputError, is_int
-
-__all__ = [
-    "BatchSizeTableController",
-    "StaticController",
-    "batch_size_table",
-    "read_batch_size_table",
-    "write_batch_size_table",
-]
 
 
 class BatchSizeTableController(Controller):

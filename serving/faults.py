@@ -24,7 +24,8 @@ import time
 from collections.abc import Callable
 
 from engine.backends.pair import ModelPair
-from engine.batch import BatchConfig, BatchedEngine, BatchRequest
+from engine.batch import BatchedEngine
+from engine.batch_api import BatchConfig, BatchRequest
 from engine.control import StaticController
 from engine.errors import InputError
 from engine.sampling import SamplingConfig

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from engine.engine import MAX_SEED
+from engine.inputs import MAX_SEED
 from serving.state import ServerState
 
 SURROGATE = re.compile("[\ud800-\udfff]")

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from engine.backends.pair import ModelPair
-from engine.batch import BatchConfig, BatchedEngine, BatchRequest, CapacityError, one_line
+from engine.batch import BatchedEngine
+from engine.batch_api import BatchConfig, BatchRequest, CapacityError, one_line
 from engine.control import Controller
 from engine.errors import DraftpilotError, InputError
 from engine.results import CycleRecord, GenerationResult

@@ -17,7 +17,7 @@ if _spec is None or _spec.origin is None:  # not installed (origin None: only te
 
 import torch  # noqa: E402
 
-from engine import load_pair  # noqa: E402
+from engine.backends.models import load_pair  # noqa: E402
 from evaluation.exactness import check_law as _check_law  # noqa: E402
 from evaluation.exactness import tv_bound  # noqa: E402,F401 - used by law tests through conftest
 

@@ -47,7 +47,7 @@ def test_private_engine_methods_are_annotated():
 
 def test_profile_and_backend_parameters_are_annotated():
     missing = []
-    for package in ("engine", "envs", "policies", "evaluation"):
+    for package in ("engine", "envs", "policies", "training", "evaluation"):
         for path in sorted((ROOT / package).rglob("*.py")):
             if path.name in NOT_OURS:
                 continue

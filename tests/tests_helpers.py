@@ -6,7 +6,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from engine import SpeculativeEngine
+from engine.engine import SpeculativeEngine
 
 
 def one_error_line(capsys, *needles: str) -> str:
@@ -91,10 +91,10 @@ def batched_profile(row_s: float = 0.006, draft_row_s: float = 0.002, batched: b
 
 
 def random_actor(obs_dim: int, actions: int, seed: int):
-    """A policy actor (``policies.learned.Actor``) of random weights."""
+    """A policy actor (``policies.learned_controller.Actor``) of random weights."""
     import torch
 
-    from policies.learned import Actor
+    from policies.learned_controller import Actor
 
     gen = torch.Generator().manual_seed(seed)
     spec = {
@@ -113,8 +113,8 @@ def make_policy(path, pair: str = "tiny", profile: dict | None = None, seed: int
     """A policy file written by ``save_policy`` (the current feature version) with random actors (depth: seeded
     ``seed``, size: ``seed + 1``): what ``load_policy`` reads from a trained run, in milliseconds. ``kw``:
     ``save_policy``'s other arguments."""
-    from engine.costs.features import DEPTH_OBS_DIM, NUM_DEVICE_FEATURES, SIZE_OBS_DIM
-    from envs.replay import SIZE_LADDER
+    from engine.costs.observation import DEPTH_OBS_DIM, NUM_DEVICE_FEATURES, SIZE_OBS_DIM
+    from engine.costs.speedup_model import SIZE_LADDER
     from policies.learned import save_policy
 
     args = {

@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.costs.cost_profile import CostProfile, ProfileError
+from engine.costs.cost_profile import CostProfile
+from engine.costs.profile_io import ProfileError
 from engine.load import LoadState
 
 
@@ -76,7 +77,7 @@ def split_forward(
 class LoadedProfile:
     """``base`` seen by one request at ``load``: each forward it takes part in charged as ``split_forward``
     charges it (module docstring). The replay interface of ``CostProfile``: what ``envs.replay``,
-    ``engine.costs.features`` and ``policies.analytic`` call."""
+    ``engine.costs.observation`` and ``policies.analytic`` call."""
 
     def __init__(self, base: Any, load: LoadState, table: CostProfile | None = None):
         self.base = base

@@ -15,7 +15,8 @@ import torch
 
 from engine.backends.kvcache import keep_entries, new_cache
 from engine.backends.pair import ModelPair
-from engine.batch import BatchConfig, BatchedEngine, BatchRequest
+from engine.batch import BatchedEngine
+from engine.batch_api import BatchConfig, BatchRequest
 from engine.batch_forward import Rows, forward_rows
 from engine.costs.cost_profile import CostProfile, median_spread
 from engine.costs.profile_config import ProfileConfig

@@ -31,33 +31,14 @@ from tqdm.auto import tqdm
 
 from engine.backends.kvcache import keep_entries, new_cache
 from engine.backends.pair import ModelPair
-from engine.cli import (
-    CLI_ERRORS,
-    ArgumentParser,
-    ModelConfig,
-    add_dataclass_args,
-    apply_preset,
-    check_output_file,
-    from_args,
-    report_error,
-)
+from engine.cli import CLI_ERRORS, ArgumentParser, ModelConfig, check_output_file, report_error
+from engine.config_flags import add_dataclass_args, apply_preset, from_args
 from engine.costs.cost_profile import CostProfile, median_spread
-from engine.costs.measure_batch import BatchCell, batch_cells, batched_table, measure_step_overhead
+from engine.costs.measure_batch import BatchCell, batch_cells, batched_table
 from engine.costs.measure_overhead import measure_overhead
 from engine.costs.profile_config import ProfileConfig
 from engine.engine import SpeculativeEngine
 from engine.tree import ancestor_matrix, tree_attention_mask
-
-__all__ = [  # with the names it re-exports from the modules it is made of
-    "MeasureCostsConfig",
-    "ProfileConfig",
-    "build_parser",
-    "device_name",
-    "main",
-    "measure_profile",
-    "measure_profile_cli",
-    "measure_step_overhead",
-]
 
 
 @dataclass

@@ -5,7 +5,7 @@ Letters follow the article: alpha = per-token acceptance probability, gamma = dr
 one draft step relative to one target step, g(gamma) = cost of verifying gamma tokens relative to one
 target step (1 in the simplified model). The article's closed forms come first; then the same quantities
 measured on a device (``engine.costs.cost_profile.CostProfile``); then the model over a drafted tree that
-the analytic controller (``policies.analytic``) and the observation features (``engine.costs.features``)
+the analytic controller (``policies.analytic``) and the observation features (``engine.costs.observation``)
 evaluate: verifying the best V nodes is expected to accept E(V) = the sum of their path probabilities, and
 yields (1 + E(V)) tokens per cycle of cost depth x t_draft + t_verify(V) (+ t_overhead(V) where the
 overhead is known).

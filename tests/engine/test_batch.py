@@ -8,13 +8,18 @@ import shutil
 import pytest
 import torch
 
-from engine import SamplingConfig, SpeculativeEngine, StaticController, load_pair
 from engine.backends import lean
 from engine.backends.attention import MAX_ROWWISE_ROWS
 from engine.backends.kvcache import new_cache
-from engine.batch import BatchConfig, BatchedEngine, BatchRequest, CapacityError, grant_rows
+from engine.backends.models import load_pair
+from engine.batch import BatchedEngine
+from engine.batch_api import BatchConfig, BatchRequest, CapacityError
 from engine.batch_forward import Rows, forward_rows
+from engine.control import StaticController
+from engine.engine import SpeculativeEngine
 from engine.errors import InputError
+from engine.sampling import SamplingConfig
+from engine.scheduling import grant_rows
 from tests_helpers import late_starter
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -239,7 +244,7 @@ def test_prefill_in_chunks_is_bitwise_the_prefill_whole():
     gives the same logits as one forward of it (which itself runs in chunks of ``MAX_ROWWISE_ROWS``), and
     those are transformers' forward's within float error; a chunk at the wrong positions changes them
     (negative control)."""
-    from engine.engine import forward_logits
+    from engine.forward import forward_logits
 
     pair = load_pair("tiny", weights="kquant", device="cpu")
     model, device = pair.target, pair.device
@@ -307,7 +312,7 @@ def _whole_catch_up(pair, tokens, prompt_len, length):
     """The draft cache a whole catch-up leaves over ``tokens[:length]``: the prompt in one forward (the lazy
     prefill), then the rest in one forward (the first draft step's pending tokens), as ``generate`` alone runs
     them."""
-    from engine.engine import forward_logits
+    from engine.forward import forward_logits
 
     cache = new_cache(pair.draft)
     forward_logits(pair.draft, tokens[:prompt_len], range(prompt_len), cache, pair.device, keep=1)
@@ -326,7 +331,7 @@ def test_under_load_the_draft_catches_up_in_chunks(pair, monkeypatch, bound):
     request's tokens are its tokens alone, and alone the whole catch-up runs at once. Negative control: a huge
     bound gives the one big forward of before."""
     import engine.batch as batch_module
-    from engine import EngineConfig
+    from engine.inputs import EngineConfig
 
     real = batch_module.forward_rows
     rows_of: dict[int, list[int]] = {}  # draft cache id -> rows of each draft forward item on it
@@ -398,7 +403,7 @@ def test_under_load_the_draft_catches_up_in_chunks(pair, monkeypatch, bound):
 
 
 def test_the_catch_up_bound_is_a_positive_integer():
-    from engine import EngineConfig
+    from engine.inputs import EngineConfig
 
     assert EngineConfig().draft_catch_up_tokens == 16
     for bad in (0, -1, 2.5, "16", True):

@@ -11,10 +11,13 @@ import shutil
 import pytest
 import torch
 
-from engine import SamplingConfig, SpeculativeEngine, StaticController, load_pair
-from engine.batch import BatchConfig, BatchedEngine, BatchRequest, EngineFailed, RequestFailed
+from engine.backends.models import load_pair
+from engine.batch import BatchedEngine
+from engine.batch_api import BatchConfig, BatchRequest, EngineFailed, RequestFailed
+from engine.control import StaticController
+from engine.engine import SpeculativeEngine
 from engine.errors import DraftpilotError
-from engine.sampling import NonFiniteLogitsError
+from engine.sampling import NonFiniteLogitsError, SamplingConfig
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

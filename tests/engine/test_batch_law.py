@@ -10,7 +10,7 @@ asked (counted: the test asserts cuts happened). Requests join and leave at ever
 to cycles of every phase.
 
 The learned case: every request with a controller (subjects and background) runs a load-aware learned policy
-(``policies.load_policy`` of a policy file whose observations carry ``DraftState.load``), sampled chain drafts.
+(``policies.learned.load_policy`` of a policy file whose observations carry ``DraftState.load``), sampled chain drafts.
 Its decisions then depend on what the other requests did in the last step, themselves random: the law must
 not care. Not vacuous: the test asserts the subjects drafted at a share of their cycles and decoded
 autoregressively at others, and that the load changed a share of the policy's decisions (the same state
@@ -48,11 +48,15 @@ import torch
 
 import engine.batch as batch_module
 import engine.engine as engine_module
-from engine import EngineConfig, SamplingConfig, SpeculativeEngine, StaticController
-from engine.batch import BatchConfig, BatchedEngine, BatchRequest
-from engine.costs.features import FEATURE_VERSION
-from engine.sampling import logits_to_probs, verify_chain
-from policies import LearnedController, load_policy
+from engine.batch import BatchedEngine
+from engine.batch_api import BatchConfig, BatchRequest
+from engine.control import StaticController
+from engine.costs.observation import FEATURE_VERSION
+from engine.engine import SpeculativeEngine
+from engine.inputs import EngineConfig
+from engine.sampling import SamplingConfig, logits_to_probs, verify_chain
+from policies.learned import load_policy
+from policies.learned_controller import LearnedController
 from tests_helpers import batched_profile, make_policy
 
 pytestmark = pytest.mark.usefixtures("single_thread")

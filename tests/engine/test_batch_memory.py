@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SpeculativeEngine, StaticController, load_pair
 from engine.backends.kvcache import CacheFull, cache_bytes, kv_bytes_per_entry, new_cache
-from engine.batch import BatchConfig, BatchedEngine, BatchRequest, MemoryFull, RequestFailed
+from engine.backends.models import load_pair
+from engine.batch import BatchedEngine
+from engine.batch_api import BatchConfig, BatchRequest, MemoryFull, RequestFailed
+from engine.control import StaticController
+from engine.engine import SpeculativeEngine
 from engine.errors import InputError
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 import engine.engine as engine_module
-from engine import EngineConfig, SamplingConfig, SpeculativeEngine
 from engine.backends.kvcache import _crop
-from policies import StaticController
+from engine.control import StaticController
+from engine.engine import SpeculativeEngine
+from engine.inputs import EngineConfig
+from engine.sampling import SamplingConfig
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

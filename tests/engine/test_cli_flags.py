@@ -1,4 +1,4 @@
-"""Every command line builds its flags one way (``engine.cli.add_dataclass_args`` over a dataclass that extends
+"""Every command line builds its flags one way (``engine.config_flags.add_dataclass_args`` over a dataclass that extends
 ``ModelConfig``) and names a pair one way (``--pair NAME`` or ``--pair TARGET::DRAFT``, parsed by
 ``engine.backends.models.split_pair``)."""
 
@@ -15,12 +15,15 @@ import evaluate
 import generate
 import train
 from engine.backends.models import load_pair, pair_name, split_pair
-from engine.cli import ArgumentParser, ModelConfig, add_dataclass_args, from_args
+from engine.cli import ArgumentParser, ModelConfig
+from engine.config_flags import add_dataclass_args, from_args
 from engine.costs import measure_costs
 from engine.errors import InputError
 from envs import record_traces
 from evaluation import shift_config
+from evaluation.config import EvalConfig
 from tests_helpers import one_error_line
+from training.train_config import TrainConfig
 
 
 @dataclass
@@ -77,8 +80,8 @@ def test_model_config_refuses_negative_threads():
         generate.GenerateConfig,
         measure_costs.MeasureCostsConfig,
         record_traces.RecordConfig,
-        train.TrainConfig,
-        evaluate.EvalConfig,
+        TrainConfig,
+        EvalConfig,
     ],
 )
 def test_every_command_line_config_extends_model_config(config_class):

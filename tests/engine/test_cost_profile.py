@@ -12,12 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from engine import SpeculativeEngine, load_pair
+from engine.backends.models import load_pair
 from engine.backends.random_pair import build_random_pair, parameter_count, random_pair_configs
 from engine.control import StaticController
-from engine.costs.cost_profile import PROFILE_VERSION, CostProfile, ProfileError, spread_to_sigma
-from engine.costs.measure_costs import ProfileConfig, build_parser, main, measure_profile
+from engine.costs.cost_profile import CostProfile, spread_to_sigma
+from engine.costs.measure_costs import build_parser, main, measure_profile
+from engine.costs.profile_config import ProfileConfig
+from engine.costs.profile_io import PROFILE_VERSION, ProfileError
 from engine.costs.speedup_model import cycle_time, empirical_c, empirical_g
+from engine.engine import SpeculativeEngine
 from engine.errors import InputError
 
 SMALL = ProfileConfig(
@@ -476,7 +479,7 @@ def test_the_step_overhead_is_the_batched_step_beyond_the_profile(tiny_pair_f32)
     charges more overhead than the step takes."""
     import dataclasses
 
-    from engine.costs.measure_costs import measure_step_overhead
+    from engine.costs.measure_batch import measure_step_overhead
     from tests_helpers import batched_profile
 
     free = dataclasses.replace(batched_profile(), ar_overhead_s=0.0)

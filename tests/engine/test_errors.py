@@ -11,17 +11,13 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
-from engine import (
-    Controller,
-    EngineConfig,
-    IncompatiblePairError,
-    SamplingConfig,
-    SpeculativeEngine,
-    load_pair,
-)
-from engine.backends.pair import check_compatible, make_pair
+from engine.backends.models import load_pair
+from engine.backends.pair import IncompatiblePairError, check_compatible, make_pair
 from engine.backends.tiny import ByteTokenizer, tiny_config
-from policies import StaticController
+from engine.control import Controller, StaticController
+from engine.engine import SpeculativeEngine
+from engine.inputs import EngineConfig
+from engine.sampling import SamplingConfig
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

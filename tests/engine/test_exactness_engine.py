@@ -12,10 +12,11 @@ import pytest
 import torch
 
 import engine.engine as engine_module
-from engine import EngineConfig, SamplingConfig, SpeculativeEngine
+from engine.control import StaticController
+from engine.engine import SpeculativeEngine
+from engine.inputs import EngineConfig
 from engine.lookup import LookupConfig
-from engine.sampling import logits_to_probs, verify_chain
-from policies import StaticController
+from engine.sampling import SamplingConfig, logits_to_probs, verify_chain
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

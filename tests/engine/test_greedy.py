@@ -12,8 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import Controller, EngineConfig, SamplingConfig, SpeculativeEngine
-from policies import StaticController
+from engine.control import Controller, StaticController
+from engine.engine import SpeculativeEngine
+from engine.inputs import EngineConfig
+from engine.sampling import SamplingConfig
 from tests_helpers import late_starter
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -17,14 +17,15 @@ import numpy as np
 import pytest
 import torch
 
-from engine import Controller, EngineConfig, SamplingConfig, SpeculativeEngine
 from engine.backends.attention import MAX_ROWWISE_ROWS, MAX_VERIFY_NODES
-from engine.control import ControllerError
+from engine.control import Controller, ControllerError, StaticController
+from engine.engine import SpeculativeEngine
 from engine.errors import DraftpilotError, InputError
+from engine.inputs import EngineConfig
+from engine.sampling import SamplingConfig
 from engine.tree import depth_limit, tree_size
 from envs.record_traces import record_trace
 from envs.replay import ReplayTrace, replay_generate
-from policies import StaticController
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 REPO = Path(__file__).resolve().parents[2]
@@ -76,8 +77,10 @@ PROBE = textwrap.dedent("""
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     import torch
     torch.set_num_threads(1)
-    from engine import EngineConfig, SpeculativeEngine, load_pair
-    from policies import StaticController
+    from engine.backends.models import load_pair
+    from engine.control import StaticController
+    from engine.engine import SpeculativeEngine
+    from engine.inputs import EngineConfig
     config = EngineConfig()
     if sys.argv[1] == "uncapped":  # negative control: the engine as it was (no node cap, no verify cap)
         import engine.engine as ee

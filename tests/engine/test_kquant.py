@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from engine import SpeculativeEngine, load_pair
 from engine.backends import native
 from engine.backends.gguf import gguf_linears, q6_k_fields
 from engine.backends.kquant import (
@@ -26,8 +25,11 @@ from engine.backends.kquant import (
     unpack_k4,
     unpack_k6,
 )
+from engine.backends.models import load_pair
 from engine.backends.quant_cache import QUANT_STAMP, ensure_quantized_gguf, load_quantized
-from policies import HeuristicController, StaticController
+from engine.control import StaticController
+from engine.engine import SpeculativeEngine
+from policies.heuristic import HeuristicController
 from tests_helpers import assert_greedy_identity, random_q4_k, random_q6_k, write_gguf
 
 pytestmark = [

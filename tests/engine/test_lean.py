@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine import load_pair
 from engine.backends import lean
 from engine.backends.kvcache import keep_entries, new_cache
+from engine.backends.models import load_pair
 from engine.tree import tree_attention_mask
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -7,12 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine import SpeculativeEngine, StaticController, load_pair
-from engine.batch import BatchConfig, BatchedEngine, BatchRequest
-from engine.control import DraftState
-from engine.costs.cost_profile import ProfileError
-from engine.costs.features import NUM_LOAD_FEATURES, DeviceAtLoad, device_features, load_features
+from engine.backends.models import load_pair
+from engine.batch import BatchedEngine
+from engine.batch_api import BatchConfig, BatchRequest
+from engine.control import DraftState, StaticController
 from engine.costs.load_model import MIN_LOADED_SHARE, LoadedProfile, LoadedProfiles, split_forward
+from engine.costs.observation import NUM_LOAD_FEATURES, DeviceAtLoad, device_features, load_features
+from engine.costs.profile_io import ProfileError
+from engine.engine import SpeculativeEngine
 from engine.load import LoadState, LoadTracker
 from tests_helpers import batched_profile
 

@@ -165,8 +165,12 @@ def test_a_batched_engine_looks_up_only_within_the_load_limit(limit):
     """In a batch, a request's cycle runs a lookup only while the step's decoding requests are within the limit
     (limit 1: never while two decode; 0, the control: lookup cycles under load too); alone it always looks
     up; every request's greedy tokens are its tokens alone either way (a lookup changes speed, not tokens)."""
-    from engine import EngineConfig, SpeculativeEngine, StaticController, load_pair
-    from engine.batch import BatchConfig, BatchedEngine, BatchRequest
+    from engine.backends.models import load_pair
+    from engine.batch import BatchedEngine
+    from engine.batch_api import BatchConfig, BatchRequest
+    from engine.control import StaticController
+    from engine.engine import SpeculativeEngine
+    from engine.inputs import EngineConfig
 
     pair = load_pair("tiny", device="cpu")
     lookup = LookupConfig(

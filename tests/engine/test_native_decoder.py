@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine import load_pair
 from engine.backends import lean, native
 from engine.backends.kvcache import new_cache
+from engine.backends.models import load_pair
 from engine.tree import tree_attention_mask
 
 pytestmark = [

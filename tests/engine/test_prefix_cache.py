@@ -10,10 +10,13 @@ import shutil
 import pytest
 import torch
 
-from engine import SpeculativeEngine, StaticController, load_pair
 from engine.backends.attention import MAX_ROWWISE_ROWS
 from engine.backends.kvcache import new_cache
-from engine.batch import BatchConfig, BatchedEngine, BatchRequest, MemoryFull
+from engine.backends.models import load_pair
+from engine.batch import BatchedEngine
+from engine.batch_api import BatchConfig, BatchRequest, MemoryFull
+from engine.control import StaticController
+from engine.engine import SpeculativeEngine
 from engine.errors import InputError
 from engine.prefix_cache import PrefixCache, common_prefix
 from engine.scheduling import plan_prefills

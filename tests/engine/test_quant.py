@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine import SpeculativeEngine, load_pair
 from engine.backends.attention import rowwise_attention
 from engine.backends.gguf import QuantizationError, gguf_linears, q4_k_decode
 from engine.backends.kvcache import keep_entries, new_cache
+from engine.backends.models import load_pair
 from engine.backends.quant import (
     INTEGER_FORMATS,
     Int4Linear,
@@ -24,9 +24,11 @@ from engine.backends.quant import (
     quantize_int8,
 )
 from engine.backends.quant_cache import QUANT_STAMP, ensure_quantized_gguf, load_quantized
-from engine.engine import forward_logits
+from engine.control import StaticController
+from engine.engine import SpeculativeEngine
+from engine.forward import forward_logits
 from engine.tree import tree_attention_mask
-from policies import HeuristicController, StaticController
+from policies.heuristic import HeuristicController
 from tests_helpers import assert_greedy_identity, random_q4_k, write_gguf
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -10,10 +10,12 @@ import math
 import pytest
 import torch
 
-from engine import SamplingConfig, SpeculativeEngine, load_pair
 from engine.backends.kvcache import keep_entries, new_cache
-from engine.engine import forward_logits
-from policies import StaticController
+from engine.backends.models import load_pair
+from engine.control import StaticController
+from engine.engine import SpeculativeEngine
+from engine.forward import forward_logits
+from engine.sampling import SamplingConfig
 
 pytestmark = pytest.mark.slow
 

@@ -128,8 +128,8 @@ def test_set_names_and_files():
 
 # ------------------------------------------------------------------------------ the commands' flags
 def test_train_selects_the_named_sets():
-    from policies.train_config import TrainConfig, config_differences, effective_config
-    from policies.train_data import select_prompts
+    from training.train_config import TrainConfig, config_differences, effective_config
+    from training.train_data import select_prompts
 
     config = TrainConfig(pair="tiny", prompts="grounded", train_prompts=4, val_prompts=2)
     train, val = select_prompts(config)

@@ -10,9 +10,10 @@ from gymnasium.utils.env_checker import check_env
 from stable_baselines3.common.env_checker import check_env as sb3_check_env
 
 import envs  # noqa: F401 - registers the environment ids
-from engine import SpeculativeEngine
-from envs import EnvConfig, LiveBackend, WrongBackendError
-from policies import StaticController
+from engine.control import StaticController
+from engine.engine import SpeculativeEngine
+from envs.backends import LiveBackend
+from envs.environments import EnvConfig, WrongBackendError
 from tests_envs_helpers import LinearProfile
 
 

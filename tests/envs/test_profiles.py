@@ -6,11 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.costs.features import NUM_DEVICE_FEATURES, NUM_LOAD_FEATURES, device_features
-from envs import EnvConfig, ReplayBackend, ReplayTrace
-from envs.environments import DepthEnv
+from engine.control import StaticController
+from engine.costs.observation import NUM_DEVICE_FEATURES, NUM_LOAD_FEATURES, device_features
+from envs.backends import ReplayBackend
+from envs.environments import DepthEnv, EnvConfig
 from envs.profiles import REFERENCE_CONTEXT, PerturbedProfile, ProfileMix
-from policies import StaticController
+from envs.replay import ReplayTrace
 from tests_envs_helpers import LinearProfile, make_synthetic_trace
 
 

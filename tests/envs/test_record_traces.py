@@ -8,12 +8,13 @@ import json
 import numpy as np
 import pytest
 
-from engine import SamplingConfig, SpeculativeEngine
+from engine.control import StaticController
+from engine.engine import SpeculativeEngine
+from engine.sampling import SamplingConfig
 from envs.draft_trees import draft_trees
 from envs.record_traces import main, record_prompts, record_trace
 from envs.recording import load_traces, read_prompts
 from envs.trace import FORMAT_VERSION, Trace, TraceError
-from policies import StaticController
 
 NUM_NEW = 32
 MAX_DEPTH = 6

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from engine import SamplingConfig
 from engine.backends.files import DirectoryBusyError, DirectoryLock
 from engine.errors import InputError
+from engine.sampling import SamplingConfig
 from envs.draft_trees import draft_trees
 from envs.record_traces import main, record_prompts
 from envs.recording import RecordError, load_traces, read_prompts

@@ -11,13 +11,18 @@ from gymnasium.utils.env_checker import check_env
 from stable_baselines3.common.env_checker import check_env as sb3_check_env
 
 import envs  # noqa: F401 - registers the environment ids
+from engine.control import StaticController
+from engine.costs.speedup_model import SIZE_LADDER
 from engine.lookup import LookupConfig
 from engine.sampling import verify_tree
 from engine.tree import DraftTree
-from envs import EnvConfig, ReplayBackend, ReplayTrace, WrongBackendError, replay_generate, throughput
+from envs import environments
+from envs.backends import ReplayBackend
+from envs.environments import EnvConfig, WrongBackendError
 from envs.oracle import OracleController, oracle_plan, oracle_throughput, static_grid
-from envs.replay import SIZE_LADDER
-from policies import AnalyticController, ConfidenceController, HeuristicController, StaticController
+from envs.replay import ReplayTrace, replay_generate, throughput
+from policies.analytic import AnalyticController
+from policies.heuristic import ConfidenceController, HeuristicController
 from tests_envs_helpers import make_synthetic_trace
 
 
@@ -169,8 +174,8 @@ def test_a_live_id_refuses_the_replay_backend(linear_profile, env_id, kw):
     ):
         gym.make(env_id, backend=_backend(linear_profile), **{kw: StaticController(4, 8, tree_width=2)})
     # the same backend, built directly without an id, is accepted
-    env_class = gym.spec(env_id).entry_point.split(":")[1]
-    assert getattr(envs, env_class)(_backend(linear_profile), StaticController(4, 8, tree_width=2)).width == 2
+    env_class = getattr(environments, gym.spec(env_id).entry_point.split(":")[1])
+    assert env_class(_backend(linear_profile), StaticController(4, 8, tree_width=2)).width == 2
 
 
 def _rollout(env, seed, actions):

@@ -7,12 +7,15 @@ import dataclasses
 
 import pytest
 
-from engine import EngineConfig, SamplingConfig, SpeculativeEngine
+from engine.control import StaticController
+from engine.engine import SpeculativeEngine
+from engine.inputs import EngineConfig
 from engine.lookup import LookupConfig
+from engine.sampling import SamplingConfig
 from envs.record_traces import record_trace
 from envs.replay import ReplayTrace, replay_generate
 from envs.trace import TraceError
-from policies import ConfidenceController, HeuristicController, StaticController
+from policies.heuristic import ConfidenceController, HeuristicController
 
 PROMPTS = ("def main():", "The quick brown fox", "Hello, world")
 MAX_DEPTH = 6

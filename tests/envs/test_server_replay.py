@@ -9,21 +9,23 @@ import json
 import numpy as np
 import pytest
 
-from engine.batch import BatchConfig, plan_prefills
+from engine.batch_api import BatchConfig
 from engine.control import StaticController
-from engine.costs.cost_profile import ProfileError
+from engine.costs.profile_io import ProfileError
 from engine.errors import InputError
 from engine.inputs import EngineConfig
-from engine.scheduling import prefill_budget
+from engine.scheduling import plan_prefills, prefill_budget
 from envs.environments import DepthEnv, EnvConfig
 from envs.replay import ReplayTrace, replay_generate
-from envs.server import Arrivals, ServerReplay, ServerReplayBackend, tune_table
-from policies import AnalyticController, BatchSizeTableController, GoodputController
-from policies.load_training import load_baselines
-from policies.static import read_batch_size_table
-from serving.export import check_sglang_adaptive_config, sglang_adaptive_config, write_exports
+from envs.server import ServerReplay, ServerReplayBackend, tune_table
+from envs.server_runs import Arrivals
+from policies.analytic import AnalyticController
+from policies.goodput import GoodputController
+from policies.static import BatchSizeTableController, read_batch_size_table
 from tests_envs_helpers import make_synthetic_trace
 from tests_helpers import batched_profile, late_starter
+from training.export import check_sglang_adaptive_config, sglang_adaptive_config, write_exports
+from training.load_training import load_baselines
 
 
 @pytest.fixture
@@ -236,7 +238,7 @@ def test_a_request_its_first_token_ends_costs_its_prefill_only():
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode():
-    """As the engine schedules it (``engine.batch.plan_prefills``) with a fixed budget (``idle_prefill_tokens`` =
+    """As the engine schedules it (``engine.scheduling.plan_prefills``) with a fixed budget (``idle_prefill_tokens`` =
     ``max_prefill_tokens``): a 150-token prompt admitted behind a short one is prefilled a chunk a step while the
     short one decodes, in ceil(tokens left / budget) steps; whole-prompt
     prefill (``chunked=False``) waits for the next step and takes it whole."""
@@ -259,7 +261,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode():
 
 def _recorded(pair, prompts, max_depth, new):
     """(prompt ids, greedy chain traces recorded alone) of ``prompts`` on ``pair``."""
-    from engine import SamplingConfig
+    from engine.sampling import SamplingConfig
     from envs.record_traces import record_trace
 
     ids = [pair.tokenizer.encode(p) for p in prompts]
@@ -283,8 +285,9 @@ def test_the_replay_makes_the_live_batchs_catch_up_cycles(tiny_pair, bound):
     a while and then drafting: under load the draft catches up ``draft_catch_up_tokens`` a cycle (catch-up
     cycles, ``CycleRecord.catch_up``), and the server replay of their traces makes the very same cycles, the
     catch-up ones included; alone (one client) neither makes any."""
-    from engine import EngineConfig
-    from engine.batch import BatchConfig, BatchedEngine, BatchRequest
+    from engine.batch import BatchedEngine
+    from engine.batch_api import BatchConfig, BatchRequest
+    from engine.inputs import EngineConfig
 
     max_depth, new = 4, 40
     prompts = ["def main():\n    return", "The quick brown fox jumps over"]
@@ -337,8 +340,9 @@ def test_the_live_batch_and_its_replay_plan_the_same_steps(tiny_pair):
     load), and the server replay of their traces with the same ``BatchConfig`` and the same controllers: step
     by step, the same prefill chunks, the same requests running a cycle, each with the same kind, depth,
     verified rows (granted under the cap), accepted and emitted tokens."""
-    from engine import EngineConfig
-    from engine.batch import BatchedEngine, BatchRequest
+    from engine.batch import BatchedEngine
+    from engine.batch_api import BatchRequest
+    from engine.inputs import EngineConfig
 
     max_depth, new = 4, 32
     prompts = ["def main():\n    return", "The quick brown fox jumps over", "Once upon a time, in a land far"]
@@ -375,7 +379,7 @@ def test_catch_up_chunks_are_charged_as_draft_rows_and_the_rest_of_the_prompt_as
     """A catch-up cycle's chunk costs its rows of the step's level-1 draft forward (so a bigger bound makes
     fewer, dearer catch-up cycles); the first drafting cycle then pays the draft's prefill of what the chunks
     left of the prompt only; the draft's whole prompt prefill where no chunk ran."""
-    from envs.server import draft_prefill_s
+    from envs.server_costs import draft_prefill_s
 
     profile = batched_profile()
     for plen in (traces[0].trace.prompt_len, 100):

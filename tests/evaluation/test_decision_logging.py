@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import math
 
-from engine import SpeculativeEngine, load_pair
-from engine.control import DraftState
+from engine.backends.models import load_pair
+from engine.control import DraftState, StaticController
+from engine.engine import SpeculativeEngine
 from evaluation.measurements import DecisionLoggingController
-from policies import StaticController
 
 
 class _SkipEveryOther(StaticController):

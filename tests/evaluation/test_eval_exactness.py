@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 import engine.engine
-from engine import load_pair
+from engine.backends.models import load_pair
+from engine.control import StaticController
 from envs.prompts import load_suite
 from evaluation.exactness import first_divergence, greedy_audit, law_checks, sampled_test
-from policies import StaticController
 
 TEMPERATURE = 0.2
 """The tiny pair is nearly uniform at 0.7 (every 3-token outcome unique in 200 draws: no power); at 0.2 its

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import load_pair
+from engine.backends.models import load_pair
 from evaluation.config import EvalConfig
 from evaluation.eval_setup import Setup
 from peers import llama_cpp as lc
@@ -351,8 +351,6 @@ def test_a_peer_that_crashes_on_its_warm_up_leaves_its_row_out(fake_bin, workdir
 
     from test_evaluate_cli import small_eval
 
-    from evaluation import eval_setup
-
     completion = fake_bin / "llama-completion"
     lines = completion.read_text().splitlines()
     lines.insert(
@@ -365,7 +363,7 @@ def test_a_peer_that_crashes_on_its_warm_up_leaves_its_row_out(fake_bin, workdir
         binaries = _benchmark_find(fake_bin)
         return LlamaPeer(binaries, fake_bin / "t.gguf", fake_bin / "d.gguf", (16, 0.75), threads, pair), None
 
-    monkeypatch.setattr(eval_setup.LlamaPeer, "find", staticmethod(find))
+    monkeypatch.setattr(LlamaPeer, "find", staticmethod(find))
     rc, stderr, res = small_eval(
         workdir, tiny_policy, "llama-crash", "autoregressive,llama_cpp,llama_cpp_spec", "--no-replay"
     )

@@ -12,9 +12,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "envs"))
 
+from engine.control import StaticController  # noqa: E402
 from envs.replay import ReplayTrace  # noqa: E402
-from evaluation import shift, shift_config  # noqa: E402
-from policies import ConfidenceController, StaticController  # noqa: E402
+from evaluation import shift, shift_config, shift_report  # noqa: E402
+from policies.heuristic import ConfidenceController  # noqa: E402
 from tests_envs_helpers import LinearProfile, make_synthetic_trace  # noqa: E402
 from tests_evaluation_helpers import CACHE, run_cli  # noqa: E402
 
@@ -39,10 +40,10 @@ def test_task_families_and_slices():
         {"language": "it", "task": "code"},
         {"language": "fr", "task": "qa"},
     ]
-    assert shift.slice_names("language", items, []) == ["it", "zh", "fr"]
-    assert shift.slice_names("task", items, []) == ["code", "prose"]
-    assert shift.slice_names("temperature", items, [0.0, 0.7, 1.0]) == ["T0", "T0.7", "T1"]
-    assert shift.slice_names("length", items, []) == ["short", "long"]
+    assert shift_config.slice_names("language", items, []) == ["it", "zh", "fr"]
+    assert shift_config.slice_names("task", items, []) == ["code", "prose"]
+    assert shift_config.slice_names("temperature", items, [0.0, 0.7, 1.0]) == ["T0", "T0.7", "T1"]
+    assert shift_config.slice_names("length", items, []) == ["short", "long"]
 
 
 def test_the_long_suite_is_parallel_across_languages_and_long():
@@ -112,7 +113,7 @@ def test_axis_matrix_is_consistent_with_its_own_replays():
         assert res["cells"][b][b]["static_over_in_slice"] == pytest.approx(1.0)
     # transplanting the shallow setting onto the easy slice loses against the one tuned there
     assert res["cells"]["hard"]["easy"]["static_over_in_slice"] < 1.0
-    summary = shift.summarize({"axes": {"language": res}})
+    summary = shift_report.summarize({"axes": {"language": res}})
     assert summary["off_diagonal_cells"] == 2
     off = [res["cells"]["easy"]["hard"], res["cells"]["hard"]["easy"]]
     assert summary["off_diagonal_mean"] == pytest.approx(

@@ -1,6 +1,6 @@
-"""peers/vllm_peer.py without vLLM: the per-batch-size table file against the format vLLM 0.32.0 parses
-(its rules restated below from ``vllm/v1/spec_decode/dynamic/utils.py``, not imported), the command line,
-and the one-line skip where the vLLM environment is absent."""
+"""peers/vllm_peer.py without vLLM: the per-batch-size table file (``policies.static``) against the format
+vLLM 0.32.0 parses (its rules restated below from ``vllm/v1/spec_decode/dynamic/utils.py``, not imported),
+the command line, and the one-line skip where the vLLM environment is absent."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import pytest
 
 from peers import vllm_peer
+from policies.static import batch_size_table, read_batch_size_table, write_batch_size_table
 
 
 def vllm_parse(schedule: object) -> list[tuple[int, int, int]]:
@@ -45,7 +46,7 @@ def vllm_lookup(schedule: object, max_batch: int, num_speculative_tokens: int) -
 
 
 def test_written_table_is_the_list_vllm_parses(tmp_path):
-    path = vllm_peer.write_batch_size_table({(5, 16): 1, (1, 1): 3, (2, 4): 2}, tmp_path / "t.json")
+    path = write_batch_size_table({(5, 16): 1, (1, 1): 3, (2, 4): 2}, tmp_path / "t.json")
     rows = json.loads(path.read_text())
     assert rows == [[1, 1, 3], [2, 4, 2], [5, 16, 1]]  # a JSON list of [start, end, k], sorted
     assert vllm_parse(rows) == [(1, 1, 3), (2, 4, 2), (5, 16, 1)]
@@ -58,8 +59,8 @@ def test_written_table_is_the_list_vllm_parses(tmp_path):
 
 
 def test_gaps_carry_the_previous_k_as_vllm_does(tmp_path):
-    path = vllm_peer.write_batch_size_table({(1, 2): 3, (8, 8): 1}, tmp_path / "t.json")
-    rows = vllm_peer.read_batch_size_table(path)
+    path = write_batch_size_table({(1, 2): 3, (8, 8): 1}, tmp_path / "t.json")
+    rows = read_batch_size_table(path)
     assert vllm_lookup(rows, 10, 3)[1:] == [3] * 7 + [1, 1, 1]
 
 
@@ -77,12 +78,12 @@ def test_gaps_carry_the_previous_k_as_vllm_does(tmp_path):
 )
 def test_tables_vllm_would_refuse_are_refused(tmp_path, table, message):
     with pytest.raises(ValueError, match=message):
-        vllm_peer.write_batch_size_table(table, tmp_path / "t.json")
+        write_batch_size_table(table, tmp_path / "t.json")
     assert not (tmp_path / "t.json").exists()
 
 
 def test_zero_draft_length_entries_are_kept():
-    assert vllm_peer.batch_size_table({(1, 4): 2, (5, 64): 0}) == [[1, 4, 2], [5, 64, 0]]
+    assert batch_size_table({(1, 4): 2, (5, 64): 0}) == [[1, 4, 2], [5, 64, 0]]
 
 
 def test_command_lines():
@@ -126,11 +127,11 @@ def test_intel_openmp_of_the_environment_is_preloaded(tmp_path):
 def test_a_file_that_is_no_table_is_one_error(tmp_path):
     (tmp_path / "bad.json").write_text("not json")
     with pytest.raises(ValueError, match="not a table file"):
-        vllm_peer.read_batch_size_table(tmp_path / "bad.json")
+        read_batch_size_table(tmp_path / "bad.json")
 
 
 @pytest.mark.parametrize("rows", [[[1, None, 2]], [[1, 2.5, 2]], [[1, 4, "2"]], [[True, 4, 2]]])
 def test_a_table_of_other_than_integers_is_one_error(tmp_path, rows):
     (tmp_path / "t.json").write_text(json.dumps(rows))
     with pytest.raises(ValueError, match="integer entries"):
-        vllm_peer.read_batch_size_table(tmp_path / "t.json")
+        read_batch_size_table(tmp_path / "t.json")

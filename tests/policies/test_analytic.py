@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine import DraftState
+from engine.control import DraftState
 from engine.results import CycleRecord
-from policies import AnalyticController
+from policies.analytic import AnalyticController
 
 
 class FlatProfile:

@@ -9,12 +9,12 @@ import math
 
 import pytest
 
-import train
-from engine.costs.cost_profile import CostProfile, ProfileError
+from engine.costs.cost_profile import CostProfile, load_profile_arg
+from engine.costs.profile_io import ProfileError
 from engine.errors import InputError
-from envs.workspace import load_profile_arg
 from evaluation.config import EvalConfig
-from policies.ppo import PPOConfig
+from training.ppo_config import PPOConfig
+from training.train_config import TrainConfig
 
 
 @pytest.mark.parametrize(
@@ -34,7 +34,7 @@ from policies.ppo import PPOConfig
 )
 def test_train_config_refuses(field, value):
     with pytest.raises(ValueError, match=field.replace("_", "-")):
-        train.TrainConfig(pair="tiny", **{field: value})
+        TrainConfig(pair="tiny", **{field: value})
 
 
 @pytest.mark.parametrize(

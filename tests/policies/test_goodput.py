@@ -5,11 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine import DraftState
-from engine.control import Controller
+from engine.control import Controller, DraftState
 from engine.load import LoadState
 from engine.results import CycleRecord
-from policies import GoodputController
+from policies.goodput import GoodputController
 from tests_helpers import assert_greedy_identity, batched_profile
 
 

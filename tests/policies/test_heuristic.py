@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from engine import SpeculativeEngine
 from engine.control import DraftState
+from engine.engine import SpeculativeEngine
 from engine.results import CycleRecord
-from policies import ConfidenceController, HeuristicController
+from policies.heuristic import ConfidenceController, HeuristicController
 
 
 def _state(depth, step_probs, n_nodes=4):

@@ -13,23 +13,35 @@ import pytest
 import torch
 
 import train
-from engine import SamplingConfig, SpeculativeEngine
-from engine.cli import load_config, save_config
-from engine.costs.features import FEATURE_VERSION, NUM_DEVICE_FEATURES
+from engine.config_flags import load_config, save_config
+from engine.control import StaticController
+from engine.costs.observation import FEATURE_VERSION, NUM_DEVICE_FEATURES
+from engine.engine import SpeculativeEngine
 from engine.errors import InputError
 from engine.results import CycleRecord
+from engine.sampling import SamplingConfig
 from envs.backends import ReplayBackend
 from envs.environments import DepthEnv, EnvConfig, SizeEnv
-from policies import LearnedController, PolicyFileError, StaticController, load_policy
-from policies.learned import HASH_KEY, payload_digest, save_policy
-from policies.ppo import CoTrainer
+from policies.learned import HASH_KEY, load_policy, payload_digest, save_policy
+from policies.learned_controller import LearnedController, PolicyFileError
+from training.ppo import CoTrainer
+from training.ppo_config import PPOConfig
+from training.train_config import QUICK, QUICK_PPO, TrainConfig
+from training.train_data import (
+    ensure_profile,
+    ensure_traces,
+    load_models,
+    replay_eval,
+    select_prompts,
+    starting_rho,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def quick_config(tmp: Path, **kw) -> train.TrainConfig:
+def quick_config(tmp: Path, **kw) -> TrainConfig:
     values = {
-        **train.QUICK,
+        **QUICK,
         "pair": "tiny",
         "cache_dir": str(tmp / "cache"),
         "run_dir": str(tmp / "runs"),
@@ -39,8 +51,8 @@ def quick_config(tmp: Path, **kw) -> train.TrainConfig:
         "tree_width": 4,
     }  # trees: the default chain (W 1) is covered by the evaluation tests
     values.update(kw)
-    ppo = train.PPOConfig(**train.QUICK_PPO)
-    return train.TrainConfig(**values, ppo=ppo)
+    ppo = PPOConfig(**QUICK_PPO)
+    return TrainConfig(**values, ppo=ppo)
 
 
 @pytest.fixture(scope="module")
@@ -48,15 +60,15 @@ def tiny_data(tmp_path_factory):
     """Traces and a quick profile of the tiny pair (recorded once for the module)."""
     tmp = tmp_path_factory.mktemp("learned")
     config = quick_config(tmp)
-    pair = train.load_models(config)
-    profile = train.ensure_profile(config, pair)
-    train_prompts, val_prompts = train.select_prompts(config)
+    pair = load_models(config)
+    profile = ensure_profile(config, pair)
+    train_prompts, val_prompts = select_prompts(config)
     return {
         "config": config,
         "pair": pair,
         "profile": profile,
-        "train": train.ensure_traces(config, pair, train_prompts, "train"),
-        "val": train.ensure_traces(config, pair, val_prompts, "val"),
+        "train": ensure_traces(config, pair, train_prompts, "train"),
+        "val": ensure_traces(config, pair, val_prompts, "val"),
     }
 
 
@@ -68,7 +80,7 @@ def new_trainer(data, seed=0, env_config=None, baseline_depth=2):
         config.ppo,
         env_config or EnvConfig(),
         lambda: StaticController(baseline_depth, 2, tree_width=config.tree_width),
-        train.replay_eval(data["val"], data["profile"]),
+        replay_eval(data["val"], data["profile"]),
         max_depth=config.max_depth,
         device_feats=np.zeros(NUM_DEVICE_FEATURES, np.float32),
         seed=seed,
@@ -302,7 +314,8 @@ def test_inference_path_does_not_import_stable_baselines3(tiny_data, tmp_path):
         profile=None,
     )
     code = (
-        "import sys; from policies import load_policy; from engine import load_pair, SpeculativeEngine; "
+        "import sys; from policies.learned import load_policy; from engine.backends.models import load_pair; "
+        "from engine.engine import SpeculativeEngine; "
         f"c = load_policy({str(path)!r}); p = load_pair('tiny'); "
         "SpeculativeEngine(p).generate('abc', max_new_tokens=8, controller=c); "
         "assert 'stable_baselines3' not in sys.modules, 'SB3 imported'; print('ok')"
@@ -354,12 +367,12 @@ def test_train_command_line_config(tmp_path):
     assert (
         resume is None and not retrain and config.rounds == 3 and config.ppo.n_envs == 3
     )  # explicit flags beat --quick
-    assert config.size_steps == train.QUICK["size_steps"] and config.ppo.n_steps == train.QUICK_PPO["n_steps"]
+    assert config.size_steps == QUICK["size_steps"] and config.ppo.n_steps == QUICK_PPO["n_steps"]
     assert config.progress is False
 
-    assert load_config(train.TrainConfig, save_config(config, tmp_path / "c.json")) == config
+    assert load_config(TrainConfig, save_config(config, tmp_path / "c.json")) == config
     with pytest.raises(ValueError, match="backend"):
-        train.TrainConfig(backend="gpu")
+        TrainConfig(backend="gpu")
     assert train.main(["--pair", "tiny", "--reward", "nope", "--no-progress"]) == 2
     help_text = train.build_parser().format_help()
     assert "--gamma-depth" in help_text and "Discount per draft step" in help_text
@@ -384,7 +397,7 @@ def test_a_size_phase_with_no_size_decision_is_skipped(tiny_data):
 
 
 def test_the_draft_lag_counts_the_tokens_of_autoregressive_steps_since_the_last_draft():
-    from engine.costs.features import MAX_LAG, history_features
+    from engine.costs.observation import MAX_LAG, history_features
 
     def rec(depth, emitted):
         return CycleRecord(100, depth, depth, depth, max(depth - 1, 0), emitted)
@@ -400,7 +413,7 @@ def test_the_temperature_is_observed_by_both_decisions_and_reaches_them_from_eng
     """Feature version 3: the request's temperature is in the common part of both observations (saturating at
     MAX_TEMPERATURE); the engine shows a controller its sampling temperature, replay the trace's."""
     from engine.control import DraftState, StaticController
-    from engine.costs.features import MAX_TEMPERATURE, depth_observation, size_observation
+    from engine.costs.observation import MAX_TEMPERATURE, depth_observation, size_observation
 
     def state(temperature):
         scores = np.asarray([-0.1, -0.5], dtype=np.float32)
@@ -437,33 +450,31 @@ def test_the_temperature_is_observed_by_both_decisions_and_reaches_them_from_eng
 
 
 def test_train_temperatures_are_checked_before_anything_loads():
-    import train
 
-    assert train.TrainConfig(temperatures="0, 0.7,1,0.7").temperature_list() == [0.0, 0.7, 1.0]
-    assert train.TrainConfig(temperature=0.5).temperature_list() == [0.5]
+    assert TrainConfig(temperatures="0, 0.7,1,0.7").temperature_list() == [0.0, 0.7, 1.0]
+    assert TrainConfig(temperature=0.5).temperature_list() == [0.5]
     for bad in ("0,abc", "0,-1", "nan", "0,,inf"):
         with pytest.raises(ValueError, match="--temperatures"):
-            train.TrainConfig(temperatures=bad)
+            TrainConfig(temperatures=bad)
     with pytest.raises(ValueError, match="--backend replay"):
-        train.TrainConfig(temperatures="0,0.7", backend="live")
+        TrainConfig(temperatures="0,0.7", backend="live")
     for bad in (-0.1, float("nan"), 11.0):
         with pytest.raises(ValueError, match="--profile-perturbation"):
-            train.TrainConfig(profile_perturbation=bad)
+            TrainConfig(profile_perturbation=bad)
     with pytest.raises(ValueError, match="--backend replay"):
-        train.TrainConfig(train_profiles="a.json", backend="live")
+        TrainConfig(train_profiles="a.json", backend="live")
 
 
 def test_profile_perturbation_defaults_to_one_in_replay_and_zero_live():
     """Stored resolved: replay trains on a randomised neighbourhood of the profile by default, the live
     backend (real clocks, nothing to perturb) with none; an explicit value stays, and live refuses one > 0."""
-    import train
 
-    assert train.TrainConfig().profile_perturbation == 1.0
-    assert train.TrainConfig(backend="live").profile_perturbation == 0.0
-    assert train.TrainConfig(profile_perturbation=0.0).profile_perturbation == 0.0
-    assert train.TrainConfig(profile_perturbation=2.5).profile_perturbation == 2.5
+    assert TrainConfig().profile_perturbation == 1.0
+    assert TrainConfig(backend="live").profile_perturbation == 0.0
+    assert TrainConfig(profile_perturbation=0.0).profile_perturbation == 0.0
+    assert TrainConfig(profile_perturbation=2.5).profile_perturbation == 2.5
     with pytest.raises(ValueError, match="--backend replay"):
-        train.TrainConfig(backend="live", profile_perturbation=0.5)
+        TrainConfig(backend="live", profile_perturbation=0.5)
 
 
 def test_training_across_temperatures_and_randomised_profiles(tmp_path):
@@ -503,6 +514,6 @@ def test_training_across_temperatures_and_randomised_profiles(tmp_path):
 
 def test_rho_starts_at_the_best_known_throughput_autoregressive_included_when_depth_zero_is_a_choice():
     base = {"static_train_on_val": 21.0, "autoregressive_on_val": 24.0}
-    assert train.starting_rho(base, train.TrainConfig()) == 24.0  # depth 0 on: autoregressive is reachable
-    assert train.starting_rho(base, train.TrainConfig(depth_zero=False)) == 21.0  # every cycle drafts
-    assert train.starting_rho({**base, "static_train_on_val": 30.0}, train.TrainConfig()) == 30.0
+    assert starting_rho(base, TrainConfig()) == 24.0  # depth 0 on: autoregressive is reachable
+    assert starting_rho(base, TrainConfig(depth_zero=False)) == 21.0  # every cycle drafts
+    assert starting_rho({**base, "static_train_on_val": 30.0}, TrainConfig()) == 30.0

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.costs.features import DEPTH_OBS_DIM, SIZE_OBS_DIM
-from envs.replay import SIZE_LADDER
-from policies import PolicyFileError, load_policy
-from policies.learned import HASH_KEY, PolicyFileWarning, payload_digest
+from engine.costs.observation import DEPTH_OBS_DIM, SIZE_OBS_DIM
+from engine.costs.speedup_model import SIZE_LADDER
+from policies.learned import HASH_KEY, load_policy, payload_digest
+from policies.learned_controller import PolicyFileError, PolicyFileWarning
 from tests_helpers import make_policy
 
 pytestmark = pytest.mark.usefixtures("single_thread")

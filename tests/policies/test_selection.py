@@ -17,7 +17,9 @@ import serve
 from engine.control import StaticController
 from engine.errors import InputError
 from evaluation.config import EvalConfig, find_policy
-from policies import AnalyticController, BatchSizeTableController, GoodputController, LearnedController
+from policies.analytic import AnalyticController
+from policies.goodput import GoodputController
+from policies.learned_controller import LearnedController
 from policies.selection import (
     SERVE_KEYWORDS,
     PolicyChoice,
@@ -26,7 +28,7 @@ from policies.selection import (
     read_policy_table,
     select_controller,
 )
-from policies.static import read_table, write_batch_size_table
+from policies.static import BatchSizeTableController, read_table, write_batch_size_table
 from tests_helpers import batched_profile, make_policy, one_error_line
 
 SERVE = {"keywords": SERVE_KEYWORDS}

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine import Controller, DraftState, EngineConfig, SpeculativeEngine
-from policies import StaticController
+from engine.control import Controller, DraftState, StaticController
+from engine.engine import SpeculativeEngine
+from engine.inputs import EngineConfig
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -11,10 +11,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine import SamplingConfig, SpeculativeEngine, load_pair
+from engine.backends.models import load_pair
 from engine.control import StaticController
-from engine.engine import EngineConfig
+from engine.engine import SpeculativeEngine
+from engine.inputs import EngineConfig
 from engine.lookup import resolve_lookup
+from engine.sampling import SamplingConfig
 from peers.launch import ServerProcess, free_port
 
 pytestmark = pytest.mark.slow

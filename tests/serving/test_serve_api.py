@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from engine import SamplingConfig
+from engine.sampling import SamplingConfig
 from serving.faults import FAULTS_ENV
 from serving.text import Detokenizer, StopMatcher
 from tests_serving_helpers import (

@@ -13,19 +13,20 @@ import pytest
 
 from tests_serving_helpers import ROOT
 
-TRAINING = ("stable_baselines3", "gymnasium")
+TRAINING = ("stable_baselines3", "gymnasium", "training")
 SERVER = """
 import serve
 import serving.app, serving.worker, serving.text, serving.metrics
 from serving.app import create_app
 serve.build_parser()
-from policies import load_policy  # what controller_factory imports for --policy
-from policies import AnalyticController, BatchSizeTableController  # --policy analytic, table:FILE
-from policies.learned import stored_profile
+from policies.learned import load_policy  # what controller_factory imports for --policy
+from policies.analytic import AnalyticController  # --policy analytic
+from policies.static import BatchSizeTableController, read_batch_size_table  # --policy table:FILE
+from policies.learned_controller import stored_profile
 from engine.costs.cost_profile import load_profile_arg  # --profile
 from policies.static import read_batch_size_table  # the table file
 """
-CONTROL = "import envs, policies.ppo"
+CONTROL = "import envs, training.ppo"
 
 
 @pytest.fixture(scope="module")

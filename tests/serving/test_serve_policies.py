@@ -15,10 +15,12 @@ import pytest
 import torch
 
 import serve
+from engine.config_flags import from_args
 from engine.costs.cost_profile import CostProfile
 from engine.lookup import LookupConfig
-from policies import AnalyticController, BatchSizeTableController, GoodputController
-from policies.static import write_batch_size_table
+from policies.analytic import AnalyticController
+from policies.goodput import GoodputController
+from policies.static import BatchSizeTableController, write_batch_size_table
 from tests_helpers import batched_profile, make_policy, one_error_line
 from tests_serving_helpers import (
     assert_matches_reference,
@@ -104,7 +106,7 @@ def test_the_batch_size_table_serves_exact_tokens_at_the_depth_of_the_load(serve
 
 # ------------------------------------------------------------------------------------ the controllers built
 def _factory(argv: list[str]):
-    config = serve.check(serve.from_args(serve.ServeConfig, serve.build_parser().parse_args(argv)))
+    config = serve.check(from_args(serve.ServeConfig, serve.build_parser().parse_args(argv)))
     pair = SimpleNamespace(name="tiny", precision="float32", device=torch.device("cpu"))
     return serve.controller_factory(config, pair)
 

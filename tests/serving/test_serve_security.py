@@ -18,6 +18,7 @@ import openai
 import pytest
 
 import serve
+from engine.config_flags import from_args
 from tests_serving_helpers import HOST, MODEL, collect_stream, completion_body, sse_events
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -346,7 +347,7 @@ def test_access_settings_from_the_command_line(tmp_path, monkeypatch):
     argv = serve.merge_repeated(
         ["--api-key", "a", "--pair", "tiny", "--api-key=b,c", "--api-key-file", str(keys)]
     )
-    config = serve.check(serve.from_args(serve.ServeConfig, serve.build_parser().parse_args(argv)))
+    config = serve.check(from_args(serve.ServeConfig, serve.build_parser().parse_args(argv)))
     assert serve.api_keys(config) == ("a", "b", "c", "env-a", "env-b", "file-key")
     assert serve.allowed_hosts(config) == ("localhost", "127.0.0.1", "::1")
     config.host, config.allow_unauthenticated = "0.0.0.0", True
@@ -406,7 +407,7 @@ def app_with(served_pair):
         args = serve.build_parser().parse_args(
             serve.merge_repeated(["--pair", "tiny", "--policy", "none", *flags])
         )
-        state = serve.build_state(serve.check(serve.from_args(serve.ServeConfig, args)), pair=served_pair)
+        state = serve.build_state(serve.check(from_args(serve.ServeConfig, args)), pair=served_pair)
         client = TestClient(create_app(state), base_url="http://localhost")
         clients.append(client.__enter__())
         return client

@@ -9,8 +9,10 @@ import asyncio
 
 import pytest
 
-from engine import SamplingConfig, SpeculativeEngine, load_pair
-from engine.batch import BatchConfig
+from engine.backends.models import load_pair
+from engine.batch_api import BatchConfig
+from engine.engine import SpeculativeEngine
+from engine.sampling import SamplingConfig
 from serving.worker import EngineWorker, Failed, Finished, Job, Tokens
 
 pytestmark = pytest.mark.usefixtures("single_thread")

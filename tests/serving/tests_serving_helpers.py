@@ -223,7 +223,9 @@ def collect_stream(events: Iterator[dict | str], chat: bool = False) -> dict:
 # -------------------------------------------------------------------------------------- the reference
 def reference(pair, prompt_ids: Sequence[int], max_new_tokens: int, sampling=None, seed: int = 0):
     """``SpeculativeEngine.generate`` of the request alone, with the server's default controller."""
-    from engine import SamplingConfig, SpeculativeEngine, StaticController
+    from engine.control import StaticController
+    from engine.engine import SpeculativeEngine
+    from engine.sampling import SamplingConfig
 
     engine = SpeculativeEngine(pair, sampling or SamplingConfig(0.0))
     controller = StaticController(depth=1, verify=1, tree_width=1)

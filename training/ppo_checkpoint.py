@@ -1,7 +1,7 @@
-"""Training checkpoints' files (training only; ``policies.ppo.CoTrainer.save`` writes them, ``load`` reads them):
+"""Training checkpoints' files (training only; ``training.ppo.CoTrainer.save`` writes them, ``load`` reads them):
 the manifest's signature and sha256 checks (``verify_checkpoint``), whether a directory holds a checkpoint
 (``has_checkpoint``), the trainer state read as plain tensors and numbers (``read_trainer_state``). Trusted-only:
-see ``policies.ppo``."""
+see ``training.ppo``."""
 
 from __future__ import annotations
 

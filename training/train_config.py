@@ -10,14 +10,15 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from engine.backends.files import atomic_write_json
-from engine.cli import ModelConfig, save_config
+from engine.cli import ModelConfig
+from engine.config_flags import save_config
 from engine.errors import DraftpilotError
 from engine.lookup import LookupConfig, describe_lookup, parse_lookup, resolve_lookup
 from envs.prompts import is_prompt_set
 from envs.recording import MAX_TRACE_DEPTH
 from policies.learned import load_policy
-from policies.ppo_checkpoint import has_checkpoint
-from policies.ppo_config import PPOConfig
+from training.ppo_checkpoint import has_checkpoint
+from training.ppo_config import PPOConfig
 
 
 @dataclass

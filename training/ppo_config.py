@@ -1,7 +1,7 @@
 """PPO's hyperparameters and the pieces of one training phase (training only; stable-baselines3): ``PPOConfig``
 (the PPO flags of ``train.py``), ``PhaseLog``, the SB3 callback that moves rho, logs charts and validates the joint
 controller (``TrainCallback``), and a trained SB3 model as a torch-only ``Actor`` (``actor_from_model``).
-``policies.ppo.CoTrainer`` runs the phases."""
+``training.ppo.CoTrainer`` runs the phases."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.running_mean_std import RunningMeanStd
 from stable_baselines3.common.torch_layers import FlattenExtractor
 
-from policies.learned import Actor
+from policies.learned_controller import Actor
 
 ACTIVATION_NAMES = {torch.nn.Tanh: "tanh", torch.nn.ReLU: "relu"}
 CLIP_OBS, OBS_EPS = 10.0, 1e-8
@@ -137,7 +137,7 @@ class TrainCallback(BaseCallback):
     """rho update, charts, action histograms and validation (SB3 callback: ``_on_step`` and rollout end)."""
 
     def __init__(self, trainer, name: str, other_name: str, log: PhaseLog):
-        """``trainer``: the ``policies.ppo.CoTrainer`` whose phase ``name`` runs (``other_name``: the other policy)."""
+        """``trainer``: the ``training.ppo.CoTrainer`` whose phase ``name`` runs (``other_name``: the other policy)."""
         super().__init__()
         self.trainer, self.name, self.other_name, self.log = trainer, name, other_name, log
         self.since_eval = 0

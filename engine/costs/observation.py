@@ -1,4 +1,5 @@
-"""Observation features for the depth and size decisions (docs/design.md section 5).
+"""The observation the learned policy and the environments see: the features of the depth and size decisions
+(docs/design.md section 5).
 
 One function per decision, used by the gymnasium environments (live and replay) and by exported
 learned controllers on the inference path, so training and deployment see identical numbers. Every

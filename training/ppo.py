@@ -7,8 +7,8 @@ SB3 ``PPO.learn`` on vectorised replay (or live) environments whose *other* deci
 ``LearnedController`` built from the other policy's current actor. A callback moves the average reward's
 rho toward the policy's throughput after every rollout, logs charts to TensorBoard and validates the joint
 controller (both current actors) on held-out traces, keeping the best by validation throughput. ``PPOConfig``, the
-callback and the actor export are in ``policies.ppo_config``, the checkpoint files' checks in
-``policies.ppo_checkpoint``.
+callback and the actor export are in ``training.ppo_config``, the checkpoint files' checks in
+``training.ppo_checkpoint``.
 
 Checkpoints (``CoTrainer.save`` / ``load``, a directory, ``<run>/checkpoint`` in ``train.py``) are for
 resuming *your own* interrupted run and are trusted-only: the SB3 models are SB3's zip format, whose
@@ -43,12 +43,12 @@ from engine.backends.files import (
 )
 from engine.control import Controller
 from engine.costs.cost_profile import CostProfile
-from engine.costs.features import DEPTH_OBS_DIM, SIZE_OBS_DIM
+from engine.costs.observation import DEPTH_OBS_DIM, SIZE_OBS_DIM
 from envs.backends import Backend
 from envs.environments import DepthEnv, EnvConfig, NoDecisionError, SizeEnv, reference_rho
-from policies import imitation
-from policies.learned import Actor, LearnedController
-from policies.ppo_checkpoint import (
+from policies.learned_controller import Actor, LearnedController
+from training import imitation
+from training.ppo_checkpoint import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_VERSION,
     MANIFEST,
@@ -58,7 +58,7 @@ from policies.ppo_checkpoint import (
     read_trainer_state,
     verify_checkpoint,
 )
-from policies.ppo_config import CLIP_OBS, OBS_EPS, PhaseLog, PPOConfig, TrainCallback, actor_from_model
+from training.ppo_config import CLIP_OBS, OBS_EPS, PhaseLog, PPOConfig, TrainCallback, actor_from_model
 
 if TYPE_CHECKING:  # tensorboard is imported where a run writes its logs
     from torch.utils.tensorboard import SummaryWriter
@@ -94,7 +94,7 @@ class CoTrainer:
         self.baseline, self.evaluate = baseline, evaluate
         self.max_depth, self.device_feats = max_depth, np.asarray(device_feats, np.float32)
         self.loads = loads
-        """``engine.costs.features.DeviceAtLoad`` of the deployment profile (load-aware training), or None."""
+        """``engine.costs.observation.DeviceAtLoad`` of the deployment profile (load-aware training), or None."""
         self.seed, self.device, self.tb_dir = seed, device, tensorboard_dir
         self.eval_every, self.writer, self.progress = eval_every, writer, progress
         self.models: dict[str, PPO] = {}
@@ -224,7 +224,7 @@ class CoTrainer:
 
     def imitate(self, make_teacher: Callable[[CostProfile], Controller], round_index: int = 0) -> PhaseLog:
         """Fit both policies (actor and critic) to the teacher (``make_teacher(profile)``: a controller for one
-        episode's cost profile; ``policies.imitation``), ``ppo.imitation_steps`` decisions each, then
+        episode's cost profile; ``training.imitation``), ``ppo.imitation_steps`` decisions each, then
         validate the imitated pair: the first export candidate. Logged as phase "imitation"."""
         start = time.perf_counter()
         log = PhaseLog("imitation", round_index, 0, 0.0)

@@ -1,4 +1,4 @@
-"""Imitation before PPO (training only, like ``policies.ppo``): fit the depth and size actors to a teacher
+"""Imitation before PPO (training only, like ``training.ppo``): fit the depth and size actors to a teacher
 controller's decisions, so PPO starts from known-good behaviour instead of a random policy.
 
 Why: on an AMD EPYC profile, PPO from a random start with the best static setting as the first phase's other

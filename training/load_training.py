@@ -26,7 +26,6 @@ from engine.costs.cost_profile import CostProfile
 from engine.lookup import LookupConfig
 from envs.replay import ReplayTrace
 from envs.server import (
-    Arrivals,
     ServerReplay,
     ServerReplayBackend,
     closed_loop,
@@ -34,9 +33,10 @@ from envs.server import (
     tune_lookup_limit,
     tune_table,
 )
+from envs.server_runs import Arrivals
 from policies.analytic import AnalyticController
 from policies.goodput import GoodputController
-from policies.learned import LearnedController
+from policies.learned_controller import LearnedController
 from policies.static import BatchSizeTableController
 
 MIXED_RATES = ((0.0, 0.15), (40.0, 0.8), (80.0, 0.25))

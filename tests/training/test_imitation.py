@@ -7,15 +7,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import train
-from engine.costs.features import device_features
+from engine.control import StaticController
+from engine.costs.observation import device_features
+from engine.costs.speedup_model import SIZE_LADDER
 from envs.backends import ReplayBackend
 from envs.environments import EnvConfig
 from envs.profiles import ProfileMix
-from envs.replay import SIZE_LADDER, replay_cycles
-from policies import AnalyticController, StaticController
-from policies.imitation import FollowingTeacher, collect, ladder_index
-from policies.ppo import CoTrainer
+from envs.replay import replay_cycles
+from policies.analytic import AnalyticController
+from training import train_data
+from training.imitation import FollowingTeacher, collect, ladder_index
+from training.ppo import CoTrainer
+from training.ppo_config import PPOConfig
+from training.train_config import QUICK, QUICK_PPO, TrainConfig
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -24,23 +28,23 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 def tiny_data(tmp_path_factory):
     """Chain traces and a quick profile of the tiny pair (recorded once for the module)."""
     tmp = tmp_path_factory.mktemp("imitation")
-    config = train.TrainConfig(
-        **{**train.QUICK, "max_new_tokens": 48, "train_prompts": 2},
+    config = TrainConfig(
+        **{**QUICK, "max_new_tokens": 48, "train_prompts": 2},
         pair="tiny",
         cache_dir=str(tmp / "cache"),
         run_dir=str(tmp / "runs"),
         progress=False,
         languages="it,en",
-        ppo=train.PPOConfig(**train.QUICK_PPO),
+        ppo=PPOConfig(**QUICK_PPO),
     )
-    pair = train.load_models(config)
-    profile = train.ensure_profile(config, pair)
-    train_prompts, val_prompts = train.select_prompts(config)
+    pair = train_data.load_models(config)
+    profile = train_data.ensure_profile(config, pair)
+    train_prompts, val_prompts = train_data.select_prompts(config)
     return {
         "config": config,
         "profile": profile,
-        "train": train.ensure_traces(config, pair, train_prompts, "train"),
-        "val": train.ensure_traces(config, pair, val_prompts, "val"),
+        "train": train_data.ensure_traces(config, pair, train_prompts, "train"),
+        "val": train_data.ensure_traces(config, pair, val_prompts, "val"),
     }
 
 
@@ -87,13 +91,13 @@ def test_ladder_index_maps_a_size_to_the_action_that_verifies_it():
 
 def test_imitated_actors_decide_as_the_analytic_controller_and_are_the_first_candidate(tiny_data):
     config, profile = tiny_data["config"], tiny_data["profile"]
-    ppo = train.PPOConfig(**{**train.QUICK_PPO, "imitation_steps": 3000, "imitation_epochs": 20})
+    ppo = PPOConfig(**{**QUICK_PPO, "imitation_steps": 3000, "imitation_epochs": 20})
     trainer = CoTrainer(
         ReplayBackend(tiny_data["train"], profile),
         ppo,
         EnvConfig(depth_zero=True),
         lambda: StaticController(1, 1, tree_width=config.tree_width),
-        train.replay_eval(tiny_data["val"], profile),
+        train_data.replay_eval(tiny_data["val"], profile),
         max_depth=config.max_depth,
         device_feats=device_features(profile, config.tree_width),
         seed=0,
@@ -125,7 +129,7 @@ def test_imitated_actors_decide_as_the_analytic_controller_and_are_the_first_can
         untrained.models[name] = untrained._new_model(name, venv)
     assert agreement(teacher, decisions(untrained.joint(), tiny_data["val"], profile)) < 0.85
     # and the imitated controller's throughput is the teacher's, within a few percent
-    teacher_tps = train.replay_eval(tiny_data["val"], profile)(analytic)
+    teacher_tps = train_data.replay_eval(tiny_data["val"], profile)(analytic)
     assert trainer.best[0] == pytest.approx(teacher_tps, rel=0.05)
 
 
@@ -167,14 +171,14 @@ def test_verdict_names_the_winner_and_the_summary_lists_every_baseline():
         "val_prompts": ["a", "b"],
     }
     lost = {**base, "learned_on_val": 30.2, "learned_over_oracle": 30.2 / 38.4}
-    judged = train.verdict(lost)
+    judged = train_data.verdict(lost)
     assert (
         judged["winner"] == "analytic" and "analytic controller beats the learned policy" in judged["verdict"]
     )
     assert judged["learned_over"]["analytic"] == pytest.approx(30.2 / 31.4)
     won = {**base, "learned_on_val": 32.5, "learned_over_oracle": 32.5 / 38.4}
-    assert train.verdict(won)["winner"] == "learned"
-    text = train.summary_text({**won, "verdict": train.verdict(won)["verdict"]})
+    assert train_data.verdict(won)["winner"] == "learned"
+    text = train_data.summary_text({**won, "verdict": train_data.verdict(won)["verdict"]})
     for label in ("autoregressive", "best static", "analytic", "oracle", "verdict: the learned policy"):
         assert label in text
     assert f"{32.5 / 31.4:.3f}x" in text and f"{32.5 / 27.1:.3f}x" in text
@@ -182,11 +186,11 @@ def test_verdict_names_the_winner_and_the_summary_lists_every_baseline():
 
 def test_rho_starts_at_the_analytic_controllers_throughput_when_it_is_the_best_known():
     base = {"static_train_on_val": 21.0, "autoregressive_on_val": 24.0, "analytic_on_val": 26.0}
-    assert train.starting_rho(base, train.TrainConfig()) == 26.0
+    assert train_data.starting_rho(base, TrainConfig()) == 26.0
 
 
 def test_imitation_settings_are_checked():
     with pytest.raises(ValueError, match="imitation_steps"):
-        train.PPOConfig(imitation_steps=-1)
+        PPOConfig(imitation_steps=-1)
     with pytest.raises(ValueError, match="imitation_epochs"):
-        train.PPOConfig(imitation_epochs=0)
+        PPOConfig(imitation_epochs=0)

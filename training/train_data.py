@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.control import StaticController
 from engine.costs.cost_profile import CostProfile
-from engine.costs.features import device_features
+from engine.costs.observation import device_features
 from engine.errors import DraftpilotError, InputError
 from engine.lookup import LookupConfig, parse_lookup
 from envs import workspace
@@ -15,8 +16,9 @@ from envs.oracle import oracle_throughput, static_grid
 from envs.profiles import ProfileMix
 from envs.prompts import LONG_SUITE, interleave_languages, load_suite
 from envs.replay import replay_generate, throughput
-from policies import AnalyticController, StaticController, load_training
-from policies.train_config import TrainConfig
+from policies.analytic import AnalyticController
+from training import load_training
+from training.train_config import TrainConfig
 
 
 def load_models(config: TrainConfig):

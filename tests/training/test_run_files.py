@@ -17,11 +17,12 @@ import pytest
 import torch
 
 import generate
-import policies.ppo as ppo
 import train
+import training.ppo as ppo
 from engine.backends.files import DirectoryBusyError, sha256_file, user_hmac
-from engine.cli import save_config
-from engine.costs.features import NUM_DEVICE_FEATURES
+from engine.config_flags import save_config
+from engine.control import StaticController
+from engine.costs.observation import NUM_DEVICE_FEATURES
 from engine.errors import InputError
 from engine.lookup import LookupConfig, describe_lookup
 from envs.backends import ReplayBackend
@@ -31,16 +32,21 @@ from evaluation import plots
 from evaluation.checkpoint import Checkpoint
 from evaluation.config import EvalConfig
 from evaluation.report import write_json
-from policies import StaticController, load_policy, load_training
-from policies.ppo import MANIFEST, CheckpointError, CoTrainer, read_trainer_state, verify_checkpoint
-from serving.export import EXPORTS, SGLANG_FILE
+from policies.learned import load_policy
+from training import load_training
+from training.export import EXPORTS, SGLANG_FILE
+from training.ppo import CoTrainer
+from training.ppo_checkpoint import MANIFEST, CheckpointError, read_trainer_state, verify_checkpoint
+from training.ppo_config import PPOConfig
+from training.train_config import QUICK, QUICK_PPO, RunDirectoryError, TrainConfig
+from training.train_data import ensure_profile, load_models, select_prompts
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def quick_config(tmp: Path, **kw) -> train.TrainConfig:
+def quick_config(tmp: Path, **kw) -> TrainConfig:
     values = {
-        **train.QUICK,
+        **QUICK,
         "pair": "tiny",
         "cache_dir": str(tmp / "cache"),
         "run_dir": str(tmp / "runs"),
@@ -50,7 +56,7 @@ def quick_config(tmp: Path, **kw) -> train.TrainConfig:
         "lookup": "off",  # the base run trains without context lookup (the default is on: a test of its own)
     }
     values.update(kw)
-    return train.TrainConfig(**values, ppo=train.PPOConfig(**train.QUICK_PPO))
+    return TrainConfig(**values, ppo=PPOConfig(**QUICK_PPO))
 
 
 @pytest.fixture(scope="module")
@@ -187,9 +193,9 @@ def test_tampered_or_missing_checkpoint_files_are_refused(base):
 def test_a_kill_while_checkpointing_keeps_the_previous_checkpoint(base, monkeypatch):
     run = copy_run(base, "killed-save")
     config = quick_config(base["tmp"])
-    pair = train.load_models(config)
-    profile = train.ensure_profile(config, pair)
-    train_prompts, _ = train.select_prompts(config)
+    pair = load_models(config)
+    profile = ensure_profile(config, pair)
+    train_prompts, _ = select_prompts(config)
     traces = train.ensure_traces(config, pair, train_prompts, "train")
 
     def trainer():
@@ -326,7 +332,7 @@ def test_reuse_trusts_the_policy_file_not_config_json(base, monkeypatch):
     run = copy_run(base, "stale")
     tmp = base["tmp"]
     save_config(quick_config(tmp, run_name="stale", seed=1), run / "config.json")
-    with pytest.raises(train.RunDirectoryError, match=r"another config \(--seed: 0 -> 1\)"):
+    with pytest.raises(RunDirectoryError, match=r"another config \(--seed: 0 -> 1\)"):
         train.train(quick_config(tmp, run_name="stale", seed=1))
     assert load_policy(run / "policy.pt").meta["train_config"]["seed"] == 0  # refused, not replaced
     # the same config, with relative paths and progress bars, is reused
@@ -381,14 +387,14 @@ def test_a_second_run_with_the_same_name_fails_at_once(base):
 
 def test_resume_refuses_flags_that_differ_from_the_run(base):
     run = copy_run(base, "flags")
-    with pytest.raises(train.RunDirectoryError) as err:
+    with pytest.raises(RunDirectoryError) as err:
         train.config_from_argv(["--resume", str(run), "--rounds", "5", "--seed", "9"])
     assert "--rounds: 1 -> 5" in str(err.value) and "--seed: 0 -> 9" in str(err.value)
-    with pytest.raises(train.RunDirectoryError, match="--n-envs: 2 -> 3"):
+    with pytest.raises(RunDirectoryError, match="--n-envs: 2 -> 3"):
         train.config_from_argv(["--resume", str(run), "--n-envs", "3"])
-    with pytest.raises(train.RunDirectoryError, match="--run-name"):
+    with pytest.raises(RunDirectoryError, match="--run-name"):
         train.config_from_argv(["--resume", str(run), "--run-name", "other"])
-    with pytest.raises(train.RunDirectoryError, match="--retrain"):
+    with pytest.raises(RunDirectoryError, match="--retrain"):
         train.config_from_argv(["--resume", str(run), "--retrain"])
     # flags that agree with the run (paths given relative or absolute alike) and --progress are accepted
     config, resume, _ = train.config_from_argv(
@@ -541,16 +547,16 @@ def test_long_requests_join_the_training_and_validation_traces(base, monkeypatch
 
 
 def test_lookup_auto_means_on_for_replay_and_off_for_live_and_is_stored_resolved():
-    assert train.TrainConfig(pair="tiny").lookup == "3-4:2+8:4"
-    assert train.TrainConfig(pair="tiny", lookup="on").lookup == "3-4:2+8:4"
-    assert train.TrainConfig(pair="tiny", lookup=" 1-2:2 ").lookup == "1-2:2"
-    assert train.TrainConfig(pair="tiny", backend="live").lookup == "off"
-    assert train.TrainConfig(pair="tiny", lookup="off").lookup == "off"
+    assert TrainConfig(pair="tiny").lookup == "3-4:2+8:4"
+    assert TrainConfig(pair="tiny", lookup="on").lookup == "3-4:2+8:4"
+    assert TrainConfig(pair="tiny", lookup=" 1-2:2 ").lookup == "1-2:2"
+    assert TrainConfig(pair="tiny", backend="live").lookup == "off"
+    assert TrainConfig(pair="tiny", lookup="off").lookup == "off"
 
 
 def test_long_requests_need_the_replay_backend():
     with pytest.raises(ValueError, match="--long-train-prompts"):
-        train.TrainConfig(pair="tiny", backend="live", long_train_prompts=1)
+        TrainConfig(pair="tiny", backend="live", long_train_prompts=1)
 
 
 def test_training_with_context_lookup(base, monkeypatch):
@@ -596,17 +602,17 @@ def test_training_with_context_lookup(base, monkeypatch):
 
 def test_lookup_training_needs_the_replay_backend_and_a_valid_setting():
     with pytest.raises(ValueError, match="--lookup needs --backend replay"):
-        train.TrainConfig(pair="tiny", backend="live", lookup="on")
+        TrainConfig(pair="tiny", backend="live", lookup="on")
     with pytest.raises(InputError, match="lookup setting"):
-        train.TrainConfig(pair="tiny", lookup="3-")
+        TrainConfig(pair="tiny", lookup="3-")
 
 
 def test_the_main_job_exports_the_per_load_baseline_for_serve_py(base):
     """Beside the policy, the static chain tuned per load level (the per-load baseline) in vLLM's table format;
     ``serve.py --policy table:FILE`` serves it live at the tuned depth of every load level."""
     import serve
-    from policies import BatchSizeTableController
-    from serving.export import TUNED_FILE
+    from policies.static import BatchSizeTableController
+    from training.export import TUNED_FILE
 
     run = base["run"]
     load = json.loads((run / "metrics.json").read_text())["load"]
@@ -624,7 +630,8 @@ def test_the_step_cost_is_measured_when_not_given_and_goes_with_the_policy(base)
     """Without --step-overhead-ms the run measures a batched step's own cost (cached per profile) and stores it
     in its metrics, where ``load_training.trained_server`` reads it for a policy whose config leaves it unset;
     the config keeps None, so the same command reuses the run."""
-    from policies import load_policy, load_training
+    from policies.learned import load_policy
+    from training import load_training
 
     run = base["run"]
     metrics = json.loads((run / "metrics.json").read_text())
