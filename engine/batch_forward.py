@@ -16,7 +16,7 @@ pass over the weights for all sequences: the throughput of batching) and everyth
   the same calls in the same order as the lean forward of the item alone. Bitwise batch invariant where the
   linear layers are (the integer formats, whose kernels compute each row alone); float32 products on the CPU
   are not (MKL's 1-3-row products differ from larger ones by ~1e-7), so there greedy identity is measured
-  (tests), as it already is for speculation in float32 (docs/architecture.md, "int4").
+  (tests), as it already is for speculation in float32 (docs/kernels.md, "Row-wise attention").
 * anything else (another architecture, an item of more than ``MAX_ROWWISE_ROWS`` rows: a prefill) runs
   alone through ``forward_logits``.
 """

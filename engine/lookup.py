@@ -32,7 +32,7 @@ class LookupConfig:
     controller runs; without a match the cycle is the controller's (or an autoregressive step when there is
     no controller). A long match goes first: where the context's last ``long_ngram`` tokens occurred before,
     up to ``long_tokens`` of what followed them are proposed (``long_ngram`` 0: no such rule). Defaults chosen
-    by replay on the tune splits of both suites (docs/architecture.md, "Context lookup"): 3-4:2 never fell
+    by replay on the tune splits of both suites (docs/engine.md, "Context lookup"): 3-4:2 never fell
     below 1.05x autoregressive decoding on either, longer proposals after a short match lose on the short
     requests, and 4 tokens after an 8-token match gain on the long ones without a loss on the short."""
 
@@ -46,7 +46,7 @@ class LookupConfig:
     this many requests decode in the step; above it every cycle is the controller's. 0: at every load. Alone
     (``generate``) lookup always runs. Why: a lookup proposal's rows cost what any rows cost in the batched
     forward, and once the batch is large the rows its rejected tokens take cost more than the tokens it
-    gains (train.py tunes the limit on the server replay; docs/architecture.md, "Context lookup under
+    gains (train.py tunes the limit on the server replay; docs/engine.md, "Context lookup under
     load")."""
 
     def __post_init__(self) -> None:

@@ -2,7 +2,7 @@
 computed twice (``engine.batch``: on by default in the server).
 
 A ``PrefixTree`` is a radix tree over token ids (SGLang's RadixAttention layout; why a radix tree rather than
-vLLM's hashed blocks: docs/architecture.md, "Prefix cache"). Each node holds a run of tokens and, for a model,
+vLLM's hashed blocks: docs/engine.md, "Prefix cache"). Each node holds a run of tokens and, for a model,
 the keys and values of every layer at those positions, ``[layers, 2, kv_heads, tokens, head_dim]``: the path
 from the root to a node spells a prefix, and the nodes on it hold that prefix's KV. A match is token-granular
 (the longest common prefix, cut anywhere inside a node); an insert shares what is there and adds one node for

@@ -1,4 +1,4 @@
-"""Randomised cost profiles for training one policy that serves devices it never saw (docs/architecture.md, "Training").
+"""Randomised cost profiles for training one policy that serves devices it never saw (docs/training.md, "Randomised devices").
 
 A policy observes its device only through ``engine.costs.observation.device_features`` (ratios of the cost profile:
 draft step, verify(16), verify(64), verify(0), verify(2) and verify(4), each over verify(1)). Trained on one profile, it

@@ -1,4 +1,4 @@
-"""The packages depend one way (docs/architecture.md "Modules"): the engine imports none of the others, the
+"""The packages depend one way (docs/architecture.md "Layers and dependencies"): the engine imports none of the others, the
 environments do not import the controllers, the training or the evaluation, the controllers (the inference
 path) import only the engine (no environment, no training code, no stable-baselines3 or gymnasium), the
 training (``training/``) imports the engine, the environments and the controllers but not the evaluation or

@@ -3,7 +3,7 @@ controller's decisions, so PPO starts from known-good behaviour instead of a ran
 
 Why: on an AMD EPYC profile, PPO from a random start with the best static setting as the first phase's other
 decision stayed at the static setting's behaviour for all six phases (validation within 0.2% of it) while
-the analytic controller, shipped in the same repository, ran 4% faster (docs/architecture.md, "Imitation
+the analytic controller, shipped in the same repository, ran 4% faster (docs/training.md, "Imitation
 start"). A policy fitted to the analytic controller first starts at that level; PPO then only has to find
 where the cost model is wrong, and the imitated pair is itself an export candidate.
 

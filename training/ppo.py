@@ -66,7 +66,7 @@ if TYPE_CHECKING:  # tensorboard is imported where a run writes its logs
 IMITATION_LR = 1e-3
 """Adam's learning rate for the imitation fit, whatever PPO's (a supervised fit: fixed, not PPO's schedule;
 fitted with PPO's 3e-4, the depth actor agreed with the teacher on 94.8% of its decisions instead of 96.5%
-and validated 2% lower, docs/architecture.md "Imitation start")."""
+and validated 2% lower, docs/training.md "Imitation start")."""
 
 
 class CoTrainer:

@@ -186,7 +186,7 @@ def starting_rho(base: dict, config: TrainConfig) -> float:
     """The average reward's starting rho (and its floor): the best validation throughput of the static
     baseline, the analytic controller and (when the policy may choose depth 0) autoregressive decoding. rho
     should be the best throughput known to be reachable: a lower one makes time look cheap and teaches
-    drafting where it does not pay (docs/architecture.md, "Training")."""
+    drafting where it does not pay (docs/training.md, "Training")."""
     rho = max(base["static_train_on_val"], base.get("analytic_on_val", 0.0))
     if config.depth_zero:
         rho = max(rho, base["autoregressive_on_val"])
