@@ -22,7 +22,15 @@ from dataclasses import dataclass
 
 from engine.batch import BatchedEngine
 from engine.batch_api import BatchConfig, format_bytes
-from engine.cli import CLI_ERRORS, ArgumentParser, ModelConfig, check_positive, report_error, warn
+from engine.cli import (
+    CLI_ERRORS,
+    ArgumentParser,
+    ModelConfig,
+    check_output_file,
+    check_positive,
+    report_error,
+    warn,
+)
 from engine.config_flags import add_dataclass_args, from_args
 from engine.control import StaticController
 from engine.errors import InputError
@@ -123,6 +131,10 @@ class ServeConfig(ModelConfig):
     """A file of API keys, one a line (blank lines and lines starting with # skipped)."""
     allow_unauthenticated: bool = False
     """Listen on a non-loopback --host without an API key (refused otherwise)."""
+    step_log: str | None = None
+    """Write every batched step to this file, one JSON line each (its prefill chunks, each request's cycle,
+    rows, contexts and seconds: serving/step_log.py), to fit or check the batch cost model and the server replay
+    against the live server."""
     metrics_auth: bool = False
     """With API keys, /metrics needs one too (open by default, as vLLM's; /health is always open)."""
     allowed_hosts: str | None = None
@@ -266,6 +278,16 @@ def build_state(config: ServeConfig, pair=None):
     worker = EngineWorker(
         pair, batch, max_waiting=config.max_waiting, on_step=metrics.on_step, engine_factory=factory
     )
+    if config.step_log is not None:
+        from serving.step_log import StepLog
+
+        log = StepLog(config.step_log)
+
+        def on_step(requests: int, seconds: float, events: list) -> None:
+            metrics.on_step(requests, seconds, events)
+            log.record(worker.engine, seconds, events)
+
+        worker.on_step = on_step
     names = tuple(dict.fromkeys([config.served_model_name, pair.name]))
     description = {
         "model": config.served_model_name,
@@ -360,6 +382,8 @@ def check(config: ServeConfig) -> ServeConfig:
         if not config.prefix_cache:
             raise InputError("--prefix-cache-memory sizes the prefix cache that --no-prefix-cache turns off")
         parse_size(config.prefix_cache_memory, "--prefix-cache-memory")
+    if config.step_log is not None:
+        check_output_file(config.step_log, "--step-log")
     check_policy(policy_choice(config), config.profile, DEFAULT_POLICY)
     resolve_lookup(config.lookup)
     for name in ("header_timeout", "body_timeout"):

@@ -414,7 +414,7 @@ class BatchedEngine:
         for slot, take in zip(waiting, takes):
             if slot.cache is None and not self._guard(slot, self._start_prefill, slot):
                 continue
-            plan.prefill.append((slot.rid, take))
+            plan.prefill.append((slot.rid, take, slot.filled))
             slot.steps = self._prefill_chunk(slot, take)
             self._advance(slot, None)
         return waiting[: len(takes)]

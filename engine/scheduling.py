@@ -15,11 +15,12 @@ from engine.results import CycleRecord
 
 @dataclass
 class StepPlan:
-    """What one step of the batched engine (or of its replay) ran: ``prefill``: (request, prompt tokens) of
-    each prefill chunk, in admission order; ``cycles``: (request, its cycle's record) of each request that ran
+    """What one step of the batched engine (or of its replay) ran: ``prefill``: (request, prompt tokens, the
+    position the chunk starts at: the prompt tokens already in the request's cache, prefix-cache hits
+    included) of each prefill chunk, in admission order; ``cycles``: (request, its cycle's record) of each request that ran
     a cycle, in admission order. Requests are numbered in admission order from 0 (the engine's ids)."""
 
-    prefill: list[tuple[int, int]] = field(default_factory=list)
+    prefill: list[tuple[int, int, int]] = field(default_factory=list)
     cycles: list[tuple[int, CycleRecord]] = field(default_factory=list)
 
 

@@ -310,7 +310,7 @@ class ServerReplay:
             if req.cached is None:
                 req.cached = req.filled = hit
             end = req.filled + take
-            plan.prefill.append((req.rid, take))
+            plan.prefill.append((req.rid, take, req.filled))
             before = prefill(req.filled, with_draft=False) if req.filled else 0.0
             seconds += max(prefill(end, with_draft=False) - before, 0.0)  # a noisy profile's curve can dip
             req.filled = end
