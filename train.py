@@ -206,7 +206,12 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
     policy_device = "cuda" if config.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
     writer = SummaryWriter(str(run / "tb" / "validation"))
     writer.add_text("config", "```\n" + json.dumps(asdict(config), indent=1) + "\n```")
-    env_config = EnvConfig(reward=config.reward, rho=starting_rho(base, config), depth_zero=config.depth_zero)
+    env_config = EnvConfig(
+        reward=config.reward,
+        rho=starting_rho(base, config),
+        depth_zero=config.depth_zero,
+        lookup_gate=config.lookup_gate and lookup is not None,
+    )
     trainer = CoTrainer(
         backend,
         config.ppo,
@@ -306,6 +311,7 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
         train_config=asdict(config),
         metrics=metrics,
         depth_zero=config.depth_zero,
+        lookup_gate=env_config.lookup_gate,
     )
     if setup is not None:
         ranges = {(a, b): k for a, b, k in metrics["load"]["table_ranges"]}

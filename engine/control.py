@@ -7,6 +7,12 @@ A controller that sets ``decides_depth_zero`` is also asked ``should_continue`` 
 step (``state.depth == 0``): answering False makes the cycle an autoregressive step (depth 0: no draft,
 one target forward of the pending token), so a controller can switch speculation off where it does not
 pay. The draft catches up on the skipped tokens in its next draft step.
+
+A controller that sets ``decides_lookup`` decides context lookup itself, request by request and cycle by
+cycle: where the engine's context lookup (``engine.lookup``) has a proposal, ``use_lookup`` is asked with
+``state.lookup_proposed`` set (its length, which tells a long match from a short one): True verifies the
+proposal (a lookup cycle), False goes on to the controller's own cycle. The engine's load limit
+(``LookupConfig.max_requests``) then does not apply: it is the rule for controllers that do not decide.
 """
 
 from __future__ import annotations
@@ -54,6 +60,9 @@ class DraftState:
     load: LoadState | None = None
     """The load of the step this cycle runs in (``engine.load``): None when the request decodes alone
     (``generate``), set by the batched engine and by the server replay."""
+    lookup_proposed: int = 0
+    """The tokens the context lookup proposes this cycle, in the state ``use_lookup`` is asked with (a
+    proposal after a long match is longer, ``LookupConfig.long_tokens``); 0 in every other state."""
 
     @classmethod
     def before_drafting(
@@ -63,8 +72,10 @@ class DraftState:
         history: Sequence[CycleRecord],
         temperature: float = 0.0,
         load: LoadState | None = None,
+        lookup_proposed: int = 0,
     ) -> DraftState:
-        """The depth-0 state (asked of controllers with ``decides_depth_zero``): nothing drafted yet."""
+        """The depth-0 state (asked of controllers with ``decides_depth_zero``, and ``use_lookup``'s with the
+        proposal's length): nothing drafted yet."""
         empty = np.zeros(0, dtype=np.float32)
         return cls(
             depth=0,
@@ -76,6 +87,7 @@ class DraftState:
             history=history,
             temperature=temperature,
             load=load,
+            lookup_proposed=lookup_proposed,
         )
 
 
@@ -86,6 +98,9 @@ class Controller(ABC):
     """Frontier width W and children per expanded node; 1 drafts a chain."""
     decides_depth_zero: bool = False
     """True: ``should_continue`` is also asked at depth 0 (draft at all this cycle?)."""
+    decides_lookup: bool = False
+    """True: ``use_lookup`` is asked whenever the engine's context lookup has a proposal (the load limit then
+    does not apply); False: the engine's rule decides (module docstring)."""
 
     def reset(self) -> None:  # noqa: B027 - optional hook
         """Called at the start of every request (clear per-request state)."""
@@ -100,17 +115,23 @@ class Controller(ABC):
         """After drafting: how many of the drafted nodes (top by score) to verify (an integer); clamped to
         [0, min(N, EngineConfig.max_verify)]."""
 
+    def use_lookup(self, state: DraftState) -> bool:
+        """Asked of a controller with ``decides_lookup`` where context lookup proposes
+        ``state.lookup_proposed`` tokens (``state.depth`` 0): verify them (a lookup cycle)? False: the cycle is
+        the controller's (drafting, or an autoregressive step). The default takes every proposal."""
+        return True
+
     def observe(self, record: CycleRecord) -> None:  # noqa: B027 - optional hook
         """Called after every cycle with its outcome (online estimates live here)."""
 
 
-def decision(answer: object, controller: object) -> bool:
-    """``should_continue``'s answer as a bool. Anything but a bool (or the integers 0 and 1) is a
+def decision(answer: object, controller: object, method: str = "should_continue") -> bool:
+    """``should_continue``'s (or ``use_lookup``'s) answer as a bool. Anything but a bool (or the integers 0 and 1) is a
     ``ControllerError`` naming the controller, rather than a silent truth value (None is False, NaN True)."""
     if isinstance(answer, (bool, np.bool_)) or (is_int(answer) and answer in (0, 1)):
         return bool(answer)
     raise ControllerError(
-        f"{type(controller).__name__}.should_continue must return a bool, got "
+        f"{type(controller).__name__}.{method} must return a bool, got "
         f"{short_repr(answer)} ({type(answer).__name__})"
     )
 

@@ -8,7 +8,8 @@ and the side driving it does what the answer needs in between (live: the draft f
 of the next question; replay: reading the recorded tree). The order:
 
 1. context lookup first, where one is configured and runs at the cycle's load (``LookupConfig.runs_at``): a
-   proposal makes a lookup cycle, and no controller is asked;
+   proposal makes a lookup cycle, and no controller is asked; a controller that ``decides_lookup`` is asked
+   instead (``use_lookup``, at every load: the load limit is the rule for the others), and "no" goes on;
 2. no controller, or a depth cap below 1: an autoregressive step;
 3. a controller that ``decides_depth_zero`` is asked at depth 0 (draft at all?): "no" is an autoregressive step;
 4. under load (``shares_its_step``) a draft behind by more than ``EngineConfig.draft_catch_up_tokens``: a
@@ -42,8 +43,9 @@ DRAFT_CATCH_UP_TOKENS = 16
 """The default of ``EngineConfig.draft_catch_up_tokens`` (``BatchConfig.max_prefill_tokens``'s default too)."""
 
 Kind = Literal["lookup", "autoregressive", "catch_up", "speculative"]
-Question = tuple[Literal["lookup", "depth", "size"], int]
+Question = tuple[Literal["lookup", "use_lookup", "depth", "size"], int]
 """What ``cycle_rules`` asks its driver: ``("lookup", 0)``: the number of tokens the context lookup proposes;
+``("use_lookup", k)``: verify the k tokens it proposes (a bool; asked of a controller that ``decides_lookup``);
 ``("depth", d)``: having drafted d levels (0: none yet), draft one more? (a bool); ``("size", d)``: d levels
 drafted, how many nodes to verify? (an integer, the controller's answer before the engine's caps)."""
 
@@ -102,6 +104,7 @@ def cycle_rules(
     depth_zero: bool,
     behind: int,
     catch_up: int,
+    gate: bool = False,
 ) -> Generator[Question, bool | int, Plan]:
     """One cycle's decisions (module docstring), as a generator of its ``Question``s; returns the ``Plan``.
 
@@ -109,10 +112,12 @@ def cycle_rules(
     alone); ``lookup``: the engine's context lookup (None: off); ``controlled``: a controller (or an agent)
     decides the cycle (False: autoregressive decoding); ``depth_zero``: it is asked at depth 0; ``behind``:
     the tokens the draft has not run (the prompt, if its lazy prefill has not run, and its pending tokens);
-    ``catch_up``: ``EngineConfig.draft_catch_up_tokens``."""
-    if lookup is not None and lookup.runs_at(load):
+    ``catch_up``: ``EngineConfig.draft_catch_up_tokens``; ``gate``: the controller decides context lookup
+    (``Controller.decides_lookup``: asked at every load, the load limit aside)."""
+    gate = gate and controlled
+    if lookup is not None and (gate or lookup.runs_at(load)):
         proposed = yield ("lookup", 0)
-        if proposed:
+        if proposed and (not gate or (yield ("use_lookup", int(proposed)))):
             return Plan("lookup", proposed=int(proposed))
     if not controlled or cap < 1:
         return Plan("autoregressive")
@@ -147,21 +152,30 @@ class CyclePlan:
     @property
     def drafting(self) -> bool:
         """Whether the pending question is one of a speculative cycle (asked after drafting starts)."""
-        return self.question is not None and self.question != ("depth", 0) and self.question[0] != "lookup"
+        return (
+            self.question is not None
+            and self.question != ("depth", 0)
+            and self.question[0] not in ("lookup", "use_lookup")
+        )
 
     def ask(self, state: DraftState) -> bool | int:
-        """Ask the controller the pending depth or size question in ``state``, checked (``ask``); the plan
-        moves on with the answer, which is returned."""
+        """Ask the controller the pending depth, size or use-lookup question in ``state``, checked (``ask``);
+        the plan moves on with the answer, which is returned."""
         kind = self.question[0]
         value = ask(self.controller, kind, state)
         self.reply(value)
         return value
 
 
-def ask(controller: Controller, kind: Literal["depth", "size"], state: DraftState) -> bool | int:
+def ask(
+    controller: Controller, kind: Literal["depth", "size", "use_lookup"], state: DraftState
+) -> bool | int:
     """A controller's answer to a question, checked as the engine checks it: ``"depth"``: draft one more level
     (a bool; asked at depth 0 of a controller that does not decide depth 0, it drafts without being asked);
-    ``"size"``: nodes to verify (an integer). A bad answer is a ``ControllerError``."""
+    ``"size"``: nodes to verify (an integer); ``"use_lookup"``: verify the context lookup's proposal of
+    ``state.lookup_proposed`` tokens (a bool). A bad answer is a ``ControllerError``."""
+    if kind == "use_lookup":
+        return decision(controller.use_lookup(state), controller, "use_lookup")
     if kind == "depth":
         if state.depth == 0 and not controller.decides_depth_zero:
             return True
@@ -173,7 +187,7 @@ def answer(
     controller: Controller | None, message: tuple[str, DraftState] | tuple[str, CycleRecord]
 ) -> bool | int | None:
     """A controller's reply to a message of a replayed cycle (``envs.replay.Message``): its checked answer to
-    a ``"depth"`` or ``"size"`` question (``ask``); a ``"cycle"`` is observed (a lookup cycle, no controller's
+    a ``"depth"``, ``"size"`` or ``"use_lookup"`` question (``ask``); a ``"cycle"`` is observed (a lookup cycle, no controller's
     decision, is not) and answered with None. A None controller only gets cycles (autoregressive decoding)."""
     kind, payload = message
     if kind == "cycle":

@@ -217,6 +217,7 @@ class SpeculativeEngine(PrefillPhase, DraftPhase):
             controlled and controller.decides_depth_zero,
             len(req.tokens) - req.draft_len,  # the prompt it has not run and its pending tokens
             self.config.draft_catch_up_tokens,
+            controlled and controller.decides_lookup,
         )
         plan = CyclePlan(rules, controller)
         proposal, lookup_s, ask_s = [], None, 0.0
@@ -227,13 +228,14 @@ class SpeculativeEngine(PrefillPhase, DraftPhase):
                 proposal = index.propose(lookup_cap(budget, self.config.max_verify, index.config))
                 lookup_s = self.clock() - t0
                 plan.reply(len(proposal))
-            else:  # depth 0: draft at all this cycle?
+            else:  # verify the lookup's proposal? / depth 0: draft at all this cycle?
+                offered = len(proposal) if plan.question[0] == "use_lookup" else 0
                 plan.ask(
                     DraftState.before_drafting(
-                        len(req.tokens), cap, req.cycles, req.sampling.temperature, load=req.load
+                        len(req.tokens), cap, req.cycles, req.sampling.temperature, req.load, offered
                     )
                 )
-                ask_s = self.clock() - t0
+                ask_s += self.clock() - t0
         kind = "speculative" if plan.drafting else plan.plan.kind
         if kind == "lookup":  # neither the draft nor the controller runs
             record = yield from self._lookup_cycle(req, proposal)

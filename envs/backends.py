@@ -61,7 +61,12 @@ class Backend(Protocol):
     profile: CostProfile | None
     """Cost profile (replay: the times; live: device features and optional recharging)."""
 
-    def new_episode(self, index: int, rng: np.random.Generator, depth_zero: bool = False) -> Episode: ...
+    def new_episode(
+        self, index: int, rng: np.random.Generator, depth_zero: bool = False, gate: bool = False
+    ) -> Episode:
+        """Episode ``index``; ``depth_zero``: the agent decides depth 0; ``gate``: it decides context lookup
+        (``engine.control.Controller.decides_lookup``)."""
+        ...
 
     def throughput_of(self, controller: Controller | None) -> float:
         """Decode tokens per second of ``controller`` (None: autoregressive) over every episode."""
@@ -107,9 +112,15 @@ class ReplayBackend:
         rng: np.random.Generator,
         depth_zero: bool = False,
         profile: CostProfile | PerturbedProfile | None = None,
+        gate: bool = False,
     ) -> Episode:
         return replay_cycles(
-            self.traces[index], profile or self.profile, None, depth_zero=depth_zero, lookup=self.lookup
+            self.traces[index],
+            profile or self.profile,
+            None,
+            depth_zero=depth_zero,
+            lookup=self.lookup,
+            gate=gate,
         )
 
     def throughput_of(self, controller: Controller | None) -> float:
@@ -136,6 +147,9 @@ class _BridgeController(Controller):
 
     def should_continue(self, state: DraftState) -> bool:
         return bool(self._ask("depth", state))
+
+    def use_lookup(self, state: DraftState) -> bool:
+        return bool(self._ask("use_lookup", state))
 
     def num_to_verify(self, state: DraftState) -> int:
         return int(self._ask("size", state))
@@ -166,11 +180,13 @@ class LiveLoop:
         width: int,
         recharge_profile: CostProfile | None = None,
         depth_zero: bool = False,
+        gate: bool = False,
     ):
         self.questions: queue.Queue = queue.Queue(maxsize=1)
         self.answers: queue.Queue = queue.Queue(maxsize=1)
         controller = _BridgeController(width, self.questions, self.answers)
         controller.decides_depth_zero = depth_zero
+        controller.decides_lookup = gate
         self.result = None
         self.recharge_profile, self.width = recharge_profile, width
         self._thread = threading.Thread(
@@ -240,7 +256,9 @@ class LiveBackend:
     def __deepcopy__(self, memo):
         return self  # shared by design (models, engine); per-episode state lives in each LiveLoop
 
-    def new_episode(self, index: int, rng: np.random.Generator, depth_zero: bool = False) -> LiveLoop:
+    def new_episode(
+        self, index: int, rng: np.random.Generator, depth_zero: bool = False, gate: bool = False
+    ) -> LiveLoop:
         seed = int(rng.integers(2**31))
         return LiveLoop(
             self.engine,
@@ -250,6 +268,7 @@ class LiveBackend:
             self.width,
             self.profile if self.timing == "profile" else None,
             depth_zero=depth_zero,
+            gate=gate,
         )
 
     def throughput_of(self, controller: Controller | None) -> float:

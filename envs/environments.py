@@ -60,6 +60,11 @@ class EnvConfig:
     depth_zero: bool = False
     """Also decide depth 0 (draft at all this cycle?): the depth agent is asked before the first draft
     step, and "stop" there makes the cycle an autoregressive step."""
+    lookup_gate: bool = False
+    """The depth agent also decides context lookup (``engine.control.Controller.decides_lookup``): where the
+    backend's lookup proposes, it is asked before drafting with the proposal's length in its observation
+    (``DraftState.lookup_proposed``), 1 verifying the proposal and 0 going on to its own cycle; the lookup's
+    load limit does not apply. In a size environment the depth controller decides, if it ``decides_lookup``."""
 
     def __post_init__(self) -> None:
         if self.reward not in ("average", "throughput"):
@@ -75,6 +80,16 @@ def reference_rho(backend: Backend) -> float:
 class _DecisionEnv(gym.Env):
     metadata = {"render_modes": []}
     decision = ""  # "depth" or "size": the backend message the agent answers
+
+    @property
+    def decisions(self) -> tuple[str, ...]:
+        """The backend messages the agent answers."""
+        return (self.decision,)
+
+    @property
+    def _gate(self) -> bool:
+        """Whether the episodes ask ``use_lookup`` questions (``EnvConfig.lookup_gate``)."""
+        return False
 
     def __init__(
         self,
@@ -102,6 +117,7 @@ class _DecisionEnv(gym.Env):
         self.loads = DeviceAtLoad(self.profile, self.width, alone=self.device)
         self.rho = float(self.config.rho or reference_rho(backend))
         self._loop = None
+        self._kind = self.decision  # the kind of the decision pending (the depth agent's: "use_lookup" too)
         self.last_result = None
         """The live engine's GenerationResult of the last finished episode (None in replay)."""
 
@@ -116,6 +132,8 @@ class _DecisionEnv(gym.Env):
             self.close()  # an unfinished live request must release its engine thread
             self._draw_profile()
             kwargs = {} if self.profile is self.backend.profile else {"profile": self.profile}
+            if self._gate:
+                kwargs["gate"] = True
             self._loop = self.backend.new_episode(
                 self.episode_index, self.np_random, depth_zero=self.config.depth_zero, **kwargs
             )
@@ -165,8 +183,8 @@ class _DecisionEnv(gym.Env):
                 if self.config.rho_update and self.ep_seconds > 0:
                     self.rho += self.config.rho_update * (self.ep_tokens / self.ep_seconds - self.rho)
                 return np.zeros(self.observation_space.shape, np.float32), reward, True, info
-            if kind == self.decision:
-                self._state = payload
+            if kind in self.decisions:
+                self._kind, self._state = kind, payload
                 return self._observe(payload), reward, False, info
             if kind == "cycle":
                 reward += self._cycle_reward(payload)
@@ -182,6 +200,12 @@ class _DecisionEnv(gym.Env):
             # the other decision's controller answers and observes as in the engine (``engine.cycle.answer``:
             # at depth 0 only a controller that decides depth 0 is asked; a lookup cycle is not observed)
             reply = answer(self.other, (kind, payload))
+
+    @property
+    def decision_kind(self) -> str:
+        """The kind of the decision the agent is asked now: ``decision``, or ``"use_lookup"`` (a depth agent
+        that decides context lookup, ``EnvConfig.lookup_gate``)."""
+        return self._kind
 
     @property
     def decision_state(self):
@@ -233,6 +257,14 @@ class DepthEnv(_DecisionEnv):
 
     decision = "depth"
 
+    @property
+    def decisions(self) -> tuple[str, ...]:
+        return ("depth", "use_lookup") if self.config.lookup_gate else ("depth",)
+
+    @property
+    def _gate(self) -> bool:
+        return self.config.lookup_gate
+
     def __init__(
         self,
         backend: Backend,
@@ -250,6 +282,8 @@ class DepthEnv(_DecisionEnv):
     def _act(self, action):
         go = bool(int(action))
         reward = 0.0
+        if self._kind == "use_lookup":  # verify the lookup's proposal? (no draft step to charge)
+            return go, reward
         if go:
             self._continues += 1
             if self.config.reward == "average":
@@ -283,6 +317,10 @@ class SizeEnv(_DecisionEnv):
     """
 
     decision = "size"
+
+    @property
+    def _gate(self) -> bool:
+        return self.config.lookup_gate and self.other.decides_lookup
 
     def __init__(
         self,

@@ -5,8 +5,11 @@ The oracle knows every cycle's outcome in advance (it reads the trace) and picks
 (position, number of draft pending inputs) makes that exact for the recorded trajectory under the cost
 profile's expected times. With the engine's context lookup (``lookup``) the positions where the lookup
 proposes are lookup cycles for every controller (the engine takes them without asking), so the oracle plans
-them as forced moves, and stays the upper bound of controllers replayed with that lookup. No real
-controller can beat it on that trajectory: it is the upper bound learned policies are measured against.
+them as forced moves, and stays the upper bound of controllers replayed with that lookup that do not decide
+it themselves. A controller that ``decides_lookup`` (``engine.control``) may decline a proposal, a move this
+oracle does not plan: against such a controller it is the oracle under the engine's lookup rule, not a bound.
+Otherwise no real controller can beat it on that trajectory: it is the upper bound learned policies are
+measured against.
 """
 
 from __future__ import annotations

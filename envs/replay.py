@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -45,12 +45,14 @@ from engine.results import CycleRecord
 from engine.tree import MAX_TREE_NODES, clamp_verify
 from envs.trace import Trace, TraceError
 
-Message = tuple[Literal["depth", "size"], DraftState] | tuple[Literal["cycle"], CycleRecord]
-"""What an episode yields: ``("depth", state)`` after each draft step (and at depth 0 when asked), ``("size",
-state)`` once drafting stops, ``("cycle", record)`` after every cycle."""
+Message = tuple[Literal["depth", "size", "use_lookup"], DraftState] | tuple[Literal["cycle"], CycleRecord]
+"""What an episode yields: ``("use_lookup", state)`` where context lookup proposes ``state.lookup_proposed``
+tokens and the controller decides lookup, ``("depth", state)`` after each draft step (and at depth 0 when
+asked), ``("size", state)`` once drafting stops, ``("cycle", record)`` after every cycle."""
 Reply = bool | int | None
-"""What the driver sends back: to ``"depth"`` a bool (draft one more level?), to ``"size"`` an int (nodes to
-verify), to ``"cycle"`` None (and None to start an episode)."""
+"""What the driver sends back: to ``"use_lookup"`` a bool (verify the proposal?), to ``"depth"`` a bool (draft
+one more level?), to ``"size"`` an int (nodes to verify), to ``"cycle"`` None (and None to start an
+episode)."""
 
 
 @dataclass
@@ -270,6 +272,7 @@ def replay_cycles(
     load: Callable[[], LoadState | None] | None = None,
     catch_up: int = DRAFT_CATCH_UP_TOKENS,
     lag: DraftLag | None = None,
+    gate: bool = False,
 ) -> Generator[Message, Reply, None]:
     """The engine's cycle loop on a trace, as a coroutine: yields ``("depth", DraftState)`` (send a bool:
     continue?), ``("size", DraftState)`` (send the number of nodes to verify) and ``("cycle",
@@ -286,14 +289,18 @@ def replay_cycles(
     (the prompt it has not run plus its pending tokens) is a catch-up cycle, as in the engine: an
     autoregressive step recorded with ``catch_up`` = the chunk's tokens (the prompt's first); alone never.
     ``lag``: what the draft is behind by (``engine.cycle.DraftLag``), updated once each cycle's message has
-    been answered (a server replay reads it while it times the step); None: the loop's own."""
+    been answered (a server replay reads it while it times the step); None: the loop's own. ``gate``: the
+    controller decides context lookup (``Controller.decides_lookup``): a proposal yields ``("use_lookup",
+    state)`` at every load, and "no" goes on to the controller's cycle."""
     records: list[CycleRecord] = []
     t = 0
     lag = lag if lag is not None else DraftLag(rt.trace.prompt_len)  # its prefill is lazy: the whole prompt
     rules = lookup.rules if lookup is not None else None  # the proposals (the load limit aside)
     while not rt.done(t):
         now = load() if load is not None else None
-        decide = cycle_rules(rt.depth_cap(t), now, lookup, speculative, depth_zero, lag.behind, catch_up)
+        decide = cycle_rules(
+            rt.depth_cap(t), now, lookup, speculative, depth_zero, lag.behind, catch_up, gate
+        )
         reply, accepted = None, 0
         while True:
             try:
@@ -304,6 +311,9 @@ def replay_cycles(
             if kind == "lookup":
                 proposed, accepted = rt.lookup(t, rules)
                 reply = proposed
+            elif kind == "use_lookup":
+                state = replace(rt.state(t, 0, records, now), lookup_proposed=depth)
+                reply = yield (kind, state)
             else:
                 reply = yield (kind, rt.state(t, depth, records, now))
         ctx, pending = rt.context_len(t), lag.pending
@@ -350,6 +360,7 @@ def replay_generate(
         speculative=controller is not None,
         depth_zero=controller is not None and controller.decides_depth_zero,
         lookup=lookup,
+        gate=controller is not None and controller.decides_lookup,
     )
     records, ctrl_s, reply = [], 0.0, None
     while True:

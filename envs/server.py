@@ -147,12 +147,12 @@ class ServerReplay:
         arrivals: Arrivals,
         make_controller: Callable[[], Controller | None],
         order: Sequence[int] | None = None,
-        external: tuple[int, float, bool] | None = None,
+        external: tuple[int, float, bool, bool] | None = None,
         until_external: bool = False,
         background: bool = True,
     ) -> Generator[Message, Reply, ServerRun]:
         """The run as a generator: it yields only the questions and cycles of the ``external`` request
-        (trace index, arrival second, decides depth 0), answered by whoever drives it (an environment), and
+        (trace index, arrival second, decides depth 0, decides lookup), answered by whoever drives it (an environment), and
         returns the ``ServerRun``. ``until_external``: stop when the external request finishes.
         ``background``: False runs the external request alone (no arrivals)."""
         order = list(order) if order is not None else list(range(len(self.traces)))
@@ -172,8 +172,10 @@ class ServerReplay:
             spawn(at)
         ext: ReplayRequest | None = None
         if external is not None:
-            index, at, depth_zero = external
-            ext = ReplayRequest(-1, self.traces[index], at, None, external=True, depth_zero=depth_zero)
+            index, at, depth_zero, gate = external
+            ext = ReplayRequest(
+                -1, self.traces[index], at, None, external=True, depth_zero=depth_zero, gate=gate
+            )
         queue: deque[ReplayRequest] = deque()
         batch: list[ReplayRequest] = []
         tracker = LoadTracker()
@@ -328,6 +330,7 @@ class ServerReplay:
         ctrl = req.controller
         speculative = req.external or ctrl is not None
         depth_zero = req.depth_zero if req.external else bool(ctrl and ctrl.decides_depth_zero)
+        gate = req.gate if req.external else bool(ctrl and ctrl.decides_lookup)
         if ctrl is not None:
             if ctrl.tree_width != self.width:
                 raise InputError(f"controller tree_width {ctrl.tree_width} != trace tree_width {self.width}")
@@ -335,7 +338,7 @@ class ServerReplay:
         req.lag = DraftLag(req.trace.trace.prompt_len - draft_hit)
         req.loop = replay_cycles(
             req.trace, None, None, speculative=speculative, depth_zero=depth_zero, lookup=self.lookup,
-            load=lambda: req.load, catch_up=self.config.engine.draft_catch_up_tokens, lag=req.lag,
+            load=lambda: req.load, catch_up=self.config.engine.draft_catch_up_tokens, lag=req.lag, gate=gate,
         )  # fmt: skip
         if req.trace.done(0):
             req.done = True
@@ -488,7 +491,12 @@ class ServerReplayBackend:
         return self.profile if self.profiles is None else self.profiles.sample(rng)
 
     def new_episode(
-        self, index: int, rng: np.random.Generator, depth_zero: bool = False, profile: Any = None
+        self,
+        index: int,
+        rng: np.random.Generator,
+        depth_zero: bool = False,
+        profile: Any = None,
+        gate: bool = False,
     ) -> Generator[Message, Reply, None]:
         n = int(self.concurrencies[int(rng.integers(len(self.concurrencies)))])
         sim = self.sim
@@ -505,7 +513,7 @@ class ServerReplayBackend:
             arrivals,
             make,
             order,
-            external=(index, arrival, depth_zero),
+            external=(index, arrival, depth_zero, gate),
             until_external=True,
             background=others > 0,
         )

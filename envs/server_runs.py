@@ -87,6 +87,8 @@ class ReplayRequest:
     controller: Controller | None
     external: bool = False
     depth_zero: bool = False
+    gate: bool = False
+    """The external request's agent decides context lookup (``Controller.decides_lookup``)."""
     loop: Generator[Message, Reply, None] | None = None
     admitted: float | None = None
     prefilled: bool = False

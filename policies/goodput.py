@@ -21,6 +21,13 @@ so under load, where a verified row costs more of the step, only drafts likely a
 it is the request's own cycle time. While it does not draft, it drafts one token every ``probe_every`` cycles
 to refresh its estimate.
 
+Context lookup (``decides_lookup``, on by default). Where the engine's lookup proposes k tokens, the controller
+verifies them when their expected tokens per second, E(alpha_lookup, k) over the cost of verifying k rows at the
+load, is at least that of its best draft length; else the cycle is its own. So a request whose input it copies
+keeps lookup under any load, and one whose proposals miss drops it, whatever the engine's one load limit says
+(``LookupConfig.max_requests``: the rule of controllers that do not decide). After ``probe_every`` proposals
+declined in a row it takes one, to refresh the estimate.
+
 Exact like every controller: it only chooses how much to draft and verify.
 """
 
@@ -78,6 +85,7 @@ class GoodputController(Controller):
         decay: float = 0.8,
         probe_every: int = 16,
         load_aware: bool = True,
+        gate_lookup: bool = True,
     ):
         if profile is None:
             raise ValueError("GoodputController needs a cost profile (python -m engine.costs.measure_costs)")
@@ -91,6 +99,7 @@ class GoodputController(Controller):
         self.profile, self.max_depth = profile, max_depth
         self.prior, self.prior_weight, self.decay, self.probe_every = prior, prior_weight, decay, probe_every
         self.loads = LoadedProfiles(profile) if load_aware else None
+        self.decides_lookup = bool(gate_lookup)
         self.reset()
 
     def reset(self) -> None:
@@ -99,6 +108,7 @@ class GoodputController(Controller):
         self._seen = 0
         self._length = 0
         self._off = 0
+        self._declined = 0
 
     # ------------------------------------------------------------------------------------ estimates
     def absorb(self, history: Sequence[CycleRecord]) -> None:
@@ -126,9 +136,12 @@ class GoodputController(Controller):
         return self.draft.value(prior, self.prior_weight)
 
     # ------------------------------------------------------------------------------------ the rule
+    def _profile(self, state: DraftState):
+        return self.loads.at(state.load) if self.loads is not None else self.profile
+
     def goodputs(self, alpha: float, state: DraftState) -> np.ndarray:
         """[d + 1] expected tokens per second of drafting d = 0..cap tokens (all verified) at the state's load."""
-        profile = self.loads.at(state.load) if self.loads is not None else self.profile
+        profile = self._profile(state)
         cap = max(0, min(self.max_depth, state.max_depth))
         out = np.empty(cap + 1)
         for d in range(cap + 1):
@@ -145,6 +158,20 @@ class GoodputController(Controller):
         self._off = self._off + 1 if best == 0 else 0
         return best
 
+    def lookup_goodput(self, state: DraftState) -> float:
+        """Expected tokens per second of verifying the lookup's ``state.lookup_proposed`` tokens at the state's
+        load (a lookup cycle is charged as the replay charges it: a k-token chain verified, no draft step)."""
+        profile, k, ctx = self._profile(state), int(state.lookup_proposed), state.context_len
+        cost = profile.verify_s(k, ctx, chain=True) + profile.overhead_s(k, depth=1)
+        return expected_tokens(self.lookup_alpha(), k) / max(cost, 1e-9)
+
+    def use_lookup(self, state: DraftState) -> bool:
+        self.absorb(state.history)
+        best_draft = float(self.goodputs(self.draft_alpha(), state).max())
+        take = self.lookup_goodput(state) >= best_draft or self._declined + 1 >= self.probe_every
+        self._declined = 0 if take else self._declined + 1
+        return take
+
     def should_continue(self, state: DraftState) -> bool:
         if state.depth == 0:
             self._length = self.length(state)
@@ -157,5 +184,5 @@ class GoodputController(Controller):
     def __repr__(self) -> str:
         return (
             f"GoodputController(max_depth={self.max_depth}, prior={self.prior}, decay={self.decay}, "
-            f"load_aware={self.loads is not None})"
+            f"load_aware={self.loads is not None}, gate_lookup={self.decides_lookup})"
         )

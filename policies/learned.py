@@ -4,7 +4,7 @@ File format (``torch.save`` of plain types and tensors, read back with ``weights
 
     {"format": "draftpilot-policy", "format_version": 1, "feature_version": engine.costs.observation.FEATURE_VERSION,
      "depth": ACTOR, "size": ACTOR, "size_ladder": [1, 2, ...], "tree_width": W, "max_depth": D,
-     "depth_zero": bool, "device_features": [6 floats], "pair": str, "profile": JSON str,
+     "depth_zero": bool, "lookup_gate": bool, "device_features": [6 floats], "pair": str, "profile": JSON str,
      "train_config": JSON str, "metrics": JSON str, "payload_sha256": hex str}
     ACTOR = {"weights": [tensor, ...], "biases": [tensor, ...], "activation": "tanh" | "relu",
              "obs_mean": tensor, "obs_var": tensor, "clip_obs": float, "epsilon": float}
@@ -79,6 +79,7 @@ def save_policy(
     train_config: dict | None = None,
     metrics: dict | None = None,
     depth_zero: bool = False,
+    lookup_gate: bool = False,
 ) -> Path:
     """Write one standalone policy file (both actors and everything needed to use them)."""
     path = Path(path)
@@ -93,6 +94,7 @@ def save_policy(
         "tree_width": int(tree_width),
         "max_depth": int(max_depth),
         "depth_zero": bool(depth_zero),
+        "lookup_gate": bool(lookup_gate),
         "device_features": [float(x) for x in np.asarray(device_feats).ravel()],
         "pair": str(pair),
         "profile": json.dumps(profile, default=str),
@@ -175,8 +177,9 @@ def _check_fields(data: dict[str, Any], where: str) -> None:
         if not is_int(value) or value < low or (high is not None and value > high):
             bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
             raise PolicyFileError(f"{where}: {key} must be an integer {bound}, got {value!r}")
-    if not isinstance(data.get("depth_zero", False), bool):
-        raise PolicyFileError(f"{where}: depth_zero must be a bool, got {data['depth_zero']!r}")
+    for key in ("depth_zero", "lookup_gate"):
+        if not isinstance(data.get(key, False), bool):
+            raise PolicyFileError(f"{where}: {key} must be a bool, got {data[key]!r}")
     feats = data["device_features"]
     if (
         not isinstance(feats, (list, tuple))
@@ -251,6 +254,7 @@ def load_policy(
         ladder = [int(s) for s in data["size_ladder"]]
         width, max_depth = int(data["tree_width"]), int(data["max_depth"])
         depth_zero = bool(data.get("depth_zero", False))  # files written before depth 0 existed: always draft
+        lookup_gate = bool(data.get("lookup_gate", False))  # trained to decide context lookup
         feats = np.asarray(data["device_features"], dtype=np.float32)
         meta = {key: json.loads(data[key]) for key in ("profile", "train_config", "metrics")}
     except (KeyError, TypeError, ValueError) as err:
@@ -276,6 +280,7 @@ def load_policy(
         meta=meta,
         depth_zero=depth_zero,
         loads=loads if loads is not None and loads.available else None,
+        lookup_gate=lookup_gate,
     )
     if pair is not None and (message := controller.pair_warning(pair)):
         warnings.warn(message, PolicyFileWarning, stacklevel=2)

@@ -200,10 +200,13 @@ class LearnedController(Controller):
         meta: dict[str, Any] | None = None,
         depth_zero: bool = False,
         loads: DeviceAtLoad | None = None,
+        lookup_gate: bool = False,
     ):
         """``depth_zero``: the depth actor was trained to decide depth 0 too (draft at all?); policies
         trained without it always draft. ``loads``: the device features at each load (a batched engine
-        shows the controller its load, ``DraftState.load``); None: ``device_feats`` whatever the load."""
+        shows the controller its load, ``DraftState.load``); None: ``device_feats`` whatever the load.
+        ``lookup_gate``: the depth actor was trained to decide context lookup too (``use_lookup``: its answer
+        in the state that shows the proposal's length); without it the engine's lookup rule decides."""
         if (depth_actor is None or size_actor is None) and fallback is None:
             raise ValueError("a LearnedController without both actors needs a fallback controller")
         if fallback is not None and fallback.tree_width != tree_width:
@@ -214,6 +217,7 @@ class LearnedController(Controller):
         self.device_feats = np.asarray(device_feats, dtype=np.float32)
         self.meta = meta or {}
         self.decides_depth_zero = bool(depth_zero)
+        self.decides_lookup = bool(lookup_gate) and depth_actor is not None
         self.loads = loads
 
     def _device(self, state: DraftState) -> np.ndarray:
@@ -238,6 +242,11 @@ class LearnedController(Controller):
             if state.depth == 0 and not self.fallback.decides_depth_zero:
                 return True
             return self.fallback.should_continue(state)
+        return bool(self.depth_actor.act(depth_observation(self._capped(state), self._device(state))))
+
+    def use_lookup(self, state: DraftState) -> bool:
+        if self.depth_actor is None:
+            return self.fallback.use_lookup(state)
         return bool(self.depth_actor.act(depth_observation(self._capped(state), self._device(state))))
 
     def num_to_verify(self, state: DraftState) -> int:

@@ -3,6 +3,8 @@ path for its conftest)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import gguf
 import numpy as np
 
@@ -49,12 +51,13 @@ def write_gguf(path, tensors) -> None:
     writer.close()
 
 
-def assert_greedy_identity(pair, prompts, controllers, max_new_tokens: int = 24) -> None:
-    """Every controller's greedy output equals autoregressive decoding of the same pair, token for token."""
-    engine = SpeculativeEngine(pair)
+def assert_greedy_identity(pair, prompts, controllers, max_new_tokens: int = 24, config=None) -> None:
+    """Every controller's greedy output equals autoregressive decoding of the same pair, token for token
+    (``config``: the controllers' ``EngineConfig``, e.g. with context lookup; the reference has none)."""
+    engine = SpeculativeEngine(pair, config=config) if config is not None else SpeculativeEngine(pair)
     for prompt in prompts:
         ids = pair.encode(prompt)
-        ar = engine.generate(ids, max_new_tokens=max_new_tokens)
+        ar = SpeculativeEngine(pair).generate(ids, max_new_tokens=max_new_tokens)
         for controller in controllers:
             got = engine.generate(ids, max_new_tokens=max_new_tokens, controller=controller)
             assert got.tokens == ar.tokens, controller
@@ -155,3 +158,28 @@ def late_starter(skip: int, depth: int):
             return super().should_continue(state)
 
     return LateStarter()
+
+
+def lookup_chooser(depth: int, take: Callable[[int], bool] | None = None):
+    """A static chain of ``depth`` that decides context lookup itself (``decides_lookup``): it takes the
+    lookup's proposal when ``take(len(history))`` (default: every other cycle), a deterministic rule of the
+    request's history, so a live engine and its replay ask and answer alike. ``asked`` holds each question's
+    (cycles so far, tokens proposed, taken)."""
+    from engine.control import StaticController
+
+    take = take or (lambda n: n % 2 == 0)
+
+    class LookupChooser(StaticController):
+        decides_lookup = True
+
+        def __init__(self):
+            super().__init__(depth)
+            self.asked = []
+
+        def use_lookup(self, state):
+            assert state.depth == 0 and state.lookup_proposed > 0
+            taken = bool(take(len(state.history)))
+            self.asked.append((len(state.history), state.lookup_proposed, taken))
+            return taken
+
+    return LookupChooser()

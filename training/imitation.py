@@ -38,6 +38,9 @@ class FollowingTeacher(Controller):
     one, reset at every episode as any controller is."""
 
     decides_depth_zero = True
+    decides_lookup = (
+        True  # asked only where the environment's episodes gate lookup (``EnvConfig.lookup_gate``)
+    )
 
     def __init__(self, make: Callable[[CostProfile], Controller], tree_width: int):
         self.make, self.tree_width = make, int(tree_width)
@@ -65,6 +68,10 @@ class FollowingTeacher(Controller):
     def num_to_verify(self, state: DraftState) -> int:
         teacher = self._teacher()
         return verify_size(teacher.num_to_verify(state), teacher)
+
+    def use_lookup(self, state: DraftState) -> bool:
+        teacher = self._teacher()
+        return decision(teacher.use_lookup(state), teacher, "use_lookup")
 
     def observe(self, record: CycleRecord) -> None:
         self._teacher().observe(record)
@@ -103,7 +110,9 @@ def collect(
     obs, _ = env.reset(seed=seed)
     while True:
         state = env.decision_state
-        if name == "depth":
+        if env.decision_kind == "use_lookup":
+            action = int(teacher.use_lookup(state))
+        elif name == "depth":
             action = int(teacher.should_continue(state))
         else:
             action = ladder_index(teacher.num_to_verify(state), config.size_ladder)

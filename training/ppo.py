@@ -23,6 +23,7 @@ planted checkpoint whose manifest was rewritten to match, unless its author can 
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from collections.abc import Callable
@@ -127,18 +128,13 @@ class CoTrainer:
             fallback=None if depth is not None and size is not None else self.baseline(),
             depth_zero=self.env_config.depth_zero,
             loads=self.loads,
+            lookup_gate=self.env_config.lookup_gate,
         )
 
     # ----------------------------------------------------------------------------------------- phases
     def _make_venv(self, name: str, other_factory: Callable[[], Controller]) -> VecNormalize:
         env_cls = SizeEnv if name == "size" else DepthEnv
-        config = EnvConfig(
-            reward=self.env_config.reward,
-            rho=self.rho,
-            rho_update=0.0,
-            size_ladder=self.env_config.size_ladder,
-            depth_zero=self.env_config.depth_zero,
-        )
+        config = dataclasses.replace(self.env_config, rho=self.rho, rho_update=0.0)
         fns = [lambda: env_cls(self.backend, other_factory(), config) for _ in range(self.ppo.n_envs)]
         venv = DummyVecEnv(fns)
         venv.seed(self.seed + (0 if name == "size" else 1000) + 10 * len(self.history))
@@ -232,12 +228,7 @@ class CoTrainer:
             venv = self._make_venv(name, self.baseline)
             model = self.models[name] = self._new_model(name, venv)
             gamma = self.ppo.gamma_size if name == "size" else self.ppo.gamma_depth
-            config = EnvConfig(
-                reward=self.env_config.reward,
-                rho=self.rho,
-                size_ladder=self.env_config.size_ladder,
-                depth_zero=self.env_config.depth_zero,
-            )
+            config = dataclasses.replace(self.env_config, rho=self.rho)
             seed = self.seed + 7919 + (0 if name == "size" else 1)
             data = imitation.collect(
                 self.backend, name, make_teacher, config, self.ppo.imitation_steps, gamma, seed

@@ -80,6 +80,11 @@ class TrainConfig(ModelConfig):
     depth_zero: bool = True
     """The depth policy also decides depth 0 (no draft this cycle: an autoregressive step), so it can switch
     speculation off where it does not pay."""
+    lookup_gate: bool = True
+    """With context lookup on: the depth policy also decides, request by request and cycle by cycle, whether to
+    verify the lookup's proposal (``engine.control.Controller.use_lookup``; it sees the proposal's length and
+    the request's lookup and draft acceptance so far), so the lookup's load limit stays a baseline's rule only.
+    Off: lookup runs unasked under the engine's load limit, as before."""
     profile: str | None = None
     """Cost profile JSON; none: measured on first use and cached under cache_dir."""
     train_profiles: str = ""

@@ -163,7 +163,8 @@ def validation(val_traces, profile: CostProfile, mix: ProfileMix | None, lookup:
 def baselines(train_traces, val_traces, profile: CostProfile, config: TrainConfig) -> dict:
     """Static grid (train: the baseline depth; validation: the best static a user could tune there),
     analytic, autoregressive and the oracle on the validation traces (all with the config's context
-    lookup: the oracle plans around its cycles, so it bounds every controller replayed with it)."""
+    lookup: the oracle plans around its cycles, so it bounds every controller replayed with it that does not
+    decide lookup itself; a policy trained with ``lookup_gate`` may decline proposals and pass it)."""
     width, depth = config.tree_width, config.max_depth
     lookup = parse_lookup(config.lookup)
     grid_train = static_grid(train_traces, profile, lookup=lookup)

@@ -21,7 +21,7 @@ from engine.costs.load_model import LoadedProfiles, per_load
 from engine.costs.speedup_model import next_level_probs, relative_speedups, verify_curve
 from engine.results import CycleRecord
 
-FEATURE_VERSION = 6
+FEATURE_VERSION = 7
 """2: the history features gained the draft lag (version 1 policies cannot see it; retrain them).
 3: the common part gained the request's sampling temperature (one policy serves greedy and sampled
 decoding; version 2 policies were trained for one temperature: retrain them).
@@ -37,7 +37,12 @@ they are wrong, instead of rebuilding them from probabilities and cost constants
 6: the common part gained the load (``load_features``: requests in the step, waiting, the other requests'
 rows and drafting, the arrival rate), and the device features (so the cost model's estimates too) are those
 of the profile at the request's load (``engine.costs.load_model``): drafting that pays alone loses when every
-drafted row competes with another request's row, and a policy that cannot see the load cannot tell."""
+drafted row competes with another request's row, and a policy that cannot see the load cannot tell.
+7: the common part gained the request's own signals (``request_features``): the tokens context lookup proposes
+now (set where the policy decides lookup, ``engine.control.Controller.use_lookup``), lookup's and the draft's
+acceptance in this request so far, and the share of its recent cycles lookup served. On input-grounded work
+(edits of given code, questions over a given document) acceptance differs between requests and within one
+answer; a policy that sees only the load features learns a per-load rule."""
 MAX_WIDTH = 8
 """Frontier entries observed by the depth policy (wider frontiers are cut, narrower padded with 0)."""
 MAX_NODES = 64
@@ -55,6 +60,10 @@ NUM_STATE_FEATURES = 4
 """depth, depth cap, log context, temperature."""
 NUM_LOAD_FEATURES = 5
 """requests, waiting, other rows, other drafting, arrival rate (``load_features``)."""
+NUM_REQUEST_FEATURES = 4
+"""lookup's proposal now, lookup's and the draft's acceptance, lookup's share of cycles (``request_features``)."""
+MAX_PROPOSAL = 8
+"""Lookup proposals longer than this are observed as this."""
 LOAD_REQUESTS_SCALE, LOAD_ROWS_SCALE, LOAD_RATE_SCALE = 4.0, 64.0, 16.0
 MODEL_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
 """Verification sizes at which the size observation holds the cost model's speedup."""
@@ -194,6 +203,33 @@ def load_features(load) -> np.ndarray:
     )
 
 
+def request_features(state: DraftState) -> np.ndarray:
+    """[4] the request's own signals over its last ``HISTORY`` cycles: the tokens context lookup proposes in
+    this state (``DraftState.lookup_proposed`` over ``MAX_PROPOSAL``; 0 but where lookup is the question);
+    lookup's per-token acceptance (accepted over verified in its lookup cycles; 0 without any); the draft's
+    (the same over its drafting cycles); the share of those cycles that were lookup cycles."""
+    lookup_acc = lookup_ver = draft_acc = draft_ver = 0
+    lookups = 0
+    recent = state.history[-HISTORY:]
+    for r in recent:
+        if r.lookup:
+            lookups += 1
+            lookup_acc += r.accepted
+            lookup_ver += r.num_verified
+        elif r.depth > 0:
+            draft_acc += r.accepted
+            draft_ver += r.num_verified
+    return np.asarray(
+        [
+            min(max(int(state.lookup_proposed), 0), MAX_PROPOSAL) / MAX_PROPOSAL,
+            lookup_acc / lookup_ver if lookup_ver else 0.0,
+            draft_acc / draft_ver if draft_ver else 0.0,
+            lookups / HISTORY,
+        ],
+        dtype=np.float32,
+    )
+
+
 def _common(state: DraftState, device: np.ndarray) -> np.ndarray:
     return np.concatenate(
         [
@@ -209,6 +245,7 @@ def _common(state: DraftState, device: np.ndarray) -> np.ndarray:
             history_features(state.history),
             device.astype(np.float32),
             load_features(state.load),
+            request_features(state),
         ]
     )
 
@@ -237,7 +274,9 @@ def size_observation(state: DraftState, device: np.ndarray) -> np.ndarray:
     return np.clip(obs, 0.0, SIZE_OBS_HIGH).astype(np.float32)
 
 
-NUM_COMMON_FEATURES = NUM_STATE_FEATURES + NUM_HISTORY_FEATURES + NUM_DEVICE_FEATURES + NUM_LOAD_FEATURES
+NUM_COMMON_FEATURES = (
+    NUM_STATE_FEATURES + NUM_HISTORY_FEATURES + NUM_DEVICE_FEATURES + NUM_LOAD_FEATURES + NUM_REQUEST_FEATURES
+)
 DEPTH_OBS_DIM = 2 * MAX_WIDTH + 2 + NUM_COMMON_FEATURES
 SIZE_OBS_DIM = MAX_NODES + 7 + len(MODEL_SIZES) + NUM_COMMON_FEATURES
 DEPTH_OBS_HIGH = SIZE_OBS_HIGH = 64.0

@@ -54,6 +54,7 @@ from engine.control import StaticController
 from engine.costs.observation import FEATURE_VERSION
 from engine.engine import SpeculativeEngine
 from engine.inputs import EngineConfig
+from engine.lookup import LookupConfig
 from engine.sampling import SamplingConfig, logits_to_probs, verify_chain
 from policies.learned import load_policy
 from policies.learned_controller import LearnedController
@@ -112,7 +113,7 @@ LEARNED_MODE = "sampled"
 """The learned case's draft mode: sampled chains (the Leviathan rule, whose wrong recovery is a negative
 control); every request with a controller runs its own copy of one load-aware learned policy, the greedy
 background requests are autoregressive (sampled drafts need a temperature)."""
-LEARNED_SEED = 2
+LEARNED_SEED = 56
 """Seed of the learned policy's random actors (``tests_helpers.make_policy``): the first whose policy drafts in
 this batch (at 0 and 1 it never does; ``assert_decided_by_the_load`` refuses such a policy)."""
 
@@ -197,6 +198,7 @@ def decode_in_busy_batch(
     subjects: list[BatchRequest],
     roles: list | None = None,
     batches: list | None = None,
+    lookup: LookupConfig | None = None,
     **config,
 ) -> tuple[list, list]:
     """Decode ``subjects`` in one ``BatchedEngine`` (``SUBJECT_SLOTS`` at a time, refilled as they finish)
@@ -204,7 +206,9 @@ def decode_in_busy_batch(
     they run, by default ``BACKGROUND[draft_mode]``; ``config``: other ``BatchConfig`` fields, the engine appended
     to ``batches``). Returns the subjects' results in order, and (request, tokens) of every finished greedy
     background request."""
-    batch = BatchedEngine(pair, dataclasses.replace(BATCH, engine=EngineConfig(draft_mode), **config))
+    batch = BatchedEngine(
+        pair, dataclasses.replace(BATCH, engine=EngineConfig(draft_mode, lookup=lookup), **config)
+    )
     if batches is not None:
         batches.append(batch)
     roles = roles or BACKGROUND[draft_mode]
@@ -274,8 +278,12 @@ def outcomes_by_sampling(subjects: list[BatchRequest], results: list, laws: dict
     return out
 
 
-CASES = [*SUBJECTS, "learned"]
-"""The static subjects in each draft mode, then the learned policy deciding for every request."""
+CASES = [*SUBJECTS, "learned", "learned+lookup"]
+"""The static subjects in each draft mode, then the learned policy deciding for every request, then a learned
+policy that also decides context lookup (``lookup_gate``) in an engine whose lookup proposes often."""
+LAW_LOOKUP = LookupConfig(min_ngram=1, max_ngram=2, max_tokens=3, long_ngram=0, long_tokens=0, max_requests=1)
+"""The learned+lookup case's context lookup: short n-grams (the tiny pair's byte tokens repeat), and a load limit
+of one request that a policy deciding lookup is not held to."""
 
 
 @pytest.fixture(scope="module")
@@ -294,11 +302,25 @@ def learned_policy(tmp_path_factory) -> LearnedController:
     return policy
 
 
+@pytest.fixture(scope="module")
+def gated_policy(tmp_path_factory) -> LearnedController:
+    """``learned_policy``'s twin that also decides context lookup (``lookup_gate``: its depth actor answers
+    ``use_lookup``, seeing the proposal's length and the request's lookup acceptance)."""
+    path = tmp_path_factory.mktemp("gated") / "policy.pt"
+    profile = batched_profile().to_dict()
+    make_policy(
+        path, seed=LEARNED_SEED, tree_width=1, max_depth=4, depth_zero=True, profile=profile, lookup_gate=True
+    )
+    policy = load_policy(path)
+    assert policy.decides_lookup and policy.loads is not None
+    return policy
+
+
 def case_setup(case: str, request) -> tuple[str, list, list]:
     """(draft mode, subjects' controller factories, background roles) of a case."""
-    if case != "learned":
+    if not case.startswith("learned"):
         return case, SUBJECTS[case], BACKGROUND[case]
-    policy = request.getfixturevalue("learned_policy")
+    policy = request.getfixturevalue("gated_policy" if case == "learned+lookup" else "learned_policy")
 
     def own() -> LearnedController:
         return copy.copy(policy)  # a controller instance serves one request at a time
@@ -353,7 +375,13 @@ def test_sampled_requests_in_a_busy_batch_have_the_target_law(
     steady_arrivals(monkeypatch)
     ids = tiny_pair.tokenizer.encode(PROMPT)
     subjects = subject_requests(ids, controllers, seed0=1_000_000 * (1 + CASES.index(case)))
-    results, greedy = decode_in_busy_batch(tiny_pair, draft_mode, subjects, roles)
+    lookup = LAW_LOOKUP if case == "learned+lookup" else None
+    answers = []
+    real_use = LearnedController.use_lookup
+    monkeypatch.setattr(
+        LearnedController, "use_lookup", lambda self, s: answers.append(real_use(self, s)) or answers[-1]
+    )
+    results, greedy = decode_in_busy_batch(tiny_pair, draft_mode, subjects, roles, lookup=lookup)
 
     # the row cap bit: many verifications were granted fewer nodes than asked, some all they asked
     asked = [(w, g) for w, g in grants if w > 0]
@@ -361,6 +389,12 @@ def test_sampled_requests_in_a_busy_batch_have_the_target_law(
     assert cut > len(asked) // 8 and sum(0 < g == w for w, g in asked) > len(asked) // 20, (cut, len(asked))
     if case == "learned":
         assert_decided_by_the_load(decisions, results)
+    if case == "learned+lookup":  # the policy was asked about proposals and some lookup cycles ran; the tiny
+        # pair samples near-uniform bytes, so proposals are rare (greedy gating: tests/envs/test_lookup_gate.py)
+        looked = sum(c.lookup for r in results for c in r.cycles)
+        assert len(answers) >= 20 and sum(answers) > 0 and looked > 0, (len(answers), sum(answers), looked)
+    else:
+        assert not answers
     # the background's greedy requests decoded as alone (a sanity check of the batch they shared)
     alone = {}
     for req, tokens in greedy:

@@ -7,7 +7,12 @@ import numpy as np
 import pytest
 
 from engine.control import StaticController
-from engine.costs.observation import NUM_DEVICE_FEATURES, NUM_LOAD_FEATURES, device_features
+from engine.costs.observation import (
+    NUM_DEVICE_FEATURES,
+    NUM_LOAD_FEATURES,
+    NUM_REQUEST_FEATURES,
+    device_features,
+)
 from envs.backends import ReplayBackend
 from envs.environments import DepthEnv, EnvConfig
 from envs.profiles import REFERENCE_CONTEXT, PerturbedProfile, ProfileMix
@@ -72,9 +77,8 @@ def test_an_environment_over_a_mix_gives_every_episode_its_profile_and_features(
         assert env.profile is not reference
         np.testing.assert_array_equal(env.device, device_features(env.profile, 1))
         np.testing.assert_array_equal(other.device_feats, env.device)  # the other decision sees it too
-        device = obs[
-            -(NUM_DEVICE_FEATURES + NUM_LOAD_FEATURES) : -NUM_LOAD_FEATURES
-        ]  # the load features close it
+        tail = NUM_LOAD_FEATURES + NUM_REQUEST_FEATURES  # the load and the request's features close it
+        device = obs[-(NUM_DEVICE_FEATURES + tail) : -tail]
         np.testing.assert_allclose(device, np.clip(env.device, 0, 64), rtol=1e-6)
         seen.append(tuple(env.device))
         done = False

@@ -23,7 +23,7 @@ from policies.analytic import AnalyticController
 from policies.goodput import GoodputController
 from policies.static import BatchSizeTableController, read_batch_size_table
 from tests_envs_helpers import make_synthetic_trace
-from tests_helpers import batched_profile, late_starter
+from tests_helpers import batched_profile, late_starter, lookup_chooser
 from training.export import check_sglang_adaptive_config, sglang_adaptive_config, write_exports
 from training.load_training import load_baselines
 
@@ -373,6 +373,50 @@ def test_the_live_batch_and_its_replay_plan_the_same_steps(tiny_pair):
     verified = [rec for plan in run.plans for _, rec in plan.cycles if rec.depth]
     assert any(rec.num_verified < rec.depth for rec in verified)
     assert any(rec.catch_up for plan in run.plans for _, rec in plan.cycles)
+
+
+def test_a_controller_that_decides_lookup_is_asked_at_every_load_live_and_replayed(tiny_pair):
+    """Three requests under a lookup whose load limit is one request, each controller deciding lookup itself
+    (``decides_lookup``: it takes every other proposal): live and replayed, the same steps; its proposals are
+    asked about under load too (the limit is the rule of controllers that do not decide), lookup cycles run
+    in steps shared with other requests, declined proposals go on to the controller's own cycle; every
+    request's tokens are its tokens alone. The control: the same controllers not deciding lookup run no
+    lookup cycle under load."""
+    from engine.batch import BatchedEngine
+    from engine.batch_api import BatchRequest
+    from engine.lookup import LookupConfig
+
+    max_depth, new = 3, 32
+    prompts = ["a b a b a b a b a b a b", "x y z x y z x y z x y z", "1 2 3 1 2 3 1 2 3 1 2 3"]
+    ids, rts = _recorded(tiny_pair, prompts, max_depth, new)
+    lookup = LookupConfig(1, 2, 3, 0, 0, max_requests=1)
+    config = BatchConfig(max_requests=3, engine=EngineConfig(max_depth=max_depth, lookup=lookup))
+
+    def live(make):
+        batch = BatchedEngine(tiny_pair, config)
+        ctrls = [make() for _ in ids]
+        rids = [batch.add(BatchRequest(i, new, c)) for i, c in zip(ids, ctrls)]
+        steps, done = [], {}
+        while batch.active or batch.pending:
+            for ev in batch.step():
+                if ev.finished:
+                    done[ev.rid] = batch.result(ev.rid).tokens
+            steps.append(_step_key(batch.last_step))
+        assert [done[r] for r in rids] == [rt.trace.tokens.tolist() for rt in rts]
+        return steps, ctrls
+
+    steps, ctrls = live(lambda: lookup_chooser(2))
+    shared = [c for _, cycles in steps if len(cycles) > 1 for c in cycles]
+    assert any(c[-2] for c in shared), "lookup cycles in steps shared with other requests"
+    asked = [q for c in ctrls for q in c.asked]
+    assert any(taken for *_, taken in asked) and not all(taken for *_, taken in asked)
+    made = iter([lookup_chooser(2) for _ in ids])
+    unset = BatchConfig(max_requests=3, engine=EngineConfig(max_depth=max_depth))  # its lookup is an argument
+    sim = ServerReplay(rts, batched_profile(), lookup, config=unset)
+    run = sim.run(Arrivals.closed(3, 3), lambda: next(made), order=[0, 1, 2])
+    assert [_step_key(plan) for plan in run.plans] == steps
+    control, _ = live(lambda: StaticController(2))
+    assert not any(c[-2] for _, cycles in control if len(cycles) > 1 for c in cycles)
 
 
 def test_catch_up_chunks_are_charged_as_draft_rows_and_the_rest_of_the_prompt_as_prefill(traces):

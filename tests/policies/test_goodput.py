@@ -109,3 +109,40 @@ def test_greedy_identity_through_the_engine(tiny_pair):
             GoodputController(profile, prior=0.0),
         ],
     )
+
+
+def lookup_state(history, proposed: int, load: LoadState | None = None) -> DraftState:
+    return DraftState.before_drafting(100, 8, history, load=load, lookup_proposed=proposed)
+
+
+def test_decides_lookup_by_each_requests_own_lookup_acceptance():
+    """Asked about a lookup proposal (``use_lookup``), it takes it where the request's lookup proposals have
+    been accepted (a request copying its input) and declines it, under load, where they missed while its draft
+    was accepted; with the gate off it is not asked (the engine's rule decides)."""
+    copying = lookup_cycles(4, 4) + draft_cycles(1, 3, n=3)
+    missing = lookup_cycles(0, 4) + draft_cycles(3, 3)
+    assert GoodputController(batched_profile()).decides_lookup
+    assert not GoodputController(batched_profile(), gate_lookup=False).decides_lookup
+    for load in (None, BUSY):
+        assert GoodputController(batched_profile()).use_lookup(lookup_state(copying, 4, load))
+    assert not GoodputController(batched_profile()).use_lookup(lookup_state(missing, 2, BUSY))
+
+
+def test_probes_lookup_after_a_run_of_declined_proposals():
+    ctrl = GoodputController(batched_profile(), probe_every=4)
+    history = lookup_cycles(0, 4) + draft_cycles(3, 3)
+    answers = [ctrl.use_lookup(lookup_state(history, 2, BUSY)) for _ in range(8)]
+    assert answers == [False, False, False, True] * 2
+
+
+def test_greedy_identity_with_lookup_decided_per_request(tiny_pair):
+    from engine.inputs import EngineConfig
+    from engine.lookup import LookupConfig
+
+    profile = batched_profile()
+    assert_greedy_identity(
+        tiny_pair,
+        ["a b a b a b a b a b a b", "def f(x): return x + 1\ndef g(x): return f(x)\n"],
+        [GoodputController(profile), GoodputController(profile, prior=0.0)],
+        config=EngineConfig(lookup=LookupConfig(1, 2, 3, 0, 0)),
+    )

@@ -588,16 +588,25 @@ def test_training_with_context_lookup(base, monkeypatch):
     assert load_policy(metrics["policy"]).trained_lookup == seen[0]
     assert load_policy(metrics["policy"]).trained_lookup.rules == LookupConfig(1, 2, 2, 0, 0)
     assert load_policy(base["run"] / "policy.pt").trained_lookup is None
+    # with lookup on, the policy decides lookup itself (``lookup_gate``, the default); without, it is not asked
+    assert load_policy(metrics["policy"]).decides_lookup
+    assert not load_policy(base["run"] / "policy.pt").decides_lookup
     # generate.py --policy runs it with the lookup it was trained for unless told otherwise
     argv = ["--pair", "tiny", "--policy", metrics["policy"], "--prompt", "abcabcabcabc", "--raw", "--json"]
     argv += ["--max-new-tokens", "24"]
+    from policies.learned_controller import LearnedController
+
+    asked, real = [], LearnedController.use_lookup
+    monkeypatch.setattr(LearnedController, "use_lookup", lambda self, s: asked.append(s) or real(self, s))
     stats = {}
     for extra in ([], ["--lookup", "off"]):
         out = io.StringIO()
+        asked.clear()
         with contextlib.redirect_stdout(out):
             assert generate.main([*argv, *extra]) == 0
-        stats[tuple(extra)] = json.loads(out.getvalue())["stats"]
-    assert stats[()]["lookup_cycles"] > 0 and stats[("--lookup", "off")]["lookup_cycles"] == 0
+        stats[tuple(extra)] = (len(asked), json.loads(out.getvalue())["stats"]["lookup_cycles"])
+    # the lookup proposes (the policy is asked; the cycles it took are lookup cycles); off: nothing proposed
+    assert stats[()][0] > 0 and stats[()][1] <= stats[()][0] and stats[("--lookup", "off")] == (0, 0)
 
 
 def test_lookup_training_needs_the_replay_backend_and_a_valid_setting():
