@@ -88,3 +88,20 @@ def make_synthetic_trace(
         np.asarray(n_sc, np.float32),
         meta,
     )
+
+
+def recorded_chains(pair, prompts, max_depth, new):
+    """(prompt ids, greedy chain traces recorded alone) of ``prompts`` on ``pair``."""
+    from engine.sampling import SamplingConfig
+    from envs.record_traces import record_trace
+    from envs.replay import ReplayTrace
+
+    ids = [pair.tokenizer.encode(p) for p in prompts]
+    rts = [
+        ReplayTrace(
+            record_trace(pair, i, p, SamplingConfig(), max_depth, 1, max_new_tokens=new),
+            engine_max_depth=max_depth,
+        )  # fmt: skip
+        for i, p in zip(ids, prompts)
+    ]
+    return ids, rts
