@@ -21,7 +21,7 @@ from pathlib import Path
 
 from engine.costs.cost_profile import load_profile_arg
 from engine.errors import InputError
-from envs.step_costs import MAX_GAP_S, TERMS, fit_steps, logged_steps
+from envs.step_costs import MAX_GAP_S, TERMS, charged_steps, fit_steps, logged_steps
 from serving.step_log import read_step_log
 
 
@@ -47,6 +47,12 @@ def main(argv: list[str] | None = None) -> int:
         default=1e3 * MAX_GAP_S,
         help="a gap between steps up to this long counts as the step's (longer: the server idle)",
     )
+    ap.add_argument(
+        "--check-log",
+        action="append",
+        default=[],
+        help="a step log of another run: print what the profile before and after the fit charge its steps (held out)",
+    )
     ap.add_argument("--json", default=None, help="write the terms and the errors per level here")
     args = ap.parse_args(argv)
     try:
@@ -58,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise InputError(f"--log {path}: no steps in it")
             steps += logged_steps(lines, args.max_gap_ms / 1e3, source=Path(path).name)
         fit = fit_steps(steps, profile, args.tree_width, args.step_overhead_ms / 1e3)
+        held_out = [
+            step
+            for path in args.check_log
+            for step in logged_steps(read_step_log(path), args.max_gap_ms / 1e3, source=Path(path).name)
+        ]
+        check = charged_steps(held_out, profile, fit.profile, args.tree_width, args.step_overhead_ms / 1e3)
     except (InputError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -68,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         note = "" if name in fit.fitted_terms else "  (not in the log: the base table's)"
         print(f"  {name:22s} {shown}{note}")
     print("per log and level: steps, logged s, charged before / after the fit (error)")
-    for e in fit.levels:
+    for e in fit.levels + (check.levels if held_out else []):
         print(
             f"  {e['log']:28s} N={e['level']:<3d} {e['steps']:5d} steps  {e['logged_s']:8.3f} s  "
             f"before {e['before_s']:8.3f} ({e['before_error']:+.1%})  fitted {e['fitted_s']:8.3f} "
@@ -80,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out}")
     if args.json:
         out = {
+            "held_out": check.levels if held_out else [],
             "terms": fit.terms,
             "fitted_terms": list(fit.fitted_terms),
             "levels": fit.levels,

@@ -271,27 +271,42 @@ def fit_steps(
     coef[informed], _ = nnls(columns[:, informed], seconds - offsets)
     terms = dict(zip(TERMS, (float(c) for c in coef)))
     fitted_terms = tuple(TERMS[j] for j in informed)
-    if step_overhead_s is None:
-        step_overhead_s = step_overhead_of(profile)
     out = fit_profile(profile, terms, fitted_terms)
-    before_charger = StepCharger(profile, batch_table(profile) or out, width, step_overhead_s)
-    fitted_charger = StepCharger(out, batch_table(out), width, step_overhead_of(out))
-    fit = StepFit(
-        terms=terms,
-        steps=steps,
-        seconds=seconds,
-        fitted=np.asarray([step_charge(s, fitted_charger) for s in steps]),
-        before=np.asarray([step_charge(s, before_charger) for s in steps]),
-        fitted_terms=fitted_terms,
-    )
-    fit.levels = level_errors(fit)
+    fit = charged_steps(steps, profile, out, width, step_overhead_s)
+    fit.terms, fit.fitted_terms = terms, fitted_terms
     out.meta["step_fit"] = {
         "terms": terms,
         "fitted_terms": list(fitted_terms),
         "steps": len(steps),
         "levels": fit.levels,
     }
-    fit.profile = out
+    return fit
+
+
+def charged_steps(
+    steps: Sequence[LoggedStep],
+    before: CostProfile,
+    fitted: CostProfile,
+    width: int = 1,
+    step_overhead_s: float | None = None,
+) -> StepFit:
+    """What ``before`` (charged ``step_overhead_s`` a step; None: its own) and ``fitted`` (its own step overhead)
+    charge each of ``steps``, and per level (``level_errors``): to check a fitted profile on another run's log
+    (terms left empty)."""
+    steps = list(steps)
+    if step_overhead_s is None:
+        step_overhead_s = step_overhead_of(before)
+    before_charger = StepCharger(before, batch_table(before) or fitted, width, step_overhead_s)
+    fitted_charger = StepCharger(fitted, batch_table(fitted), width, step_overhead_of(fitted))
+    fit = StepFit(
+        terms={},
+        steps=steps,
+        seconds=np.asarray([s.seconds for s in steps]),
+        fitted=np.asarray([step_charge(s, fitted_charger) for s in steps]),
+        before=np.asarray([step_charge(s, before_charger) for s in steps]),
+        profile=fitted,
+    )
+    fit.levels = level_errors(fit)
     return fit
 
 
