@@ -48,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         help="a gap between steps up to this long counts as the step's (longer: the server idle)",
     )
     ap.add_argument(
+        "--level",
+        type=int,
+        default=None,
+        help="fit only the steps of this level (a diagnostic: what one load level's own steps say)",
+    )
+    ap.add_argument(
         "--check-log",
         action="append",
         default=[],
@@ -63,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             if not lines:
                 raise InputError(f"--log {path}: no steps in it")
             steps += logged_steps(lines, args.max_gap_ms / 1e3, source=Path(path).name)
+        if args.level is not None:
+            steps = [step for step in steps if step.level == args.level]
         fit = fit_steps(steps, profile, args.tree_width, args.step_overhead_ms / 1e3)
         held_out = [
             step
