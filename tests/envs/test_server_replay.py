@@ -22,7 +22,7 @@ from envs.server_runs import Arrivals
 from policies.analytic import AnalyticController
 from policies.goodput import GoodputController
 from policies.static import BatchSizeTableController, read_batch_size_table
-from tests_envs_helpers import make_synthetic_trace, recorded_chains
+from tests_envs_helpers import LATE_STARTS, make_synthetic_trace, recorded_chains, three_late_starters
 from tests_helpers import batched_profile, late_starter
 from training.export import check_sglang_adaptive_config, sglang_adaptive_config, write_exports
 from training.load_training import load_baselines
@@ -326,15 +326,10 @@ def test_the_live_batch_and_its_replay_plan_the_same_steps(tiny_pair):
     verified rows (granted under the cap), accepted and emitted tokens."""
     from engine.batch import BatchedEngine
     from engine.batch_api import BatchRequest
-    from engine.inputs import EngineConfig
 
-    max_depth, new = 4, 32
-    prompts = ["def main():\n    return", "The quick brown fox jumps over", "Once upon a time, in a land far"]
-    ids, rts = recorded_chains(tiny_pair, prompts, max_depth, new)
-    skips = (0, 3, 9)
-    config = BatchConfig(
-        max_requests=3, max_rows=5, engine=EngineConfig(max_depth=max_depth, draft_catch_up_tokens=6)
-    )
+    new = 32
+    ids, rts, config = three_late_starters(tiny_pair, new)
+    skips = LATE_STARTS
     batch = BatchedEngine(tiny_pair, config)
     rids = [batch.add(BatchRequest(i, new, late_starter(s, depth=3))) for i, s in zip(ids, skips)]
     assert rids == [0, 1, 2]

@@ -21,7 +21,7 @@ from envs.replay import ReplayTrace
 from envs.server import ServerReplay
 from envs.server_runs import Arrivals
 from envs.step_costs import StepCharger, fit_steps, linear_table, logged_steps, replay_log, step_charge
-from tests_envs_helpers import make_synthetic_trace, recorded_chains
+from tests_envs_helpers import LATE_STARTS, make_synthetic_trace, three_late_starters
 from tests_helpers import batched_profile, late_starter
 
 TRUE = {"step": 0.002, "target": (0.025, 0.0, 0.004), "draft": (0.008, 0.001, 0.003)}
@@ -124,13 +124,9 @@ def test_a_live_step_log_is_charged_as_the_replay_charges_its_steps(tiny_pair, t
     from engine.batch_api import BatchRequest
     from serving.step_log import StepLog, read_step_log
 
-    max_depth, new = 4, 16
-    prompts = ["def main():\n    return", "The quick brown fox jumps over", "Once upon a time, in a land far"]
-    ids, rts = recorded_chains(tiny_pair, prompts, max_depth, new)
-    skips = (0, 3, 9)
-    config = BatchConfig(
-        max_requests=3, max_rows=5, engine=EngineConfig(max_depth=max_depth, draft_catch_up_tokens=6)
-    )
+    new = 16
+    ids, rts, config = three_late_starters(tiny_pair, new)
+    skips = LATE_STARTS
     batch = BatchedEngine(tiny_pair, config)
     for i, s in zip(ids, skips):
         batch.add(BatchRequest(i, new, late_starter(s, depth=3)))
