@@ -19,6 +19,7 @@ from pathlib import Path
 
 from engine.config_flags import int_tuple
 from engine.costs.cost_profile import load_profile_arg
+from engine.costs.load_model import step_overhead_of
 from engine.errors import InputError
 from envs import workspace
 from policies.learned import load_policy
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         "--step-overhead-ms",
         type=float,
         default=None,
-        help="a server step's cost beyond the profile's (default: the policy's training setting)",
+        help="a server step's cost beyond the profile's (default: a --profile fitted to a step log its own, "
+        "else the policy's training setting)",
     )
     ap.add_argument("--max-new-tokens", type=int, default=None, help="trace length (default: the policy's)")
     ap.add_argument(
@@ -58,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         lookup = trained_lookup(policy.meta)
         overhead = args.step_overhead_ms
+        if overhead is None and "step_fit" in profile.meta:  # a profile fitted to a step log: its own
+            overhead = 1e3 * step_overhead_of(profile)
         if overhead is None:
             overhead = load_training.trained_server(policy.meta)["step_overhead_ms"]
         setup = load_training.load_setup(

@@ -12,6 +12,20 @@ from engine.backends.attention import MAX_ROWWISE_ROWS
 from engine.load import LoadState
 from engine.results import CycleRecord
 
+CYCLE_FIELDS = (
+    "context",
+    "depth",
+    "drafted",
+    "verified",
+    "accepted",
+    "emitted",
+    "lookup",
+    "catch_up",
+    "forward_s",
+)
+"""A step log's cycle entry (``serve.py --step-log``, ``serving.step_log``): these fields of a ``StepPlan``'s cycle
+record after the request number, in order (``envs.step_costs`` reads them back)."""
+
 
 @dataclass
 class StepPlan:

@@ -49,7 +49,7 @@ import numpy as np
 from engine.batch_api import BatchConfig
 from engine.control import Controller, StaticController
 from engine.costs.cost_profile import CostProfile
-from engine.costs.load_model import batch_table
+from engine.costs.load_model import batch_table, step_overhead_of
 from engine.costs.profile_io import ProfileError
 from engine.cycle import DraftLag, answer
 from engine.errors import InputError, is_int
@@ -60,7 +60,7 @@ from engine.results import CycleRecord
 from engine.scheduling import StepPlan, grant_rows, plan_prefills, prefill_budget, row_budget, step_load
 from envs.backends import ReplayBackend
 from envs.replay import Message, ReplayTrace, Reply, replay_cycles
-from envs.server_costs import charge_step
+from envs.server_costs import charge_step, chunk_prefill_s
 from envs.server_runs import Arrivals, ReplayRequest, ServerRun
 
 
@@ -71,7 +71,8 @@ class ServerReplay:
     engine's ``BatchConfig`` replayed (default: its defaults): ``max_requests``, ``max_rows``, the prefill
     budgets and ``engine.draft_catch_up_tokens`` (its ``engine.lookup`` is ``lookup`` here, so it must be
     None; the engine's depth and verify caps are the traces', ``envs.replay.ReplayTrace``).
-    ``step_overhead_s``: what a live server's step costs beyond them. ``chunked``: prompts prefilled in chunks
+    ``step_overhead_s``: what a live server's step costs beyond them (None: the profile's batch axis says,
+    ``engine.costs.load_model.step_overhead_of``: a fitted one holds it, else 0). ``chunked``: prompts prefilled in chunks
     (``BatchedEngine.chunked``). ``prefix_cache_tokens``: the prefix cache's size in prompt positions."""
 
     def __init__(
@@ -81,7 +82,7 @@ class ServerReplay:
         lookup: LookupConfig | None = None,
         config: BatchConfig | None = None,
         *,
-        step_overhead_s: float = 0.0,
+        step_overhead_s: float | None = 0.0,
         chunked: bool = True,
         prefix_cache_tokens: int = 0,
     ):
@@ -113,10 +114,12 @@ class ServerReplay:
         replayed again hits, as the live engine's cache makes it."""
         self.chunked = bool(chunked)
         """Prompts prefilled in chunks (the native decoder's engine), else whole (module docstring)."""
+        if step_overhead_s is None:  # the profile's own: a batch axis fitted to a step log has one
+            step_overhead_s = step_overhead_of(profile)
         self.step_overhead_s = float(step_overhead_s)
         """Seconds every decoding step costs beyond its forwards and the per-cycle overheads of the profile (the
-        server's own work a step: its event loop, the step's Python), split equally among the step's
-        requests."""
+        server's own work a step: its event loop, the step's Python, the time between steps), split equally
+        among the step's requests."""
         self.width = self.traces[0].width
         self.context = int(self.table.batched["context"])
 
@@ -307,14 +310,13 @@ class ServerReplay:
                 ):
                     takes = takes[:i]
                     break
-        prefill, seconds = self.profile.prefill_s, 0.0
+        seconds = 0.0
         for req, hit, take in zip(waiting, hits, takes):
             if req.cached is None:
                 req.cached = req.filled = hit
             end = req.filled + take
             plan.prefill.append((req.rid, take, req.filled))
-            before = prefill(req.filled, with_draft=False) if req.filled else 0.0
-            seconds += max(prefill(end, with_draft=False) - before, 0.0)  # a noisy profile's curve can dip
+            seconds += chunk_prefill_s(self.profile, req.filled, take)
             req.filled = end
             if end == req.trace.trace.prompt_len:
                 req.prefilled = True

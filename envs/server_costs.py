@@ -7,17 +7,19 @@ request's."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from engine.costs.cost_profile import CostProfile
 from engine.costs.load_model import split_forward
-from envs.server_runs import ReplayRequest
 
 
-def charge_step(sim: Any, running: list[ReplayRequest], shared: float) -> float:
-    """Time the step of ``sim`` (an ``envs.server.ServerReplay``, which imports this module) whose requests ``running`` ran their cycles: its forwards and overheads; write
-    each request's charge into its record. Returns the step's time without the prefills (``shared``, split
-    equally here)."""
+def charge_step(sim: Any, running: Sequence[Any], shared: float) -> float:
+    """Time the step of ``sim`` (an ``envs.server.ServerReplay``, which imports this module, or anything with
+    its ``profile``, ``table``, ``context``, ``width`` and ``step_overhead_s``) whose requests ``running`` ran
+    their cycles (``ReplayRequest``s, or anything with their ``record``, ``lag`` and ``prompt_len``: the steps of
+    a live server's step log, ``envs.step_costs``): its forwards and overheads; write each request's charge
+    into its record. Returns the step's time without the prefills (``shared``, split equally here)."""
     profile, table, ctx_b, width = sim.profile, sim.table, sim.context, sim.width
     recs = [r.record for r in running]
     total = 0.0
@@ -27,7 +29,7 @@ def charge_step(sim: Any, running: list[ReplayRequest], shared: float) -> float:
     # catch-up cycles left of it)
     for req, rec in zip(running, recs):
         if rec.depth > 0 and req.lag.prompt_left > 0:
-            extra = draft_prefill_s(profile, req.trace.trace.prompt_len, req.lag.prompt_left)
+            extra = draft_prefill_s(profile, req.prompt_len, req.lag.prompt_left)
             rec.draft_s += extra
             total += extra
     depth = max((1 if rec.catch_up else rec.depth for rec in recs), default=0)
@@ -78,3 +80,11 @@ def draft_prefill_s(profile: CostProfile, prompt_len: int, left: int) -> float:
     if left >= prompt_len:
         return draft_part(prompt_len)
     return max(draft_part(prompt_len) - draft_part(prompt_len - left), 0.0)
+
+
+def chunk_prefill_s(profile: Any, start: int, take: int) -> float:
+    """A prefill chunk of ``take`` prompt tokens from position ``start``: the profile's target prefill to its
+    end less to its start (the chunks of a prompt add up to its whole prefill); never below 0 (a noisy
+    profile's curve can dip)."""
+    before = profile.prefill_s(start, with_draft=False) if start else 0.0
+    return max(profile.prefill_s(start + take, with_draft=False) - before, 0.0)

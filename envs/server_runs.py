@@ -110,6 +110,10 @@ class ReplayRequest:
     token_times: list[float] = field(default_factory=list)
     records: list[CycleRecord] = field(default_factory=list)
 
+    @property
+    def prompt_len(self) -> int:
+        return self.trace.trace.prompt_len
+
 
 @dataclass
 class ServerRun:

@@ -6,7 +6,7 @@ A line: ``t`` (seconds since the log opened, at the step's end), ``s`` (the step
 on the engine thread), ``requests`` (in the batch during the step: those still in it and those that ended in it), ``waiting`` (in the server's line, outside the batch),
 ``prefill`` ([request, prompt tokens, the position the chunk starts at] of each prefill chunk), ``cycles``
 ([request, context, depth, drafted, verified, accepted, emitted, lookup, catch-up, forward seconds] of each
-request that ran a cycle), ``rows`` (the target rows of the step's cycles: each cycle's root plus the nodes it
+request that ran a cycle: ``engine.scheduling.CYCLE_FIELDS`` after the request), ``rows`` (the target rows of the step's cycles: each cycle's root plus the nodes it
 verified) and ``finished`` (requests that ended in the step). Request numbers are the engine's, in admission
 order (a rebuilt engine, after a failed step, numbers from 0 again: ``engine`` counts the rebuilds).
 
@@ -18,19 +18,6 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-
-CYCLE_FIELDS = (
-    "context",
-    "depth",
-    "drafted",
-    "verified",
-    "accepted",
-    "emitted",
-    "lookup",
-    "catch_up",
-    "forward_s",
-)
-"""The fields of a ``cycles`` entry after the request number, in order."""
 
 
 class StepLog:

@@ -126,7 +126,10 @@ class CostProfile:
     ``engine.batch`` runs them. ``context``: committed tokens of every sequence; ``target`` / ``draft``: lists
     of [sequences, rows in all, median seconds] (target: each sequence's root and a chain of nodes, causal;
     draft: a frontier of nodes at one depth per sequence); ``target_spread`` / ``draft_spread``: the
-    IQR/median of each entry, in the same order. Query with ``batched_forward_s``."""
+    IQR/median of each entry, in the same order. Query with ``batched_forward_s``. A batch axis fitted to a live
+    server's step log (``envs.step_costs``, ``benchmarks/step_costs.py``) holds linear tables and
+    ``step_overhead_s``: what each step costs beyond its forwards and per-cycle overheads (the server replay's
+    default step overhead)."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Conditions: device, dtype, pair, versions, threads, random_weights, date, measurement config."""
     details: dict[str, Any] = field(default_factory=dict)
@@ -190,6 +193,13 @@ class CostProfile:
         times >= 0 (and spreads, if any, one per entry); kept as arrays [rows per sequence, sequences]."""
         table = self.batched
         context = table.get("context") if isinstance(table, dict) else None
+        overhead = table.get("step_overhead_s", 0.0) if isinstance(table, dict) else 0.0
+        if (
+            isinstance(overhead, bool)
+            or not isinstance(overhead, (int, float))
+            or not 0 <= overhead < math.inf
+        ):
+            raise ProfileError(f"batched['step_overhead_s'] must be seconds >= 0, got {overhead!r}")
         if isinstance(context, bool) or not isinstance(context, int) or context < 1:
             raise ProfileError(f"batched must hold a positive integer context, got {context!r}")
         for key in ("target", "draft"):

@@ -41,6 +41,14 @@ def batch_table(profile: Any) -> CostProfile | None:
     return None
 
 
+def step_overhead_of(profile: Any) -> float:
+    """Seconds a live server's step costs beyond its forwards and per-cycle overheads, as the batch axis behind
+    ``profile`` holds it (``batched["step_overhead_s"]``: a batch axis fitted to a step log,
+    ``envs.step_costs``); 0 when it holds none."""
+    table = batch_table(profile)
+    return float(table.batched.get("step_overhead_s", 0.0)) if table is not None else 0.0
+
+
 def forward_s(table: CostProfile, model: str, sequences: int, rows: int) -> float:
     """One batched forward of ``model`` carrying ``sequences`` sequences and ``rows`` rows (0 for none)."""
     if sequences <= 0 or rows <= 0:

@@ -22,7 +22,7 @@ from envs.server_runs import Arrivals
 from policies.analytic import AnalyticController
 from policies.goodput import GoodputController
 from policies.static import BatchSizeTableController, read_batch_size_table
-from tests_envs_helpers import make_synthetic_trace
+from tests_envs_helpers import LATE_STARTS, make_synthetic_trace, recorded_chains, three_late_starters
 from tests_helpers import batched_profile, late_starter, lookup_chooser
 from training.export import check_sglang_adaptive_config, sglang_adaptive_config, write_exports
 from training.load_training import load_baselines
@@ -259,22 +259,6 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode():
     assert plan_prefills([200], 500, True) == [65]
 
 
-def _recorded(pair, prompts, max_depth, new):
-    """(prompt ids, greedy chain traces recorded alone) of ``prompts`` on ``pair``."""
-    from engine.sampling import SamplingConfig
-    from envs.record_traces import record_trace
-
-    ids = [pair.tokenizer.encode(p) for p in prompts]
-    rts = [
-        ReplayTrace(
-            record_trace(pair, i, p, SamplingConfig(), max_depth, 1, max_new_tokens=new),
-            engine_max_depth=max_depth,
-        )  # fmt: skip
-        for i, p in zip(ids, prompts)
-    ]
-    return ids, rts
-
-
 def _cycle_key(rec):
     return (rec.depth, rec.num_verified, rec.accepted, rec.emitted, rec.lookup, rec.catch_up)
 
@@ -291,7 +275,7 @@ def test_the_replay_makes_the_live_batchs_catch_up_cycles(tiny_pair, bound):
 
     max_depth, new = 4, 40
     prompts = ["def main():\n    return", "The quick brown fox jumps over"]
-    ids, rts = _recorded(tiny_pair, prompts, max_depth, new)
+    ids, rts = recorded_chains(tiny_pair, prompts, max_depth, new)
     skips = (3, 12)
     config = EngineConfig(max_depth=max_depth, draft_catch_up_tokens=bound)
     batch = BatchedEngine(tiny_pair, BatchConfig(max_requests=2, max_rows=64, engine=config))
@@ -342,15 +326,10 @@ def test_the_live_batch_and_its_replay_plan_the_same_steps(tiny_pair):
     verified rows (granted under the cap), accepted and emitted tokens."""
     from engine.batch import BatchedEngine
     from engine.batch_api import BatchRequest
-    from engine.inputs import EngineConfig
 
-    max_depth, new = 4, 32
-    prompts = ["def main():\n    return", "The quick brown fox jumps over", "Once upon a time, in a land far"]
-    ids, rts = _recorded(tiny_pair, prompts, max_depth, new)
-    skips = (0, 3, 9)
-    config = BatchConfig(
-        max_requests=3, max_rows=5, engine=EngineConfig(max_depth=max_depth, draft_catch_up_tokens=6)
-    )
+    new = 32
+    ids, rts, config = three_late_starters(tiny_pair, new)
+    skips = LATE_STARTS
     batch = BatchedEngine(tiny_pair, config)
     rids = [batch.add(BatchRequest(i, new, late_starter(s, depth=3))) for i, s in zip(ids, skips)]
     assert rids == [0, 1, 2]
@@ -388,7 +367,7 @@ def test_a_controller_that_decides_lookup_is_asked_at_every_load_live_and_replay
 
     max_depth, new = 3, 32
     prompts = ["a b a b a b a b a b a b", "x y z x y z x y z x y z", "1 2 3 1 2 3 1 2 3 1 2 3"]
-    ids, rts = _recorded(tiny_pair, prompts, max_depth, new)
+    ids, rts = recorded_chains(tiny_pair, prompts, max_depth, new)
     lookup = LookupConfig(1, 2, 3, 0, 0, max_requests=1)
     config = BatchConfig(max_requests=3, engine=EngineConfig(max_depth=max_depth, lookup=lookup))
 

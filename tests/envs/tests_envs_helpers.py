@@ -88,3 +88,40 @@ def make_synthetic_trace(
         np.asarray(n_sc, np.float32),
         meta,
     )
+
+
+def recorded_chains(pair, prompts, max_depth, new):
+    """(prompt ids, greedy chain traces recorded alone) of ``prompts`` on ``pair``."""
+    from engine.sampling import SamplingConfig
+    from envs.record_traces import record_trace
+    from envs.replay import ReplayTrace
+
+    ids = [pair.tokenizer.encode(p) for p in prompts]
+    rts = [
+        ReplayTrace(
+            record_trace(pair, i, p, SamplingConfig(), max_depth, 1, max_new_tokens=new),
+            engine_max_depth=max_depth,
+        )  # fmt: skip
+        for i, p in zip(ids, prompts)
+    ]
+    return ids, rts
+
+
+LATE_STARTS = (0, 3, 9)
+"""Cycles each of the three requests of ``three_late_starters`` holds back before it drafts."""
+
+
+def three_late_starters(pair, new):
+    """(prompt ids, their chain traces, a ``BatchConfig``) of three prompts decoded together under a row cap that
+    cuts verifications (5 rows) and a catch-up bound of 6, at depth 4, ``new`` tokens each: with
+    ``late_starter(s, depth=3)`` controllers (s in ``LATE_STARTS``) the live batch makes catch-up cycles."""
+    from engine.batch_api import BatchConfig
+    from engine.inputs import EngineConfig
+
+    max_depth = 4
+    prompts = ["def main():\n    return", "The quick brown fox jumps over", "Once upon a time, in a land far"]
+    ids, rts = recorded_chains(pair, prompts, max_depth, new)
+    config = BatchConfig(
+        max_requests=3, max_rows=5, engine=EngineConfig(max_depth=max_depth, draft_catch_up_tokens=6)
+    )
+    return ids, rts, config

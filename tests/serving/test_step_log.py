@@ -14,7 +14,8 @@ import pytest
 from engine.batch import BatchedEngine
 from engine.batch_api import BatchConfig, BatchRequest
 from engine.control import StaticController
-from serving.step_log import CYCLE_FIELDS, StepLog, read_step_log
+from engine.scheduling import CYCLE_FIELDS
+from serving.step_log import StepLog, read_step_log
 from tests_serving_helpers import MODEL
 
 pytestmark = pytest.mark.usefixtures("single_thread")
