@@ -621,6 +621,13 @@ inline __m256i pair_same(__m256i x) {
   return _mm256_or_si256(_mm256_and_si256(x, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(x, 16));
 }
 
+// n zeroed floats of `buf`, 64-byte aligned: the rows' float accumulators, read and written 32 bytes at a time,
+// then never split a cache line (a heap block is only 16-byte aligned: half the accesses split, measured 5-10%)
+inline float* zeroed_aligned(std::vector<float>& buf, int64_t n) {
+  buf.assign((size_t)(n + 16), 0.f);
+  return buf.data() + (64 - (uintptr_t)buf.data() % 64) % 64 / sizeof(float);
+}
+
 // k4, rows m0 and m0 + 1 (the second one only where rows == 2; else row m0 again, not written), one block b:
 // W the unpacked block ([u][low hf0 | low hf1 | high hf0 | high hf1], 32 bytes each), sc the scales as int16
 // pairs ([hf][g]), acc the rows' accumulators (row r at 32 r: acc hf0, acc hf1, accm hf0, accm hf1).
@@ -695,8 +702,8 @@ inline void k4_rows2_block(const QuantizedRows& a, int64_t m0, int rows, int64_t
 void k4_tile_many(const QuantizedRows& a, int64_t m0, int64_t m1, int64_t nb, const uint8_t* codes,
                   const uint8_t* meta, float* out) {
   const int64_t M = m1 - m0;
-  thread_local std::vector<float> accs;
-  accs.assign((size_t)(M * 32), 0.f);
+  thread_local std::vector<float> buf;
+  float* accs = zeroed_aligned(buf, M * 32);
   alignas(64) uint8_t W[16 * 128];
   const __m256i mask4 = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
@@ -795,8 +802,8 @@ inline void k6_rows4_block(const QuantizedRows& a, int64_t m0, int rows, int64_t
 void k6_tile_many(const QuantizedRows& a, int64_t m0, int64_t m1, int64_t nb, const uint8_t* lo, const uint8_t* hi,
                    const uint8_t* meta, float* out) {
   const int64_t M = m1 - m0;
-  thread_local std::vector<float> accs;
-  accs.assign((size_t)(M * 16), 0.f);
+  thread_local std::vector<float> buf;
+  float* accs = zeroed_aligned(buf, M * 16);
   alignas(64) uint8_t W[16 * 128];
   const __m256i mask4 = _mm256_set1_epi8(0x0F), mask30 = _mm256_set1_epi8(0x30);
   const __m256i lo16 = _mm256_set1_epi32(0xFFFF);
