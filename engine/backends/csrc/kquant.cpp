@@ -622,7 +622,8 @@ inline __m256i pair_same(__m256i x) {
 }
 
 // n zeroed floats of `buf`, 64-byte aligned: the rows' float accumulators, read and written 32 bytes at a time,
-// then never split a cache line (a heap block is only 16-byte aligned: half the accesses split, measured 5-10%)
+// then never split a cache line (a heap block is only 16-byte aligned: then half the accesses split a line;
+// 2-13% slower in a standalone harness with the buffer so misaligned)
 inline float* zeroed_aligned(std::vector<float>& buf, int64_t n) {
   buf.assign((size_t)(n + 16), 0.f);
   return buf.data() + (64 - (uintptr_t)buf.data() % 64) % 64 / sizeof(float);
@@ -640,8 +641,8 @@ inline void k4_rows2_block(const QuantizedRows& a, int64_t m0, int rows, int64_t
   const uint8_t* w = W;
   // ymm0-3: row 0's int16 sums (low hf0, low hf1, high hf0, high hf1), ymm4-7 row 1's; ymm8-9 weights;
   // ymm10-11 the broadcast codes and products. After each half (8 quad-rows) the sums are multiplied by their
-  // group's scale (vpmaddwd: sc * (p0 + p1)) into the int32 block sums I, which stay in registers. Unrolled: the
-  // loops of 8 quad-rows cost their exit branches' mispredictions (measured 5-10% of a call).
+  // group's scale (vpmaddwd: sc * (p0 + p1)) into the int32 block sums I, which stay in registers. Unrolled: as two
+  // loops of 8 quad-rows it was up to ~10% slower in a standalone harness (within this shared machine's noise).
 #define KQ_U(U)                                                                                              \
   "vmovdqa " #U "*128(%[w]), %%ymm8\n vmovdqa " #U "*128+32(%[w]), %%ymm9\n"                                 \
   "vpbroadcastd " #U "*4(%[q0]), %%ymm10\n vpmaddubsw %%ymm10, %%ymm8, %%ymm11\n vpaddw %%ymm11, %%ymm0, %%ymm0\n" \
