@@ -177,7 +177,23 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t nb, QuantizedRo
       const int64_t len = std::min<int64_t>(QB, K - k0);
       float amax = 0.f;
       bool finite = true;
-      for (int64_t j = 0; j < len; ++j) {
+      int64_t j0 = 0;
+#if KQ_AVX512 || KQ_AVX2
+      if (len == QB) {  // a whole block 8 lanes at a time: max and the finite test are exact in any order
+        const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        __m256 mx = _mm256_setzero_ps(), ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+        for (; j0 < QB; j0 += 8) {
+          const __m256 v = _mm256_and_ps(_mm256_loadu_ps(xr + k0 + j0), absmask);
+          ok = _mm256_and_ps(ok, _mm256_cmp_ps(v, _mm256_set1_ps(INFINITY), _CMP_LT_OQ));  // NaN, inf: false
+          mx = _mm256_max_ps(mx, v);
+        }
+        finite = _mm256_movemask_ps(ok) == 0xFF;
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, mx);
+        for (const float v : lanes) amax = std::max(amax, v);
+      }
+#endif
+      for (int64_t j = j0; j < len; ++j) {
         const float v = xr[k0 + j];
         if (!std::isfinite(v)) finite = false;
         amax = std::max(amax, std::fabs(v));
@@ -191,7 +207,24 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t nb, QuantizedRo
       *d = amax / 127.f;
       const float id = 127.f / amax;
       int8_t* q = &out.q[(size_t)(i * QB)];
-      for (int64_t j = 0; j < len; ++j) {
+      j0 = 0;
+#if KQ_AVX512 || KQ_AVX2
+      if (len == QB) {  // x * id rounded in the current mode (what nearbyint does), clamped: the same codes
+        const __m256 vid = _mm256_set1_ps(id), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
+        for (; j0 < QB; j0 += 32) {
+          __m256i c[4];
+          for (int t = 0; t < 4; ++t) {
+            const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + k0 + j0 + 8 * t), vid),
+                                             _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
+            c[t] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r)));
+          }
+          const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+          _mm256_storeu_si256((__m256i*)(q + j0), _mm256_permutevar8x32_epi32(p, order));
+        }
+      }
+#endif
+      for (int64_t j = j0; j < len; ++j) {
         float r = std::nearbyint(xr[k0 + j] * id);
         r = std::min(127.f, std::max(-127.f, r));
         q[j] = (int8_t)r;
