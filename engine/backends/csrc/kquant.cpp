@@ -177,7 +177,23 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t nb, QuantizedRo
       const int64_t len = std::min<int64_t>(QB, K - k0);
       float amax = 0.f;
       bool finite = true;
-      for (int64_t j = 0; j < len; ++j) {
+      int64_t j0 = 0;
+#if KQ_AVX512 || KQ_AVX2
+      if (len == QB) {  // a whole block 8 lanes at a time: max and the finite test are exact in any order
+        const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        __m256 mx = _mm256_setzero_ps(), ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+        for (; j0 < QB; j0 += 8) {
+          const __m256 v = _mm256_and_ps(_mm256_loadu_ps(xr + k0 + j0), absmask);
+          ok = _mm256_and_ps(ok, _mm256_cmp_ps(v, _mm256_set1_ps(INFINITY), _CMP_LT_OQ));  // NaN, inf: false
+          mx = _mm256_max_ps(mx, v);
+        }
+        finite = _mm256_movemask_ps(ok) == 0xFF;
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, mx);
+        for (const float v : lanes) amax = std::max(amax, v);
+      }
+#endif
+      for (int64_t j = j0; j < len; ++j) {
         const float v = xr[k0 + j];
         if (!std::isfinite(v)) finite = false;
         amax = std::max(amax, std::fabs(v));
@@ -191,7 +207,24 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t nb, QuantizedRo
       *d = amax / 127.f;
       const float id = 127.f / amax;
       int8_t* q = &out.q[(size_t)(i * QB)];
-      for (int64_t j = 0; j < len; ++j) {
+      j0 = 0;
+#if KQ_AVX512 || KQ_AVX2
+      if (len == QB) {  // x * id rounded in the current mode (what nearbyint does), clamped: the same codes
+        const __m256 vid = _mm256_set1_ps(id), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
+        for (; j0 < QB; j0 += 32) {
+          __m256i c[4];
+          for (int t = 0; t < 4; ++t) {
+            const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + k0 + j0 + 8 * t), vid),
+                                             _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
+            c[t] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r)));
+          }
+          const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+          _mm256_storeu_si256((__m256i*)(q + j0), _mm256_permutevar8x32_epi32(p, order));
+        }
+      }
+#endif
+      for (int64_t j = j0; j < len; ++j) {
         float r = std::nearbyint(xr[k0 + j] * id);
         r = std::min(127.f, std::max(-127.f, r));
         q[j] = (int8_t)r;
@@ -608,82 +641,93 @@ void k6_tile_avx2(const QuantizedRows& a, int64_t m0, int64_t nb, const uint8_t*
 // ------------------------------------------------------------------------------- AVX2, many rows a call
 // A call of MANY_ROWS rows or more (a prefill chunk, a batch of drafted rows, a verification tree) takes the
 // weight block outside and the rows inside: each 128-input block of a tile is unpacked once to int8 codes
-// (2 KB, kept in L1) and then serves every row of the call, groups of ROWS_MANY rows at a time, the rows'
-// float accumulators in memory (rows x 32 floats). The 4-row passes above unpack a block again for every 4
-// rows and keep 20 vectors a row group live in 16 registers (spilled). Per output the same integers are
+// (2 KB, kept in L1) and then serves every row of the call, the rows' float accumulators in memory (rows x 32
+// floats). The microkernels below compute a whole block for both 8-output halves of the tile at once (each
+// activation broadcast serves both) and keep the int32 block sums in registers, in assembly: k4 2 rows (8
+// int16 group sums, 4 int32 block sums), k6 4 rows (8 int32 block sums). Per output the same integers are
 // formed -- group sums in int16 within the bounds above (k4: 8 quad-rows, k6: 2), multiplied by the scale
 // by vpmaddwd against the scale repeated in both int16 halves of a lane: sc * (p0 + p1), exact in int32 --
 // and the same float operations follow in the same block order, so every output bit is the 1-row one.
 #if KQ_I16
-#ifndef KQ_ROWS_MANY
-#define KQ_ROWS_MANY 6
-#endif
-constexpr int ROWS_MANY = KQ_ROWS_MANY;
-
 // int32 lanes x (each < 2^15 in magnitude) -> the same value in both int16 halves of the lane
 inline __m256i pair_same(__m256i x) {
   return _mm256_or_si256(_mm256_and_si256(x, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(x, 16));
 }
 
-// The int16 group sums of 6 rows over 8 quad-rows (one half of a k4 block, 8 lanes): S[2 r] the low-nibble
-// group of row r, S[2 r + 1] the high one; q[r] the row's codes at the half's first input, W the unpacked
-// codes of the half's first quad-row ([u][low 32 | high 32]). In assembly: with 12 accumulators, 2 weight
-// vectors and the broadcasts in 16 registers the compiler hoists the 12 broadcasts and spills the
-// accumulators to the stack, and the loop then runs at the speed of store forwarding.
-inline void k4_sums6(const int8_t* const* q, const uint8_t* W, __m256i* S) {
-  int64_t i = 0;
-  __asm__ volatile(
-      "vpxor %%ymm0, %%ymm0, %%ymm0\n vpxor %%ymm1, %%ymm1, %%ymm1\n vpxor %%ymm2, %%ymm2, %%ymm2\n"
-      "vpxor %%ymm3, %%ymm3, %%ymm3\n vpxor %%ymm4, %%ymm4, %%ymm4\n vpxor %%ymm5, %%ymm5, %%ymm5\n"
-      "vpxor %%ymm6, %%ymm6, %%ymm6\n vpxor %%ymm7, %%ymm7, %%ymm7\n vpxor %%ymm8, %%ymm8, %%ymm8\n"
-      "vpxor %%ymm9, %%ymm9, %%ymm9\n vpxor %%ymm10, %%ymm10, %%ymm10\n vpxor %%ymm11, %%ymm11, %%ymm11\n"
-      "1:\n"
-      "vmovdqa (%[w]), %%ymm12\n vmovdqa 32(%[w]), %%ymm13\n"
-#define KQ_ROW(Q, L, H)                                                                                        \
-  "vpbroadcastd (%[" Q "],%[i]), %%ymm14\n vpmaddubsw %%ymm14, %%ymm12, %%ymm14\n vpaddw %%ymm14, %%ymm" #L \
-  ", %%ymm" #L "\n vpbroadcastd 64(%[" Q "],%[i]), %%ymm15\n vpmaddubsw %%ymm15, %%ymm13, %%ymm15\n"          \
-  "vpaddw %%ymm15, %%ymm" #H ", %%ymm" #H "\n"
-      KQ_ROW("q0", 0, 1) KQ_ROW("q1", 2, 3) KQ_ROW("q2", 4, 5) KQ_ROW("q3", 6, 7) KQ_ROW("q4", 8, 9)
-          KQ_ROW("q5", 10, 11)
-#undef KQ_ROW
-      "add $64, %[w]\n add $4, %[i]\n cmp $32, %[i]\n jne 1b\n"
-      "vmovdqu %%ymm0, (%[s])\n vmovdqu %%ymm1, 32(%[s])\n vmovdqu %%ymm2, 64(%[s])\n vmovdqu %%ymm3, 96(%[s])\n"
-      "vmovdqu %%ymm4, 128(%[s])\n vmovdqu %%ymm5, 160(%[s])\n vmovdqu %%ymm6, 192(%[s])\n vmovdqu %%ymm7, 224(%[s])\n"
-      "vmovdqu %%ymm8, 256(%[s])\n vmovdqu %%ymm9, 288(%[s])\n vmovdqu %%ymm10, 320(%[s])\n vmovdqu %%ymm11, 352(%[s])\n"
-      : [w] "+r"(W), [i] "+r"(i)
-      : [q0] "r"(q[0]), [q1] "r"(q[1]), [q2] "r"(q[2]), [q3] "r"(q[3]), [q4] "r"(q[4]), [q5] "r"(q[5]), [s] "r"(S)
-      : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",
-        "xmm12", "xmm13", "xmm14", "xmm15");
+// n zeroed floats of `buf`, 64-byte aligned: the rows' float accumulators, read and written 32 bytes at a time,
+// then never split a cache line (a heap block is only 16-byte aligned: then half the accesses split a line;
+// 2-13% slower in a standalone harness with the buffer so misaligned)
+inline float* zeroed_aligned(std::vector<float>& buf, int64_t n) {
+  buf.assign((size_t)(n + 16), 0.f);
+  return buf.data() + (64 - (uintptr_t)buf.data() % 64) % 64 / sizeof(float);
 }
 
-// k4, one block b of one tile, 6 rows from m0 (the first `rows` of them real: the others repeat row m0 and
-// are not written): W the unpacked block ([hf][u][low 32 | high 32] bytes), sc the scales ([hf][g] as int16
-// pairs), acc the rows' accumulators (row r: acc at 32 r, accm at 32 r + 16)
-inline void k4_rows_block(const QuantizedRows& a, int64_t m0, int rows, int64_t nb, int64_t b, const uint8_t* W,
-                          const __m256i* sc, const __m256i* mins, const __m256* d, const __m256* dmin, float* acc) {
-  const int8_t* q[6];
-  for (int r = 0; r < 6; ++r) q[r] = &a.q[(size_t)(((m0 + (r < rows ? r : 0)) * nb + b) * QB)];
-  alignas(32) __m256i S[12];
-  for (int hf = 0; hf < 2; ++hf) {
-    __m256i I[6];
-    for (int half = 0; half < 2; ++half) {
-      const int8_t* qh[6];
-      for (int r = 0; r < 6; ++r) qh[r] = q[r] + 32 * half;
-      k4_sums6(qh, W + (hf * 16 + 8 * half) * 64, S);
-      for (int r = 0; r < rows; ++r) {
-        const __m256i t = _mm256_add_epi32(_mm256_madd_epi16(S[2 * r], sc[hf * 4 + half]),
-                                           _mm256_madd_epi16(S[2 * r + 1], sc[hf * 4 + 2 + half]));
-        I[r] = half == 0 ? t : _mm256_add_epi32(I[r], t);
-      }
-    }
-    for (int r = 0; r < rows; ++r) {
-      const int64_t row = (m0 + r) * nb + b;
-      const __m256i J = _mm256_add_epi32(_mm256_madd_epi16(mins[2 * hf], _mm256_set1_epi32(a.p32[(size_t)(row * 2)])),
-                                         _mm256_madd_epi16(mins[2 * hf + 1], _mm256_set1_epi32(a.p32[(size_t)(row * 2 + 1)])));
-      const __m256 xd = _mm256_set1_ps(a.d[(size_t)row]);
-      float* ar = acc + r * 32 + 8 * hf;
-      _mm256_storeu_ps(ar, _mm256_fmadd_ps(_mm256_cvtepi32_ps(I[r]), _mm256_mul_ps(d[hf], xd), _mm256_loadu_ps(ar)));
-      _mm256_storeu_ps(ar + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(J), _mm256_mul_ps(dmin[hf], xd), _mm256_loadu_ps(ar + 16)));
+// k4, rows m0 and m0 + 1 (the second one only where rows == 2; else row m0 again, not written), one block b:
+// W the unpacked block ([u][low hf0 | low hf1 | high hf0 | high hf1], 32 bytes each), sc the scales as int16
+// pairs ([hf][g]), acc the rows' accumulators (row r at 32 r: acc hf0, acc hf1, accm hf0, accm hf1).
+inline void k4_rows2_block(const QuantizedRows& a, int64_t m0, int rows, int64_t nb, int64_t b, const uint8_t* W,
+                           const __m256i* sc, const __m256i* mins, const __m256* d, const __m256* dmin, float* acc) {
+  const int64_t row0 = m0 * nb + b, row1 = (m0 + (rows > 1 ? 1 : 0)) * nb + b;
+  const int8_t* q0 = &a.q[(size_t)(row0 * QB)];
+  const int8_t* q1 = &a.q[(size_t)(row1 * QB)];
+  __m256i I00, I01, I10, I11;  // I[row][hf]
+  const uint8_t* w = W;
+  // ymm0-3: row 0's int16 sums (low hf0, low hf1, high hf0, high hf1), ymm4-7 row 1's; ymm8-9 weights;
+  // ymm10-11 the broadcast codes and products. After each half (8 quad-rows) the sums are multiplied by their
+  // group's scale (vpmaddwd: sc * (p0 + p1)) into the int32 block sums I, which stay in registers. Unrolled: as two
+  // loops of 8 quad-rows it was up to ~10% slower in a standalone harness (within this shared machine's noise).
+#define KQ_U(U)                                                                                              \
+  "vmovdqa " #U "*128(%[w]), %%ymm8\n vmovdqa " #U "*128+32(%[w]), %%ymm9\n"                                 \
+  "vpbroadcastd " #U "*4(%[q0]), %%ymm10\n vpmaddubsw %%ymm10, %%ymm8, %%ymm11\n vpaddw %%ymm11, %%ymm0, %%ymm0\n" \
+  "vpmaddubsw %%ymm10, %%ymm9, %%ymm10\n vpaddw %%ymm10, %%ymm1, %%ymm1\n"                                   \
+  "vpbroadcastd " #U "*4(%[q1]), %%ymm10\n vpmaddubsw %%ymm10, %%ymm8, %%ymm11\n vpaddw %%ymm11, %%ymm4, %%ymm4\n" \
+  "vpmaddubsw %%ymm10, %%ymm9, %%ymm10\n vpaddw %%ymm10, %%ymm5, %%ymm5\n"                                   \
+  "vmovdqa " #U "*128+64(%[w]), %%ymm8\n vmovdqa " #U "*128+96(%[w]), %%ymm9\n"                              \
+  "vpbroadcastd 64+" #U "*4(%[q0]), %%ymm10\n vpmaddubsw %%ymm10, %%ymm8, %%ymm11\n vpaddw %%ymm11, %%ymm2, %%ymm2\n" \
+  "vpmaddubsw %%ymm10, %%ymm9, %%ymm10\n vpaddw %%ymm10, %%ymm3, %%ymm3\n"                                   \
+  "vpbroadcastd 64+" #U "*4(%[q1]), %%ymm10\n vpmaddubsw %%ymm10, %%ymm8, %%ymm11\n vpaddw %%ymm11, %%ymm6, %%ymm6\n" \
+  "vpmaddubsw %%ymm10, %%ymm9, %%ymm10\n vpaddw %%ymm10, %%ymm7, %%ymm7\n"
+#define KQ_ZERO                                                                                     \
+  "vpxor %%ymm0, %%ymm0, %%ymm0\n vpxor %%ymm1, %%ymm1, %%ymm1\n vpxor %%ymm2, %%ymm2, %%ymm2\n" \
+  "vpxor %%ymm3, %%ymm3, %%ymm3\n vpxor %%ymm4, %%ymm4, %%ymm4\n vpxor %%ymm5, %%ymm5, %%ymm5\n" \
+  "vpxor %%ymm6, %%ymm6, %%ymm6\n vpxor %%ymm7, %%ymm7, %%ymm7\n"
+// sums of half H times the scales: low group H (sc[hf][H]), high group 2 + H (sc[hf][2 + H]), 32 bytes a vector
+#define KQ_SCALE(H)                                                                                                \
+  "vpmaddwd " #H "*32(%[sc]), %%ymm0, %%ymm0\n vpmaddwd (2+" #H ")*32(%[sc]), %%ymm2, %%ymm2\n"                  \
+  "vpmaddwd (4+" #H ")*32(%[sc]), %%ymm1, %%ymm1\n vpmaddwd (6+" #H ")*32(%[sc]), %%ymm3, %%ymm3\n"              \
+  "vpmaddwd " #H "*32(%[sc]), %%ymm4, %%ymm4\n vpmaddwd (2+" #H ")*32(%[sc]), %%ymm6, %%ymm6\n"                  \
+  "vpmaddwd (4+" #H ")*32(%[sc]), %%ymm5, %%ymm5\n vpmaddwd (6+" #H ")*32(%[sc]), %%ymm7, %%ymm7\n"              \
+  "vpaddd %%ymm2, %%ymm0, %%ymm0\n vpaddd %%ymm3, %%ymm1, %%ymm1\n vpaddd %%ymm6, %%ymm4, %%ymm4\n"             \
+  "vpaddd %%ymm7, %%ymm5, %%ymm5\n"
+  __asm__ volatile(
+      KQ_ZERO
+      KQ_U(0) KQ_U(1) KQ_U(2) KQ_U(3) KQ_U(4) KQ_U(5) KQ_U(6) KQ_U(7)
+      KQ_SCALE(0)
+      "vmovdqa %%ymm0, %[I00]\n vmovdqa %%ymm1, %[I01]\n vmovdqa %%ymm4, %[I10]\n vmovdqa %%ymm5, %[I11]\n"
+      KQ_ZERO
+      KQ_U(8) KQ_U(9) KQ_U(10) KQ_U(11) KQ_U(12) KQ_U(13) KQ_U(14) KQ_U(15)
+      KQ_SCALE(1)
+      "vpaddd %%ymm0, %[I00], %[I00]\n vpaddd %%ymm1, %[I01], %[I01]\n vpaddd %%ymm4, %[I10], %[I10]\n"
+      "vpaddd %%ymm5, %[I11], %[I11]\n"
+      : [I00] "=&x"(I00), [I01] "=&x"(I01), [I10] "=&x"(I10), [I11] "=&x"(I11)
+      : [w] "r"(w), [q0] "r"(q0), [q1] "r"(q1), [sc] "r"(sc)
+      : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
+        "xmm11");
+#undef KQ_U
+#undef KQ_ZERO
+#undef KQ_SCALE
+  const __m256i I[2][2] = {{I00, I01}, {I10, I11}};
+  for (int r = 0; r < rows; ++r) {
+    const int64_t row = r == 0 ? row0 : row1;
+    const __m256i p0 = _mm256_set1_epi32(a.p32[(size_t)(row * 2)]), p1 = _mm256_set1_epi32(a.p32[(size_t)(row * 2 + 1)]);
+    const __m256 xd = _mm256_set1_ps(a.d[(size_t)row]);
+    float* ar = acc + r * 32;
+    for (int hf = 0; hf < 2; ++hf) {
+      const __m256i J = _mm256_add_epi32(_mm256_madd_epi16(mins[2 * hf], p0), _mm256_madd_epi16(mins[2 * hf + 1], p1));
+      _mm256_storeu_ps(ar + 8 * hf, _mm256_fmadd_ps(_mm256_cvtepi32_ps(I[r][hf]), _mm256_mul_ps(d[hf], xd),
+                                                    _mm256_loadu_ps(ar + 8 * hf)));
+      _mm256_storeu_ps(ar + 16 + 8 * hf, _mm256_fmadd_ps(_mm256_cvtepi32_ps(J), _mm256_mul_ps(dmin[hf], xd),
+                                                         _mm256_loadu_ps(ar + 16 + 8 * hf)));
     }
   }
 }
@@ -692,9 +736,9 @@ inline void k4_rows_block(const QuantizedRows& a, int64_t m0, int rows, int64_t 
 void k4_tile_many(const QuantizedRows& a, int64_t m0, int64_t m1, int64_t nb, const uint8_t* codes,
                   const uint8_t* meta, float* out) {
   const int64_t M = m1 - m0;
-  thread_local std::vector<float> accs;
-  accs.assign((size_t)(M * 32), 0.f);
-  alignas(64) uint8_t W[2 * 16 * 64];
+  thread_local std::vector<float> buf;
+  float* accs = zeroed_aligned(buf, M * 32);
+  alignas(64) uint8_t W[16 * 128];
   const __m256i mask4 = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* c = codes + b * K4_TILE;
@@ -703,11 +747,12 @@ void k4_tile_many(const QuantizedRows& a, int64_t m0, int64_t m1, int64_t nb, co
       prefetch(c, u * 64 + KQ_PREFETCH);
       for (int hf = 0; hf < 2; ++hf) {
         const __m256i w = _mm256_loadu_si256((const __m256i*)(c + u * 64 + 32 * hf));
-        _mm256_store_si256((__m256i*)(W + (hf * 16 + u) * 64), _mm256_and_si256(w, mask4));
-        _mm256_store_si256((__m256i*)(W + (hf * 16 + u) * 64 + 32), _mm256_and_si256(_mm256_srli_epi16(w, 4), mask4));
+        _mm256_store_si256((__m256i*)(W + u * 128 + 32 * hf), _mm256_and_si256(w, mask4));
+        _mm256_store_si256((__m256i*)(W + u * 128 + 64 + 32 * hf), _mm256_and_si256(_mm256_srli_epi16(w, 4), mask4));
       }
     }
-    __m256i sc[8], mins[4];
+    alignas(32) __m256i sc[8];
+    __m256i mins[4];
     __m256 d[2], dmin[2];
     for (int hf = 0; hf < 2; ++hf) {
       for (int g = 0; g < 4; ++g) sc[hf * 4 + g] = pair_same(u8x8(mt + 64 + 16 * g + 8 * hf));
@@ -716,8 +761,8 @@ void k4_tile_many(const QuantizedRows& a, int64_t m0, int64_t m1, int64_t nb, co
       d[hf] = f16x8(mt + 16 * hf);
       dmin[hf] = f16x8(mt + 32 + 16 * hf);
     }
-    for (int64_t m = 0; m < M; m += 6)
-      k4_rows_block(a, m0 + m, (int)std::min<int64_t>(6, M - m), nb, b, W, sc, mins, d, dmin, &accs[(size_t)(m * 32)]);
+    for (int64_t m = 0; m < M; m += 2)
+      k4_rows2_block(a, m0 + m, (int)std::min<int64_t>(2, M - m), nb, b, W, sc, mins, d, dmin, &accs[(size_t)(m * 32)]);
   }
   for (int64_t r = 0; r < M; ++r)
     for (int hf = 0; hf < 2; ++hf)
@@ -725,50 +770,75 @@ void k4_tile_many(const QuantizedRows& a, int64_t m0, int64_t m1, int64_t nb, co
                                                             _mm256_loadu_ps(&accs[(size_t)(r * 32 + 16 + 8 * hf)])));
 }
 
-// k6, one block: W the unpacked 6-bit codes ([hf][u][low half 32 | high half 32]), sc ([hf][g] int16 pairs),
-// scp the scale pairs of the -32 term ([hf][4]), acc row r at 16 r
-template <int R>
-inline void k6_rows_block(const QuantizedRows& a, int64_t m0, int64_t nb, int64_t b, const uint8_t* W,
-                          const __m256i* sc, const __m256i* scp, const __m256* d, float* acc) {
-  const int8_t* q[R];
-  for (int r = 0; r < R; ++r) q[r] = &a.q[(size_t)(((m0 + r) * nb + b) * QB)];
-  for (int hf = 0; hf < 2; ++hf) {
-    __m256i I[R];
-    for (int r = 0; r < R; ++r) I[r] = _mm256_setzero_si256();
-    for (int u = 0; u < 16; u += 2) {  // quad-rows (u, u + 1): half of group u / 4 (low), 4 + u / 4 (high)
-      const uint8_t* w0 = W + (hf * 16 + u) * 64;
-      const __m256i l0 = _mm256_load_si256((const __m256i*)w0), h0 = _mm256_load_si256((const __m256i*)(w0 + 32));
-      const __m256i l1 = _mm256_load_si256((const __m256i*)(w0 + 64)), h1 = _mm256_load_si256((const __m256i*)(w0 + 96));
-      const __m256i sl = sc[hf * 8 + u / 4], sh = sc[hf * 8 + 4 + u / 4];
-      for (int r = 0; r < R; ++r) {
-        const __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(l0, _mm256_set1_epi32(load_i32(q[r] + 4 * u))),
-                                            _mm256_maddubs_epi16(l1, _mm256_set1_epi32(load_i32(q[r] + 4 * u + 4))));
-        const __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(h0, _mm256_set1_epi32(load_i32(q[r] + 64 + 4 * u))),
-                                            _mm256_maddubs_epi16(h1, _mm256_set1_epi32(load_i32(q[r] + 68 + 4 * u))));
-        I[r] = _mm256_add_epi32(I[r], _mm256_add_epi32(_mm256_madd_epi16(pl, sl), _mm256_madd_epi16(ph, sh)));
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = (m0 + r) * nb + b;
-      const int32_t* p = &a.p16[(size_t)(row * 4)];
-      const __m256i* s = scp + 4 * hf;
-      const __m256i S = _mm256_add_epi32(
-          _mm256_add_epi32(_mm256_madd_epi16(s[0], _mm256_set1_epi32(p[0])), _mm256_madd_epi16(s[1], _mm256_set1_epi32(p[1]))),
-          _mm256_add_epi32(_mm256_madd_epi16(s[2], _mm256_set1_epi32(p[2])), _mm256_madd_epi16(s[3], _mm256_set1_epi32(p[3]))));
-      const __m256i Ib = _mm256_sub_epi32(I[r], _mm256_slli_epi32(S, 5));
+// k6, rows m0 .. m0 + 3 (the first `rows` of them real; the others repeat row m0 and are not written), one block b:
+// W the unpacked 6-bit codes ([u][low half hf0 | low hf1 | high half hf0 | high hf1], 32 bytes each), sc the
+// scales as int16 pairs ([g][hf]), scp the scale pairs of the -32 term ([hf][4]), acc row r at 16 r.
+inline void k6_rows4_block(const QuantizedRows& a, int64_t m0, int rows, int64_t nb, int64_t b, const uint8_t* W,
+                           const __m256i* sc, const __m256i* scp, const __m256* d, float* acc) {
+  int64_t row[4];
+  for (int r = 0; r < 4; ++r) row[r] = (m0 + (r < rows ? r : 0)) * nb + b;
+  const int8_t* q0 = &a.q[(size_t)(row[0] * QB)];
+  const int8_t* q1 = &a.q[(size_t)(row[1] * QB)];
+  const int8_t* q2 = &a.q[(size_t)(row[2] * QB)];
+  const int8_t* q3 = &a.q[(size_t)(row[3] * QB)];
+  __m256i I[4][2];  // the int32 block sums, in registers throughout (ymm0-7 below)
+  int64_t i = 0;
+  const uint8_t* w = W;
+  const __m256i* s = sc;
+  // One row, a pair of quad-rows (u, u + 1) of one half of the inputs (X: 0 low, 64 high; J: the pair's first
+  // quad-row within the quarter): the two products of each 8-output half summed in int16 (<= 2 * 16002), then
+  // times the group's scale in both int16 halves of a lane (vpmaddwd) into the row's int32 sums A (hf0), B (hf1).
+  // ymm8-11: broadcast codes and products; ymm12-15: the pair's weights (loaded by KQ_W).
+#define KQ_W(X, J)                                                                                     \
+  "vmovdqa " #J "*128+" #X "(%[w]), %%ymm12\n vmovdqa " #J "*128+" #X "+32(%[w]), %%ymm13\n"          \
+  "vmovdqa " #J "*128+128+" #X "(%[w]), %%ymm14\n vmovdqa " #J "*128+128+" #X "+32(%[w]), %%ymm15\n"
+#define KQ_R(Q, X, J, S, A, B)                                                                                      \
+  "vpbroadcastd " #X "+" #J "*4(%[" Q "],%[i]), %%ymm8\n vpmaddubsw %%ymm8, %%ymm12, %%ymm9\n"                   \
+  "vpmaddubsw %%ymm8, %%ymm13, %%ymm8\n vpbroadcastd " #X "+" #J "*4+4(%[" Q "],%[i]), %%ymm10\n"                 \
+  "vpmaddubsw %%ymm10, %%ymm14, %%ymm11\n vpaddw %%ymm11, %%ymm9, %%ymm9\n vpmaddubsw %%ymm10, %%ymm15, %%ymm10\n" \
+  "vpaddw %%ymm10, %%ymm8, %%ymm8\n vpmaddwd " #S "(%[s]), %%ymm9, %%ymm9\n vpmaddwd " #S "+32(%[s]), %%ymm8, %%ymm8\n" \
+  "vpaddd %%ymm9, %%ymm" #A ", %%ymm" #A "\n vpaddd %%ymm8, %%ymm" #B ", %%ymm" #B "\n"
+#define KQ_PAIR(X, J, S) \
+  KQ_W(X, J) KQ_R("q0", X, J, S, 0, 1) KQ_R("q1", X, J, S, 2, 3) KQ_R("q2", X, J, S, 4, 5) KQ_R("q3", X, J, S, 6, 7)
+  __asm__ volatile(
+      "vpxor %%ymm0, %%ymm0, %%ymm0\n vpxor %%ymm1, %%ymm1, %%ymm1\n vpxor %%ymm2, %%ymm2, %%ymm2\n"
+      "vpxor %%ymm3, %%ymm3, %%ymm3\n vpxor %%ymm4, %%ymm4, %%ymm4\n vpxor %%ymm5, %%ymm5, %%ymm5\n"
+      "vpxor %%ymm6, %%ymm6, %%ymm6\n vpxor %%ymm7, %%ymm7, %%ymm7\n"
+      "1:\n"  // one quarter: quad-rows 4k .. 4k + 3, low half group k (sc at s), high half group 4 + k (s + 256)
+      KQ_PAIR(0, 0, 0) KQ_PAIR(0, 2, 0) KQ_PAIR(64, 0, 256) KQ_PAIR(64, 2, 256)
+      "add $512, %[w]\n add $64, %[s]\n add $16, %[i]\n cmp $64, %[i]\n jne 1b\n"
+      "vmovdqu %%ymm0, (%[o])\n vmovdqu %%ymm1, 32(%[o])\n vmovdqu %%ymm2, 64(%[o])\n vmovdqu %%ymm3, 96(%[o])\n"
+      "vmovdqu %%ymm4, 128(%[o])\n vmovdqu %%ymm5, 160(%[o])\n vmovdqu %%ymm6, 192(%[o])\n vmovdqu %%ymm7, 224(%[o])\n"
+      : [w] "+r"(w), [i] "+r"(i), [s] "+r"(s)
+      : [q0] "r"(q0), [q1] "r"(q1), [q2] "r"(q2), [q3] "r"(q3), [o] "r"(&I[0][0])
+      : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
+        "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+#undef KQ_W
+#undef KQ_R
+#undef KQ_PAIR
+  for (int r = 0; r < rows; ++r) {
+    const int32_t* p = &a.p16[(size_t)(row[r] * 4)];
+    const __m256i p0 = _mm256_set1_epi32(p[0]), p1 = _mm256_set1_epi32(p[1]), p2 = _mm256_set1_epi32(p[2]),
+                  p3 = _mm256_set1_epi32(p[3]);
+    const __m256 xd = _mm256_set1_ps(a.d[(size_t)row[r]]);
+    for (int hf = 0; hf < 2; ++hf) {
+      const __m256i* t = scp + 4 * hf;
+      const __m256i S = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(t[0], p0), _mm256_madd_epi16(t[1], p1)),
+                                         _mm256_add_epi32(_mm256_madd_epi16(t[2], p2), _mm256_madd_epi16(t[3], p3)));
+      const __m256i Ib = _mm256_sub_epi32(I[r][hf], _mm256_slli_epi32(S, 5));
       float* ar = acc + r * 16 + 8 * hf;
-      _mm256_storeu_ps(ar, _mm256_fmadd_ps(_mm256_cvtepi32_ps(Ib), _mm256_mul_ps(d[hf], _mm256_set1_ps(a.d[(size_t)row])),
-                                           _mm256_loadu_ps(ar)));
+      _mm256_storeu_ps(ar, _mm256_fmadd_ps(_mm256_cvtepi32_ps(Ib), _mm256_mul_ps(d[hf], xd), _mm256_loadu_ps(ar)));
     }
   }
 }
 
+// rows [m0, m1) of one k6 tile: out[r * 16 + j] as k6_tile_avx2 computes it
 void k6_tile_many(const QuantizedRows& a, int64_t m0, int64_t m1, int64_t nb, const uint8_t* lo, const uint8_t* hi,
-                  const uint8_t* meta, float* out) {
+                   const uint8_t* meta, float* out) {
   const int64_t M = m1 - m0;
-  thread_local std::vector<float> accs;
-  accs.assign((size_t)(M * 16), 0.f);
-  alignas(64) uint8_t W[2 * 16 * 64];
+  thread_local std::vector<float> buf;
+  float* accs = zeroed_aligned(buf, M * 16);
+  alignas(64) uint8_t W[16 * 128];
   const __m256i mask4 = _mm256_set1_epi8(0x0F), mask30 = _mm256_set1_epi8(0x30);
   const __m256i lo16 = _mm256_set1_epi32(0xFFFF);
   for (int64_t b = 0; b < nb; ++b) {
@@ -783,25 +853,24 @@ void k6_tile_many(const QuantizedRows& a, int64_t m0, int64_t m1, int64_t nb, co
         const __m256i hb = _mm256_loadu_si256((const __m256i*)(h + (u % 8) * 64 + 32 * hf));
         const __m256i hl = u < 8 ? _mm256_slli_epi16(hb, 4) : _mm256_slli_epi16(hb, 2);
         const __m256i hh = u < 8 ? hb : _mm256_srli_epi16(hb, 2);
-        _mm256_store_si256((__m256i*)(W + (hf * 16 + u) * 64),
+        _mm256_store_si256((__m256i*)(W + u * 128 + 32 * hf),
                            _mm256_or_si256(_mm256_and_si256(w, mask4), _mm256_and_si256(hl, mask30)));
-        _mm256_store_si256((__m256i*)(W + (hf * 16 + u) * 64 + 32),
+        _mm256_store_si256((__m256i*)(W + u * 128 + 64 + 32 * hf),
                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), mask4), _mm256_and_si256(hh, mask30)));
       }
     }
-    __m256i sc[16], scp[8];
+    alignas(32) __m256i sc[16];
+    __m256i scp[8];
     __m256 d[2];
     for (int hf = 0; hf < 2; ++hf) {
-      for (int g = 0; g < 8; ++g) sc[hf * 8 + g] = pair_same(i8x8(mt + 32 + 16 * g + 8 * hf));
+      for (int g = 0; g < 8; ++g) sc[g * 2 + hf] = pair_same(i8x8(mt + 32 + 16 * g + 8 * hf));
       for (int i = 0; i < 4; ++i)
         scp[hf * 4 + i] = _mm256_or_si256(_mm256_and_si256(i8x8(mt + 32 + 32 * i + 8 * hf), lo16),
                                           _mm256_slli_epi32(i8x8(mt + 48 + 32 * i + 8 * hf), 16));
       d[hf] = f16x8(mt + 16 * hf);
     }
-    int64_t m = 0;
-    for (; m + ROWS_MANY <= M; m += ROWS_MANY)
-      k6_rows_block<ROWS_MANY>(a, m0 + m, nb, b, W, sc, scp, d, &accs[(size_t)(m * 16)]);
-    for (; m < M; ++m) k6_rows_block<1>(a, m0 + m, nb, b, W, sc, scp, d, &accs[(size_t)(m * 16)]);
+    for (int64_t m = 0; m < M; m += 4)
+      k6_rows4_block(a, m0 + m, (int)std::min<int64_t>(4, M - m), nb, b, W, sc, scp, d, &accs[(size_t)(m * 16)]);
   }
   for (int64_t r = 0; r < M; ++r) std::memcpy(out + r * NT, &accs[(size_t)(r * 16)], NT * sizeof(float));
 }
