@@ -227,30 +227,39 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
         eval_every=config.eval_every,
         writer=writer,
         progress=config.progress,
+        score_name="load_score" if setup is not None else "tokens_per_s",
     )
     if checkpoint is not None:
         trainer.load(checkpoint)
         print(f"resumed {run} after {len(trainer.history)} phases", flush=True)
+    if setup is not None:  # what the validation figure is, said where it is printed
+        levels = ",".join(str(n) for n in setup.concurrencies)
+        unit = f"x autoregressive (mean over N={levels}, server replay)"
+    else:
+        unit = "tokens/s (replay)"
     phases = [("imitation", 0)] if config.ppo.imitation_steps else []
     phases += [(name, r) for r in range(config.rounds) for name in ("size", "depth")]
-    for name, r in phases[len(trainer.history) :]:
-        if name == "imitation":
-            log = trainer.imitate(lambda p: AnalyticController(p, config.tree_width, config.max_depth))
-            fits = ", ".join(f"{n} {v['agreement']:.1%}" for n, v in trainer.imitation.items())
-            print(
-                f"imitation of the analytic controller: {log.steps} decisions in {log.seconds:.0f} s "
-                f"(agreement {fits}), validation {log.validation[-1][1]:.3f} tokens/s",
-                flush=True,
-            )
-        else:
-            log = trainer.run_phase(name, config.size_steps if name == "size" else config.depth_steps, r)
-            last = log.validation[-1][1] if log.validation else float("nan")
-            print(
-                f"round {r + 1}/{config.rounds} {name}: {log.steps} steps in {log.seconds:.0f} s, "
-                f"validation {last:.3f} tokens/s (best so far {trainer.best[0]:.3f})",
-                flush=True,
-            )
-        trainer.save(run / "checkpoint")
+    try:
+        for name, r in phases[len(trainer.history) :]:
+            if name == "imitation":
+                log = trainer.imitate(lambda p: AnalyticController(p, config.tree_width, config.max_depth))
+                fits = ", ".join(f"{n} {v['agreement']:.1%}" for n, v in trainer.imitation.items())
+                print(
+                    f"imitation of the analytic controller: {log.steps} decisions in {log.seconds:.0f} s "
+                    f"(agreement {fits}), validation {log.validation[-1][1]:.3f} {unit}",
+                    flush=True,
+                )
+            else:
+                log = trainer.run_phase(name, config.size_steps if name == "size" else config.depth_steps, r)
+                last = log.validation[-1][1] if log.validation else float("nan")
+                print(
+                    f"round {r + 1}/{config.rounds} {name}: {log.steps} steps in {log.seconds:.0f} s, "
+                    f"validation {last:.3f} {unit} (best so far {trainer.best[0]:.3f})",
+                    flush=True,
+                )
+            trainer.save(run / "checkpoint")
+    finally:
+        trainer.close()  # the environment workers
     writer.close()
 
     best_tps, depth_actor, size_actor = trainer.best

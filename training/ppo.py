@@ -24,6 +24,7 @@ planted checkpoint whose manifest was rewritten to match, unless its author can 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import secrets
 import time
 from collections.abc import Callable
@@ -60,6 +61,7 @@ from training.ppo_checkpoint import (
     verify_checkpoint,
 )
 from training.ppo_config import CLIP_OBS, OBS_EPS, PhaseLog, PPOConfig, TrainCallback, actor_from_model
+from training.vec_workers import PooledVecEnv, WorkerPool, default_workers
 
 if TYPE_CHECKING:  # tensorboard is imported where a run writes its logs
     from torch.utils.tensorboard import SummaryWriter
@@ -90,8 +92,13 @@ class CoTrainer:
         eval_every: int = 10_000,
         writer: SummaryWriter | None = None,
         progress: bool = False,
+        score_name: str = "tokens_per_s",
     ):
         self.backend, self.ppo, self.env_config = backend, ppo, env_config
+        self.score_name = score_name
+        """What ``evaluate`` returns, as TensorBoard names it (``eval/validation_<score_name>``): "tokens_per_s"
+        (replay throughput) or "load_score" (load-aware runs: the mean over the load levels of system tokens/s
+        over autoregressive decoding's, a ratio)."""
         self.baseline, self.evaluate = baseline, evaluate
         self.max_depth, self.device_feats = max_depth, np.asarray(device_feats, np.float32)
         self.loads = loads
@@ -109,6 +116,10 @@ class CoTrainer:
         self.history: list[PhaseLog] = []
         self.imitation: dict[str, dict[str, float]] = {}
         """name -> how well the imitation fitted the teacher (``imitation.fit``: agreement, losses)."""
+        workers = ppo.workers or default_workers()
+        self.workers = min(workers, ppo.n_envs) if getattr(backend, "kind", None) == "replay" else 1
+        """Processes the phases' environments step in (``training.vec_workers``; 1: this one)."""
+        self._pool: WorkerPool | None = None
 
     # ------------------------------------------------------------------------------------- controllers
     def actor(self, name: str) -> Actor | None:
@@ -135,8 +146,17 @@ class CoTrainer:
     def _make_venv(self, name: str, other_factory: Callable[[], Controller]) -> VecNormalize:
         env_cls = SizeEnv if name == "size" else DepthEnv
         config = dataclasses.replace(self.env_config, rho=self.rho, rho_update=0.0)
-        fns = [lambda: env_cls(self.backend, other_factory(), config) for _ in range(self.ppo.n_envs)]
-        venv = DummyVecEnv(fns)
+        # each environment gets its own controller for the other decision, made here (a worker gets it pickled)
+        fns = [
+            functools.partial(_make_env, env_cls, self.backend, other_factory(), config)
+            for _ in range(self.ppo.n_envs)
+        ]
+        if self.workers > 1:
+            if self._pool is None:
+                self._pool = WorkerPool(self.workers)
+            venv = PooledVecEnv(self._pool, fns)
+        else:
+            venv = DummyVecEnv(fns)
         venv.seed(self.seed + (0 if name == "size" else 1000) + 10 * len(self.history))
         norm = VecNormalize(venv, norm_obs=True, norm_reward=False, clip_obs=CLIP_OBS, epsilon=OBS_EPS)
         if name in self.obs_rms:  # keep the running observation statistics across rounds
@@ -253,12 +273,18 @@ class CoTrainer:
             tps = float(self.evaluate(self.controller(depth, size)))
             log.validation.append((self.total_steps, tps))
             if self.writer is not None:
-                self.writer.add_scalar("eval/validation_tokens_per_s", tps, self.total_steps)
+                self.writer.add_scalar(f"eval/validation_{self.score_name}", tps, self.total_steps)
             if tps > self.best[0]:
                 self.best = (tps, depth, size)
         log.seconds = time.perf_counter() - start
         self.history.append(log)
         return log
+
+    def close(self) -> None:
+        """Stops the environment workers (if any); the trainer can still save, export and validate."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     def joint(self) -> LearnedController:
         return self.controller(self.actor("depth"), self.actor("size"))
@@ -360,3 +386,8 @@ class CoTrainer:
             )
             for h in state["history"]
         ]
+
+
+def _make_env(env_cls, backend: Backend, other: Controller, config: EnvConfig):
+    """One training environment (a module-level function, so that a worker process can be sent it)."""
+    return env_cls(backend, other, config)

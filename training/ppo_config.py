@@ -63,11 +63,17 @@ class PPOConfig:
     imitation_epochs: int = 30
     """Passes over the imitation data (cross-entropy for the actor, squared error on the teacher's
     discounted returns for the critic)."""
+    workers: int = 0
+    """Processes that step the replay environments (``training.vec_workers``): 0, one per core; 1, in this
+    process. The same episodes, observations and rewards whatever the number (it changes only the speed; a
+    live backend always steps in-process)."""
 
     def __post_init__(self) -> None:
         for name in ("n_envs", "n_steps", "batch_size", "n_epochs", "imitation_epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.workers < 0:
+            raise ValueError(f"workers (--workers) must be >= 0, got {self.workers}")
         if self.imitation_steps < 0:
             raise ValueError(f"imitation_steps (--imitation-steps) must be >= 0, got {self.imitation_steps}")
         if self.activation not in ("tanh", "relu"):
@@ -195,12 +201,11 @@ class TrainCallback(BaseCallback):
         other = trainer.actor(self.other_name)
         depth, size = (other, current) if self.name == "size" else (current, other)
         tps = float(trainer.evaluate(trainer.controller(depth, size)))
-        self.logger.record("eval/validation_tokens_per_s", tps)
+        tag = f"eval/validation_{trainer.score_name}"
+        self.logger.record(tag, tps)
         if trainer.writer is not None:
-            trainer.writer.add_scalar("eval/validation_tokens_per_s", tps, trainer.total_steps)
-            trainer.writer.add_scalar(
-                f"eval/validation_tokens_per_s_{self.name}_phase", tps, trainer.total_steps
-            )
+            trainer.writer.add_scalar(tag, tps, trainer.total_steps)
+            trainer.writer.add_scalar(f"{tag}_{self.name}_phase", tps, trainer.total_steps)
         self.log.validation.append((trainer.total_steps, tps))
         # only complete controllers (both policies learned) are export candidates
         if depth is not None and size is not None and tps > trainer.best[0]:

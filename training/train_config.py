@@ -236,7 +236,7 @@ class RunDirectoryError(DraftpilotError, ValueError):
     started again without --resume or --retrain, resume flags that contradict the run's config."""
 
 
-IGNORED_FIELDS = ("progress", "run_dir", "run_name")
+IGNORED_FIELDS = ("progress", "run_dir", "run_name", "ppo.workers")
 """Settings that do not change what a run trains: they may differ between a run and a later command."""
 PATH_FIELDS = ("prompts", "long_prompts", "profile", "cache_dir", "run_dir")
 """Paths, stored absolute so that a run means the same from any working directory."""

@@ -14,6 +14,7 @@ with the last segment's slope (never decreasing: noise must not make a longer co
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -64,6 +65,42 @@ def _lerp2(
     extrapolate: bool = True,
 ) -> float:
     return float(_lerp(contexts, _lerp(xs, table, x, extrapolate), context, extrapolate))
+
+
+class _Grid2:
+    """A table [xs, contexts] as Python floats, read as ``_lerp2`` reads it: the same operations in the same
+    order on the same doubles (so the same results, bit for bit), without numpy's per-call cost on scalars
+    (the replays and the server replay ask the profile millions of times)."""
+
+    __slots__ = ("xs", "contexts", "rows", "last_x", "last_c")
+
+    def __init__(self, xs: np.ndarray, contexts: np.ndarray, table: np.ndarray):
+        self.xs, self.contexts = [float(v) for v in xs], [float(v) for v in contexts]
+        self.rows = [[float(v) for v in row] for row in np.asarray(table, dtype=np.float64)]
+        self.last_x, self.last_c = len(self.xs) - 1, len(self.contexts) - 1
+
+    def _column(self, x: float, c: int, extrapolate: bool) -> float:
+        xs, rows, n = self.xs, self.rows, self.last_x
+        if n == 0 or x <= xs[0]:
+            return rows[0][c]
+        if x >= xs[n] and not extrapolate:
+            return rows[n][c]
+        i = min(bisect.bisect_right(xs, x) - 1, n - 1)
+        w = (x - xs[i]) / (xs[i + 1] - xs[i])
+        value = rows[i][c] + w * (rows[i + 1][c] - rows[i][c])
+        return max(value, rows[n][c]) if x > xs[n] else value
+
+    def at(self, x: float, context: float, extrapolate: bool = True) -> float:
+        cs, m = self.contexts, self.last_c
+        if m == 0 or context <= cs[0]:
+            return self._column(x, 0, extrapolate)
+        if context >= cs[m] and not extrapolate:
+            return self._column(x, m, extrapolate)
+        j = min(bisect.bisect_right(cs, context) - 1, m - 1)
+        w = (context - cs[j]) / (cs[j + 1] - cs[j])
+        low, high = self._column(x, j, extrapolate), self._column(x, j + 1, extrapolate)
+        value = low + w * (high - low)
+        return max(value, self._column(x, m, extrapolate)) if context > cs[m] else value
 
 
 def chunk_curve(profile: Any, max_pending: int, context: int) -> np.ndarray:
@@ -139,6 +176,7 @@ class CostProfile:
     def __post_init__(self) -> None:
         self._arrays: dict[str, np.ndarray] = {}
         self._curve_rows: dict[tuple[str, int], np.ndarray] = {}
+        self._grids: dict[str, _Grid2] = {}
         shapes = {
             "draft_step": (self.widths, "draft_step_table"),
             "verify": (self.sizes, "verify_table"),
@@ -245,17 +283,28 @@ class CostProfile:
         return grid
 
     # ------------------------------------------------------------------------------------------ queries
+    def _at(self, key: str, x: float, context: float, extrapolate: bool = True) -> float:
+        """``_lerp2`` of table ``key`` (its grid ``<key>_grid``, the contexts; a ``<name>_sigma`` table reads
+        ``<name>_grid``; ``batched_<model>`` its own pair of grids) at (x, context), through its ``_Grid2``."""
+        grid = self._grids.get(key)
+        if grid is None:
+            a = self._arrays
+            if key.startswith("batched_"):
+                xs, contexts = a[key + "_grid"]
+            else:
+                xs, contexts = a[key.removesuffix("_sigma") + "_grid"], a["contexts"]
+            grid = self._grids[key] = _Grid2(xs, contexts, a[key])
+        return grid.at(x, context, extrapolate)
+
     def draft_step_s(self, width: int, context: int) -> float:
         """One draft forward over a frontier of ``width`` nodes at ``context``."""
-        a = self._arrays
-        return _lerp2(a["draft_step_grid"], a["contexts"], a["draft_step"], width, context)
+        return self._at("draft_step", width, context)
 
     def draft_chunk_s(self, num_pending: int, context: int) -> float:
         """The first draft step of a cycle: a causal chunk of ``num_pending`` tokens."""
-        a = self._arrays
-        if "draft_chunk" not in a:
+        if "draft_chunk" not in self._arrays:
             return self.draft_step_s(num_pending, context)
-        return _lerp2(a["draft_chunk_grid"], a["contexts"], a["draft_chunk"], num_pending, context)
+        return self._at("draft_chunk", num_pending, context)
 
     def draft_chunk_curve(self, max_pending: int, context: int) -> np.ndarray:
         """``draft_chunk_s(p, context)`` for p = 1 .. ``max_pending`` as one array, the same values (the
@@ -272,13 +321,12 @@ class CostProfile:
         """The target forward over the root and ``num_nodes`` verified nodes at ``context``; ``chain``: the
         nodes form a chain (the engine runs it causally, without a tree mask: another, cheaper kernel path
         on CPU once there are 4+ rows)."""
-        a = self._arrays
         # the root alone (an autoregressive step) is one causal row whatever the draft's shape: the same
         # forward in both tables, read from the chain one (no mask, as the engine runs it), so that one noisy
         # cell of the tree table cannot make autoregressive steps look dearer than they are
         chain = chain or num_nodes == 0
-        key = "verify_chain" if chain and "verify_chain" in a else "verify"
-        return _lerp2(a[key + "_grid"], a["contexts"], a[key], num_nodes, context)
+        key = "verify_chain" if chain and "verify_chain" in self._arrays else "verify"
+        return self._at(key, num_nodes, context)
 
     def overhead_s(self, num_nodes: int, depth: int = 1, tree_width: int = 1) -> float:
         """Per-cycle time outside forwards and controller; ``depth=0`` is an autoregressive step."""
@@ -350,21 +398,15 @@ class CostProfile:
             raise ValueError("sample_cycle_s needs an explicit np.random.Generator (rng=...)")
         a = self._arrays
         parts = self.cycle_parts(depth, num_verified, context, tree_width, num_pending)
-        sigma_verify = _lerp2(
-            a["verify_grid"], a["contexts"], a["verify_sigma"], num_verified, context, False
-        )
+        sigma_verify = self._at("verify_sigma", num_verified, context, False)
         total = parts["verify_s"] * math.exp(sigma_verify * rng.standard_normal())
         total += parts["overhead_s"] * math.exp(spread_to_sigma(self.overhead_spread) * rng.standard_normal())
         if depth > 0:
             key = "draft_chunk" if "draft_chunk" in a else "draft_step"
-            sigma_first = _lerp2(
-                a[key + "_grid"], a["contexts"], a[key + "_sigma"], num_pending, context, False
-            )
+            sigma_first = self._at(key + "_sigma", num_pending, context, False)
             total += parts["first_draft_s"] * math.exp(sigma_first * rng.standard_normal())
             if depth > 1:
-                sigma_step = _lerp2(
-                    a["draft_step_grid"], a["contexts"], a["draft_step_sigma"], tree_width, context, False
-                )
+                sigma_step = self._at("draft_step_sigma", tree_width, context, False)
                 step = self.draft_step_s(tree_width, context)
                 total += float(np.sum(step * np.exp(sigma_step * rng.standard_normal(depth - 1))))
         return total + controller_calls * self.policy_call_s
@@ -391,8 +433,7 @@ class CostProfile:
             raise ProfileError(
                 "this profile has no batch axis: measure it with `python -m engine.costs.measure_costs --batch-axis`"
             )
-        r_grid, s_grid, table = self.batched_grid(model)
-        return _lerp2(r_grid, s_grid, table, rows / max(sequences, 1), sequences)
+        return self._at("batched_" + model, rows / max(sequences, 1), sequences)
 
     def batched_grid(self, model: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The batch axis of ``model`` as arrays: (rows per sequence, sequences, seconds [rows per sequence,

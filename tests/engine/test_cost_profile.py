@@ -487,3 +487,24 @@ def test_the_step_overhead_is_the_batched_step_beyond_the_profile(tiny_pair_f32)
     assert 0 < step < 0.5
     dear = dataclasses.replace(batched_profile(), ar_overhead_s=10.0)
     assert measure_step_overhead(tiny_pair_f32, dear, context=32, steps=6, reps=1) == 0.0
+
+
+def test_profile_queries_equal_the_numpy_interpolation_bit_for_bit():
+    """The queries read their tables through ``_Grid2`` (Python floats, for speed): every value, inside the
+    grid, below it, above it (extrapolated and floored) and on its points, is the numpy ``_lerp2``'s exactly;
+    a perturbed table (negative control) is not."""
+    from engine.costs.cost_profile import _Grid2, _lerp2
+
+    rng = np.random.default_rng(3)
+    for shape in ((1, 1), (1, 4), (5, 1), (6, 4), (9, 3)):
+        xs = np.cumsum(rng.uniform(0.5, 3.0, shape[0])).round(1)
+        contexts = np.cumsum(rng.uniform(50, 900, shape[1])).round()
+        table = rng.uniform(0.001, 0.5, shape)
+        grid = _Grid2(xs, contexts, table)
+        queries = [(x, c) for x in (*xs, xs[0] - 1, xs[-1] + 2.5, *rng.uniform(0, xs[-1] * 1.5, 12))
+                   for c in (*contexts, 1, contexts[-1] * 3, *rng.uniform(1, contexts[-1] * 1.4, 6))]  # fmt: skip
+        for extrapolate in (True, False):
+            for x, c in queries:
+                assert grid.at(x, c, extrapolate) == _lerp2(xs, contexts, table, x, c, extrapolate)
+    bent = _Grid2(xs, contexts, table * (1 + 1e-12))
+    assert any(bent.at(x, c) != _lerp2(xs, contexts, table, x, c) for x, c in queries)
