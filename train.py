@@ -2,7 +2,7 @@
 
     python train.py                                  # main job: default pair, built-in suite, load-aware, ~15-30 min on 2 CPU cores
     python train.py --pair tiny --quick              # plumbing check in seconds
-    python train.py --rounds 4 --size-steps 400000   # a bigger budget (default: 3 rounds, 200000 steps)
+    python train.py --rounds 4 --depth-steps 400000  # a bigger budget (default: 3 rounds, 50k size + 200k depth steps)
     python train.py --backend live --pair tiny       # train on the real engine with wall-clock reward
     python train.py --resume runs/<run>              # continue an interrupted run (phase granularity)
     python train.py --run-name main --retrain        # train again in a run directory that holds a policy
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import shutil
 import sys
@@ -202,6 +203,10 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
             profiles=mix,
             lookup=lookup,
         )
+    pair_name = pair.name
+    if config.backend != "live":  # replay training needs no model: free the pair's ~2 GB before PPO
+        del pair
+        gc.collect()
     torch.set_num_threads(1)  # the policy networks are tiny; threads only add overhead
     policy_device = "cuda" if config.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
     writer = SummaryWriter(str(run / "tb" / "validation"))
@@ -315,7 +320,7 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
         tree_width=config.tree_width,
         max_depth=config.max_depth,
         device_feats=feats,
-        pair=pair.name,
+        pair=pair_name,
         profile=profile.to_dict(),
         train_config=asdict(config),
         metrics=metrics,

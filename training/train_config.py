@@ -119,8 +119,9 @@ class TrainConfig(ModelConfig):
     """average (emitted - rho * time, dense) or throughput (LTD's per-cycle emitted / time)."""
     rounds: int = 3
     """Co-adaptation rounds (each: size phase, then depth phase)."""
-    size_steps: int = 200_000
-    """Environment steps per size phase (one per cycle)."""
+    size_steps: int = 50_000
+    """Environment steps per size phase (one per drafting cycle). Why 50k, not the depth phase's 200k:
+    docs/training.md, "Training budget"."""
     depth_steps: int = 200_000
     """Environment steps per depth phase (one per draft step)."""
     eval_every: int = 10_000
