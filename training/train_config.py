@@ -124,8 +124,10 @@ class TrainConfig(ModelConfig):
     docs/training.md, "Training budget"."""
     depth_steps: int = 200_000
     """Environment steps per depth phase (one per draft step)."""
-    eval_every: int = 10_000
-    """Validate the joint controller every this many environment steps (and at each phase end)."""
+    eval_every: int = 20_000
+    """Validate the joint controller every this many environment steps (and at each phase end). A validation is
+    a server replay of every validation trace at every load level, in the main process while the environment
+    workers wait (1-3 s on the real pair's traces): docs/training.md, "Training budget"."""
     seed: int = 0
     """Seeds PPO and the environments (and the sampled trajectories when temperature > 0)."""
     cache_dir: str = "runs/cache"
