@@ -36,11 +36,14 @@ from tqdm.auto import tqdm
 from engine.backends.files import DirectoryLock
 from engine.backends.models import pair_name
 from engine.backends.pair import ModelPair
+from engine.batch import BatchedEngine
+from engine.batch_api import BatchConfig, BatchRequest
 from engine.cli import CLI_ERRORS, ArgumentParser, ModelConfig, check_output_dir, report_error
 from engine.config_flags import add_dataclass_args, from_args
 from engine.control import StaticController
 from engine.engine import SpeculativeEngine
 from engine.errors import InputError
+from engine.results import GenerationResult
 from engine.sampling import SamplingConfig
 from envs.draft_trees import draft_trees
 from envs.recording import (
@@ -57,9 +60,14 @@ from envs.recording import (
 from envs.trace import Trace
 
 TRAJECTORY_CONTROLLER = {"depth": 4, "verify": 4, "tree_width": 1}
-"""Controller that generates the trajectory. It changes only the speed of recording: the engine draws one
-target sample per emitted token, so for a given seed the trajectory is the same for every controller
-(tests/envs/test_record_traces.py checks this, greedy and sampled)."""
+"""Controller that generates a trajectory recorded alone (``record_trace``). It changes only the speed of
+recording: the engine draws one target sample per emitted token, so for a given seed the trajectory is the same
+for every controller (tests/envs/test_record_traces.py checks this, greedy and sampled)."""
+TRAJECTORY_BATCH = 8
+"""``record_prompts`` decodes the trajectories of this many traces at once, autoregressively, in the batched
+engine (``engine.batch``: a request's tokens are those of the same request decoded alone, greedy or sampled
+with its seed; tests/engine/test_batch.py), then records each one's trees: 8 rows a target step cost a CPU
+about twice one row, so the trajectories take a fraction of their time alone."""
 
 
 @dataclass
@@ -122,19 +130,27 @@ def record_trace(
     chunk: int = DEFAULT_CHUNK,
     extra_meta: dict | None = None,
     progress: Callable[[int], None] | None = None,
+    trajectory: tuple[GenerationResult, float] | None = None,
 ) -> Trace:
-    """Generate one trajectory (engine, ``seed``) and record the tree at each of its positions."""
+    """Generate one trajectory (engine, ``seed``) and record the tree at each of its positions.
+    ``trajectory``: (the request's result, seconds) when it was already decoded (``batched_trajectories``)."""
     check_record_settings(
         max_depth=max_depth, tree_width=tree_width, max_new_tokens=max_new_tokens, seed=seed, chunk=chunk
     )
     t0 = time.perf_counter()
-    result = SpeculativeEngine(pair, sampling).generate(
-        list(prompt_ids), max_new_tokens, controller=StaticController(**TRAJECTORY_CONTROLLER), seed=seed
-    )
-    t1 = time.perf_counter()
+    if trajectory is None:
+        result = SpeculativeEngine(pair, sampling).generate(
+            list(prompt_ids), max_new_tokens, controller=StaticController(**TRAJECTORY_CONTROLLER), seed=seed
+        )
+        t1 = time.perf_counter()
+    else:
+        result, seconds = trajectory
+        t0 = (t1 := time.perf_counter()) - seconds
     trees = draft_trees(pair, prompt_ids, result.tokens, sampling, max_depth, tree_width, chunk, progress)
     t2 = time.perf_counter()
     meta = trace_meta(pair, prompt_ids, sampling, max_depth, tree_width, max_new_tokens, seed)
+    if trajectory is not None:  # decoded among others (``batched_trajectories``): the same tokens
+        meta["trajectory_controller"] = {"depth": 0, "batched": TRAJECTORY_BATCH}
     meta.update(
         extra_meta or {},
         sample=sample,
@@ -154,6 +170,41 @@ def record_trace(
     )
     trace.validate(f"trace {prompt_id}")
     return trace
+
+
+def batched_trajectories(
+    pair: ModelPair,
+    requests: Sequence[tuple[Sequence[int], int]],
+    sampling: SamplingConfig,
+    max_new_tokens: int,
+    batch: int = TRAJECTORY_BATCH,
+) -> list[tuple[GenerationResult, float]]:
+    """The trajectories of ``requests`` ((prompt ids, seed) each) decoded ``batch`` at a time in the batched
+    engine, autoregressively, prompts prefilled whole: (result, its share of the decoding seconds) each, in
+    order. Each result's tokens are ``SpeculativeEngine.generate``'s for that prompt and seed."""
+    out: list[tuple[GenerationResult, float]] = []
+    for start in range(0, len(requests), batch):
+        group = requests[start : start + batch]
+        longest = max(len(ids) for ids, _ in group)
+        engine = BatchedEngine(
+            pair,
+            BatchConfig(
+                max_requests=len(group),
+                max_rows=max(64, len(group)),
+                max_prefill_tokens=max(longest, 16),
+                idle_prefill_tokens=max(longest, 16),
+            ),
+        )
+        t0 = time.perf_counter()
+        rids = [
+            engine.add(BatchRequest(list(ids), max_new_tokens, None, seed=seed, sampling=sampling))
+            for ids, seed in group
+        ]
+        while engine.active or engine.pending:
+            engine.step()
+        share = (time.perf_counter() - t0) / len(group)
+        out += [(engine.result(rid), share) for rid in rids]
+    return out
 
 
 def record_prompts(
@@ -248,6 +299,13 @@ def _record_into(
         )
     summary = RecordSummary(paths=[])
     start = time.perf_counter()
+    todo = [
+        (ids, seed + s)
+        for _, samples in plan
+        for ids, s, path, want in samples
+        if not trace_matches(path, want)
+    ]
+    decoded = iter(batched_trajectories(pair, todo, sampling, max_new_tokens)) if len(todo) > 1 else None
     with tqdm(desc="recording", unit="pos", disable=not progress, dynamic_ncols=True) as bar:
         for index, (item, samples) in enumerate(plan):
             extra = {k: item[k] for k in ("language", "task") if k in item}
@@ -270,6 +328,7 @@ def _record_into(
                     chunk=chunk,
                     extra_meta=extra,
                     progress=bar.update,
+                    trajectory=next(decoded) if decoded is not None else None,
                 )
                 trace.save(path)
                 summary.recorded += 1

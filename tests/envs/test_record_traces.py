@@ -253,3 +253,29 @@ def test_command_line_end_to_end(tmp_path, capsys):
     assert main(argv) == 0 and "recorded=0 kept=4" in capsys.readouterr().out
     assert main([*argv[:3], str(tmp_path / "nope.jsonl"), *argv[4:]]) == 2
     assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
+def test_prompts_recorded_together_hold_the_traces_recorded_alone(tiny_pair, tmp_path, sampling_name):
+    """``record_prompts`` decodes the trajectories of several traces in one batch (``batched_trajectories``):
+    every trace it writes (prompts of different lengths, two samples each) equals the one ``record_trace``
+    records alone with that prompt and seed, tokens and trees; a sampled trajectory drawn with another seed
+    differs (negative control)."""
+    sampling = SAMPLINGS[sampling_name]
+    items = [
+        {"id": f"p{i}", "prompt": text} for i, text in enumerate(("def f(x):", "a", "The quick brown fox"))
+    ]
+    summary = record_prompts(tiny_pair, items, tmp_path, sampling, samples_per_prompt=2, seed=4, **SMALL)
+    assert summary.recorded == 6
+    settings = {k: SMALL[k] for k in ("max_depth", "tree_width", "max_new_tokens")}
+    for path in summary.paths:
+        got = Trace.load(path)
+        ids = got.meta["prompt_ids"]
+        alone = record_trace(tiny_pair, ids, got.prompt_id, sampling, seed=got.meta["seed"], **settings)
+        assert got.tokens.tolist() == alone.tokens.tolist()
+        for name in ("node_offsets", "node_tokens", "node_parents", "node_depths"):
+            assert np.array_equal(getattr(got, name), getattr(alone, name)), name
+        assert got.meta["trajectory_controller"]["batched"] > 1
+    if sampling.temperature:
+        other = record_trace(tiny_pair, ids, "x", sampling, seed=got.meta["seed"] + 10, **settings)
+        assert other.tokens.tolist() != got.tokens.tolist()
