@@ -254,6 +254,13 @@ def _train(config: TrainConfig, run: Path, checkpoint: Path | None, fresh: bool 
                     f"(agreement {fits}), validation {log.validation[-1][1]:.3f} {unit}",
                     flush=True,
                 )
+            elif name == "size" and config.skip_idle_size and trainer.size_phases_idle():
+                trainer.skip_phase(name, r)
+                print(
+                    f"round {r + 1}/{config.rounds} size: skipped (the last size phase left the best validation "
+                    "score where it was; --no-skip-idle-size trains it)",
+                    flush=True,
+                )
             else:
                 log = trainer.run_phase(name, config.size_steps if name == "size" else config.depth_steps, r)
                 last = log.validation[-1][1] if log.validation else float("nan")

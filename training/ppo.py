@@ -244,15 +244,28 @@ class CoTrainer:
         validate the imitated pair: the first export candidate. Logged as phase "imitation"."""
         start = time.perf_counter()
         log = PhaseLog("imitation", round_index, 0, 0.0)
-        for name in ("size", "depth"):
+        config = dataclasses.replace(self.env_config, rho=self.rho)
+        calls = [
+            (
+                self.backend,
+                name,
+                make_teacher,
+                config,
+                self.ppo.imitation_steps,
+                self.ppo.gamma_size if name == "size" else self.ppo.gamma_depth,
+                self.seed + 7919 + (0 if name == "size" else 1),
+            )
+            for name in ("size", "depth")
+        ]
+        if self.workers > 1:  # the two policies' decisions collected at once, one per worker
+            if self._pool is None:
+                self._pool = WorkerPool(self.workers)
+            collected = self._pool.map(imitation.collect, calls)
+        else:
+            collected = [imitation.collect(*call) for call in calls]
+        for name, data, call in zip(("size", "depth"), collected, calls):
             venv = self._make_venv(name, self.baseline)
             model = self.models[name] = self._new_model(name, venv)
-            gamma = self.ppo.gamma_size if name == "size" else self.ppo.gamma_depth
-            config = dataclasses.replace(self.env_config, rho=self.rho)
-            seed = self.seed + 7919 + (0 if name == "size" else 1)
-            data = imitation.collect(
-                self.backend, name, make_teacher, config, self.ppo.imitation_steps, gamma, seed
-            )
             fitted = imitation.fit(
                 model,
                 self.obs_rms[name],
@@ -260,7 +273,7 @@ class CoTrainer:
                 epochs=self.ppo.imitation_epochs,
                 batch_size=self.ppo.batch_size,
                 learning_rate=IMITATION_LR,
-                seed=seed,
+                seed=call[-1],
                 clip=CLIP_OBS,
                 epsilon=OBS_EPS,
             )
@@ -277,6 +290,25 @@ class CoTrainer:
             if tps > self.best[0]:
                 self.best = (tps, depth, size)
         log.seconds = time.perf_counter() - start
+        self.history.append(log)
+        return log
+
+    def size_phases_idle(self, tolerance: float = 1e-3) -> bool:
+        """Whether the last size phase that trained (the history's) left the best validation score where it
+        found it (within ``tolerance``, relative): then a later size phase is not worth its time (train.py
+        skips it, ``TrainConfig.skip_idle_size``). False before any size phase trained."""
+        best_before, idle = -np.inf, False
+        for log in self.history:
+            scores = [v for _, v in log.validation]
+            if log.policy == "size" and log.steps > 0:
+                idle = not scores or max(scores) <= best_before * (1 + tolerance)
+            if scores:
+                best_before = max(best_before, *scores)
+        return idle
+
+    def skip_phase(self, name: str, round_index: int) -> PhaseLog:
+        """Record phase ``name`` of round ``round_index`` as skipped (no steps), so that a resumed run counts it."""
+        log = PhaseLog(name, round_index, 0, 0.0)
         self.history.append(log)
         return log
 

@@ -122,6 +122,10 @@ class TrainConfig(ModelConfig):
     size_steps: int = 50_000
     """Environment steps per size phase (one per drafting cycle). Why 50k, not the depth phase's 200k:
     docs/training.md, "Training budget"."""
+    skip_idle_size: bool = True
+    """Skip the later size phases once a size phase ended without raising the best validation score (a size
+    step costs many replayed cycles where the depth policy drafts rarely, and the exported policy is the best
+    by that score): docs/training.md, "Training budget"."""
     depth_steps: int = 200_000
     """Environment steps per depth phase (one per draft step)."""
     eval_every: int = 20_000

@@ -70,6 +70,9 @@ def _worker(remote, parent_remote) -> None:
                 for i in which:
                     setattr(envs[i], name, value)
                 out = None
+            elif cmd == "run":
+                fn, args = cloudpickle.loads(data)
+                out = fn(*args)
             elif cmd == "close":
                 for env in envs:
                     env.close()
@@ -125,6 +128,24 @@ class WorkerPool:
         status, out = self.remotes[worker].recv()
         if status == "error":
             raise out
+        return out
+
+    def map(self, fn: Callable, calls: Sequence[tuple]) -> list:
+        """``[fn(*args) for args in calls]``, the calls spread over the workers (call i on worker i % size),
+        results in order; the environments the workers host are left alone."""
+        out: list = [None] * len(calls)
+        for start in range(0, len(calls), self.size):
+            batch = list(enumerate(calls))[start : start + self.size]
+            for w, (_, args) in enumerate(batch):
+                self.send(w, "run", cloudpickle.dumps((fn, tuple(args))))
+            error = None
+            for w, (i, _) in enumerate(batch):
+                try:
+                    out[i] = self.receive(w)
+                except Exception as err:
+                    error = error or err
+            if error is not None:
+                raise error
         return out
 
     def close(self) -> None:

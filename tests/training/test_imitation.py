@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from engine.control import StaticController
 from engine.costs.observation import device_features
@@ -131,6 +132,38 @@ def test_imitated_actors_decide_as_the_analytic_controller_and_are_the_first_can
     # and the imitated controller's throughput is the teacher's, within a few percent
     teacher_tps = train_data.replay_eval(tiny_data["val"], profile)(analytic)
     assert trainer.best[0] == pytest.approx(teacher_tps, rel=0.05)
+    trainer.close()
+    untrained.close()
+
+
+def test_imitation_collects_the_same_decisions_in_worker_processes(tiny_data):
+    """The two policies' teacher decisions are collected at once in two worker processes
+    (``training.vec_workers.WorkerPool.map``): the fitted actors are the ones collected in this process,
+    weight for weight."""
+    config, profile = tiny_data["config"], tiny_data["profile"]
+    fitted = {}
+    for workers in (1, 2):
+        ppo = PPOConfig(**{**QUICK_PPO, "imitation_steps": 1500, "imitation_epochs": 5, "workers": workers})
+        trainer = CoTrainer(
+            ReplayBackend(tiny_data["train"], profile),
+            ppo,
+            EnvConfig(depth_zero=True),
+            lambda: StaticController(1, 1, tree_width=config.tree_width),
+            None,
+            max_depth=config.max_depth,
+            device_feats=device_features(profile, config.tree_width),
+            seed=0,
+        )
+        assert trainer.workers == workers
+        trainer.imitate(analytic_for(config))
+        fitted[workers] = (
+            trainer.imitation,
+            [trainer.actor(n).to_spec()["weights"] for n in ("size", "depth")],
+        )
+        trainer.close()
+    assert fitted[1][0] == fitted[2][0]
+    for one, two in zip(fitted[1][1], fitted[2][1]):
+        assert all(torch.equal(a, b) for a, b in zip(one, two))
 
 
 def test_the_teacher_follows_each_episodes_cost_profile(tiny_data):
