@@ -30,7 +30,8 @@ class TrainConfig(ModelConfig):
     """Prompt suite JSONL ({"id", "language", "task", "split", "prompt"} per line) or a built-in set's name:
     suite, long, grounded (input-grounded requests: code edits, tests for given code, questions, summaries and
     translations of a given text) or mixed (grounded and suite prompts one to one; envs.prompts); none: the
-    built-in suite."""
+    default workload, mixed (stored as "mixed"), or for the tiny pair, whose byte tokenizer and 1,024-token
+    context cannot hold the grounded prompts, the built-in suite."""
     train_split: str = "train"
     """Split the policies are trained on."""
     val_split: str = "tune"
@@ -250,8 +251,9 @@ PATH_FIELDS = ("prompts", "long_prompts", "profile", "cache_dir", "run_dir")
 
 
 def effective_config(config: TrainConfig) -> TrainConfig:
-    """The config a run trains with and stores (``config.json`` and inside ``policy.pt``): paths absolute, and
-    one environment for the live backend (one engine: one request at a time)."""
+    """The config a run trains with and stores (``config.json`` and inside ``policy.pt``): paths absolute, the
+    default workload named (``prompts``), and one environment for the live backend (one engine: one request at
+    a time)."""
     paths = {
         name: str(Path(getattr(config, name)).resolve())
         for name in PATH_FIELDS
@@ -262,6 +264,8 @@ def effective_config(config: TrainConfig) -> TrainConfig:
             str(Path(p.strip()).resolve()) for p in config.train_profiles.split(",") if p.strip()
         )
     config = replace(config, **paths)
+    if config.prompts is None and config.pair != "tiny":  # the default workload, named in the stored config
+        config = replace(config, prompts="mixed")
     if config.backend == "live":
         config = replace(config, ppo=replace(config.ppo, n_envs=1))
     return config

@@ -1,5 +1,5 @@
 """The main job's budget rules (training.ppo.CoTrainer.size_phases_idle): later size phases are skipped once a
-size phase left the best validation score where it found it."""
+size phase left the best validation score where it found it; its default workload."""
 
 from __future__ import annotations
 
@@ -27,3 +27,11 @@ def test_a_size_phase_that_does_not_raise_the_best_score_makes_later_ones_idle()
     assert idle(*base) and idle(*base, ("size", 0, []))
     raised = [("imitation", 0, [0.876]), ("size", 50_000, [0.876]), ("depth", 200_000, [0.93])]
     assert not idle(*raised, ("size", 50_000, [0.95]))
+
+
+def test_the_main_jobs_default_workload_is_the_mixed_one_except_on_the_tiny_pair():
+    from training.train_config import TrainConfig, effective_config
+
+    assert effective_config(TrainConfig()).prompts == "mixed"  # the default pair: named in the stored config
+    assert effective_config(TrainConfig(pair="tiny")).prompts is None  # the suite: 1,024-byte contexts
+    assert effective_config(TrainConfig(prompts="suite")).prompts == "suite"  # a named set is kept
