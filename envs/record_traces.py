@@ -299,19 +299,16 @@ def _record_into(
         )
     summary = RecordSummary(paths=[])
     start = time.perf_counter()
-    todo = [
-        (ids, seed + s)
-        for _, samples in plan
-        for ids, s, path, want in samples
-        if not trace_matches(path, want)
-    ]
+    # which traces to record is decided once (each cached file read once)
+    missing = {path for _, samples in plan for *_, path, want in samples if not trace_matches(path, want)}
+    todo = [(ids, seed + s) for _, samples in plan for ids, s, path, _ in samples if path in missing]
     decoded = iter(batched_trajectories(pair, todo, sampling, max_new_tokens)) if len(todo) > 1 else None
     with tqdm(desc="recording", unit="pos", disable=not progress, dynamic_ncols=True) as bar:
         for index, (item, samples) in enumerate(plan):
             extra = {k: item[k] for k in ("language", "task") if k in item}
-            for ids, s, path, want in samples:
+            for ids, s, path, _ in samples:
                 summary.paths.append(path)
-                if trace_matches(path, want):
+                if path not in missing:
                     summary.skipped += 1
                     continue
                 bar.set_postfix_str(f"prompt {index + 1}/{len(items)} {item['id']} s{s}")

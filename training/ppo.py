@@ -152,9 +152,7 @@ class CoTrainer:
             for _ in range(self.ppo.n_envs)
         ]
         if self.workers > 1:
-            if self._pool is None:
-                self._pool = WorkerPool(self.workers)
-            venv = PooledVecEnv(self._pool, fns)
+            venv = PooledVecEnv(self._worker_pool(), fns)
         else:
             venv = DummyVecEnv(fns)
         venv.seed(self.seed + (0 if name == "size" else 1000) + 10 * len(self.history))
@@ -258,9 +256,7 @@ class CoTrainer:
             for name in ("size", "depth")
         ]
         if self.workers > 1:  # the two policies' decisions collected at once, one per worker
-            if self._pool is None:
-                self._pool = WorkerPool(self.workers)
-            collected = self._pool.map(imitation.collect, calls)
+            collected = self._worker_pool().map(imitation.collect, calls)
         else:
             collected = [imitation.collect(*call) for call in calls]
         for name, data, call in zip(("size", "depth"), collected, calls):
@@ -311,6 +307,12 @@ class CoTrainer:
         log = PhaseLog(name, round_index, 0, 0.0)
         self.history.append(log)
         return log
+
+    def _worker_pool(self) -> WorkerPool:
+        """The run's worker processes, started on first use."""
+        if self._pool is None:
+            self._pool = WorkerPool(self.workers)
+        return self._pool
 
     def close(self) -> None:
         """Stops the environment workers (if any); the trainer can still save, export and validate."""

@@ -130,6 +130,19 @@ class WorkerPool:
             raise out
         return out
 
+    def receive_all(self, workers: Sequence[int]) -> list:
+        """Each worker's reply, in order; a worker's error is raised after every one of them has replied (so
+        that no reply is left in a pipe for the next command)."""
+        outs, error = [], None
+        for w in workers:
+            try:
+                outs.append(self.receive(w))
+            except Exception as err:
+                error = error or err
+        if error is not None:
+            raise error
+        return outs
+
     def map(self, fn: Callable, calls: Sequence[tuple]) -> list:
         """``[fn(*args) for args in calls]``, the calls spread over the workers (call i on worker i % size),
         results in order; the environments the workers host are left alone."""
@@ -138,14 +151,8 @@ class WorkerPool:
             batch = list(enumerate(calls))[start : start + self.size]
             for w, (_, args) in enumerate(batch):
                 self.send(w, "run", cloudpickle.dumps((fn, tuple(args))))
-            error = None
-            for w, (i, _) in enumerate(batch):
-                try:
-                    out[i] = self.receive(w)
-                except Exception as err:
-                    error = error or err
-            if error is not None:
-                raise error
+            for (i, _), result in zip(batch, self.receive_all(range(len(batch)))):
+                out[i] = result
         return out
 
     def close(self) -> None:
@@ -185,7 +192,7 @@ class PooledVecEnv(VecEnv):
         self.slices = [list(range(w * n // used, (w + 1) * n // used)) for w in range(used)]
         for w, indices in enumerate(self.slices):
             pool.send(w, "build", cloudpickle.dumps([env_fns[i] for i in indices]))
-        spaces = [pool.receive(w) for w in range(used)]
+        spaces = pool.receive_all(range(used))
         self.waiting = False
         super().__init__(n, *spaces[0])
 
@@ -194,15 +201,7 @@ class PooledVecEnv(VecEnv):
 
     def _gather(self) -> list:
         """Every worker's reply, in environment order (a worker's error raised after all have replied)."""
-        outs, error = [], None
-        for w in range(len(self.slices)):
-            try:
-                outs.extend(self.pool.receive(w))
-            except Exception as err:
-                error = error or err
-        if error is not None:
-            raise error
-        return outs
+        return [out for part in self.pool.receive_all(range(len(self.slices))) for out in part]
 
     def step_async(self, actions: np.ndarray) -> None:
         for w, part in enumerate(self._split(list(actions))):
@@ -239,16 +238,8 @@ class PooledVecEnv(VecEnv):
         targets = self._targets(indices)
         for w, local in targets:
             self.pool.send(w, cmd, make_data(local))
-        outs, error = [], None
-        for w, _ in targets:
-            try:
-                out = self.pool.receive(w)
-                outs.extend(out if out is not None else [])
-            except Exception as err:
-                error = error or err
-        if error is not None:
-            raise error
-        return outs
+        parts = self.pool.receive_all([w for w, _ in targets])
+        return [out for part in parts if part is not None for out in part]
 
     def env_method(self, method_name: str, *method_args, indices=None, **method_kwargs) -> list:
         return self._each("call", lambda local: (method_name, method_args, method_kwargs, local), indices)
@@ -272,5 +263,4 @@ class PooledVecEnv(VecEnv):
             self.waiting = False
         for w in range(len(self.slices)):
             self.pool.send(w, "build", cloudpickle.dumps([]))
-        for w in range(len(self.slices)):
-            self.pool.receive(w)
+        self.pool.receive_all(range(len(self.slices)))

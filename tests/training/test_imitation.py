@@ -83,6 +83,21 @@ def agreement(a, b) -> float:
     return float(np.mean([x == y for x, y in zip(a[:n], b[:n])])) if n else 0.0
 
 
+def tiny_trainer(tiny_data, ppo, evaluate=None) -> CoTrainer:
+    """A trainer on the tiny traces (static (1, 1) baseline, depth 0 decided)."""
+    config, profile = tiny_data["config"], tiny_data["profile"]
+    return CoTrainer(
+        ReplayBackend(tiny_data["train"], profile),
+        ppo,
+        EnvConfig(depth_zero=True),
+        lambda: StaticController(1, 1, tree_width=config.tree_width),
+        evaluate,
+        max_depth=config.max_depth,
+        device_feats=device_features(profile, config.tree_width),
+        seed=0,
+    )
+
+
 def test_ladder_index_maps_a_size_to_the_action_that_verifies_it():
     assert [ladder_index(s, SIZE_LADDER) for s in (1, 2, 4, 6, 64)] == [0, 1, 3, 4, 11]
     # a size the ladder lacks (the nodes drafted, 5): the first entry above it, which the cap brings to 5
@@ -93,26 +108,8 @@ def test_ladder_index_maps_a_size_to_the_action_that_verifies_it():
 def test_imitated_actors_decide_as_the_analytic_controller_and_are_the_first_candidate(tiny_data):
     config, profile = tiny_data["config"], tiny_data["profile"]
     ppo = PPOConfig(**{**QUICK_PPO, "imitation_steps": 3000, "imitation_epochs": 20})
-    trainer = CoTrainer(
-        ReplayBackend(tiny_data["train"], profile),
-        ppo,
-        EnvConfig(depth_zero=True),
-        lambda: StaticController(1, 1, tree_width=config.tree_width),
-        train_data.replay_eval(tiny_data["val"], profile),
-        max_depth=config.max_depth,
-        device_feats=device_features(profile, config.tree_width),
-        seed=0,
-    )
-    untrained = CoTrainer(
-        ReplayBackend(tiny_data["train"], profile),
-        ppo,
-        EnvConfig(depth_zero=True),
-        lambda: StaticController(1, 1, tree_width=config.tree_width),
-        None,
-        max_depth=config.max_depth,
-        device_feats=device_features(profile, config.tree_width),
-        seed=0,
-    )
+    trainer = tiny_trainer(tiny_data, ppo, train_data.replay_eval(tiny_data["val"], profile))
+    untrained = tiny_trainer(tiny_data, ppo)
     log = trainer.imitate(analytic_for(config))
     assert log.policy == "imitation" and log.steps >= 2 * 3000 and len(log.validation) == 1
     assert trainer.history == [log]
@@ -140,20 +137,11 @@ def test_imitation_collects_the_same_decisions_in_worker_processes(tiny_data):
     """The two policies' teacher decisions are collected at once in two worker processes
     (``training.vec_workers.WorkerPool.map``): the fitted actors are the ones collected in this process,
     weight for weight."""
-    config, profile = tiny_data["config"], tiny_data["profile"]
+    config = tiny_data["config"]
     fitted = {}
     for workers in (1, 2):
         ppo = PPOConfig(**{**QUICK_PPO, "imitation_steps": 1500, "imitation_epochs": 5, "workers": workers})
-        trainer = CoTrainer(
-            ReplayBackend(tiny_data["train"], profile),
-            ppo,
-            EnvConfig(depth_zero=True),
-            lambda: StaticController(1, 1, tree_width=config.tree_width),
-            None,
-            max_depth=config.max_depth,
-            device_feats=device_features(profile, config.tree_width),
-            seed=0,
-        )
+        trainer = tiny_trainer(tiny_data, ppo)
         assert trainer.workers == workers
         trainer.imitate(analytic_for(config))
         fitted[workers] = (
