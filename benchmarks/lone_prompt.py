@@ -23,23 +23,10 @@ from pathlib import Path
 import httpx
 
 from engine.cli import ArgumentParser
-from envs.prompts import interleave_languages, load_suite
+from envs.prompts import cold_prompts
 from peers.launch import ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def prompts_of(pair: str, tokens: int, count: int) -> list[list[int]]:
-    """``count`` different prompts of exactly ``tokens`` token ids (the train prompts' text, each from its own
-    offset, tokenised by the pair's tokenizer)."""
-    from engine.backends.weights import pair_tokenizer
-
-    tok = pair_tokenizer(pair)
-    text = " ".join(item["prompt"] for item in interleave_languages(load_suite(split="train")))
-    ids = tok.encode(text)
-    while len(ids) < tokens * (count + 1):
-        ids = ids + ids
-    return [ids[k * 997 : k * 997 + tokens] for k in range(count)]
 
 
 def ttft(url: str, ids: list[int]) -> float:
@@ -62,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flags", default="--autoregressive", help="serve.py's flags (its prefix cache is off)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    prompts = prompts_of(args.pair, args.tokens, 2 * args.repeats)
+    prompts = cold_prompts(args.pair, args.tokens, 2 * args.repeats)
     from engine.backends.models import load_pair
     from engine.engine import SpeculativeEngine
 

@@ -9,7 +9,7 @@ attention's cost -- Q decoding rows of as many sequences, each seeing C keys):
 * ``layers``: ``Decoder.forward`` over every layer (norms, the linears, rotary, cache write, attention)
 * ``attention``: ``layers`` at C cached minus ``layers`` at ``--short`` cached (what the C keys add; the
   linears do not depend on C)
-* ``head``: the LM head over the Q rows (verification needs every row's logits)
+* ``head``: the LM head over the Q rows (verification needs every row's logits), through each build's kernels
 * ``sampling``: softmax and argmax over the Q rows' logits (torch), as a greedy/sampled acceptance reads them
 
 Also a prefill of ``--prefill`` tokens: ``layers`` at 0 cached plus the head on its last row, as tokens/s.
@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from engine.backends import lean, native
+from engine.backends.kquant import KQuantLinear
 from engine.backends.models import load_pair
 from evaluation.kernel_revisions import revision_sources
 
@@ -101,10 +102,18 @@ def main(argv: list[str] | None = None) -> int:
                     times[k].append(cpu_time(fn, args.threads))
             return {k: statistics.median(v[1:]) for k, v in times.items()}
 
+        def head_call(k: str, h: torch.Tensor):
+            # the LM head through each build's kernels where it is a kquant layer (else the module for both)
+            lm = model.lm_head
+            if isinstance(lm, KQuantLinear):
+                op = getattr(builds[k], f"{lm.kind}_matmul")
+                return lambda: op(h, *lm.tiles(), lm.bias, lm.in_features, lm.out_features)
+            return lambda: lm(h)
+
         results = {"rows": {}, "prefill": {}}
         for q in rows:
             h = torch.randn(q, config.hidden_size)
-            head = median_times({"head": lambda h=h: model.lm_head(h)})["head"]
+            heads = median_times({k: head_call(k, h) for k in decoders})
             logits = model.lm_head(h)
             sampling = median_times({"sampling": lambda lg=logits: (torch.softmax(lg, -1), lg.argmax(-1))})[
                 "sampling"
@@ -121,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 line = {}
                 for k in decoders:
                     att = max(0.0, long[k] - short[k])
+                    head = heads[k]
                     total = long[k] + head + sampling
                     line[k] = {
                         "layers_ms": long[k] * 1e3,
@@ -141,13 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         n = args.prefill
         caches = {k: [[torch.zeros(1, nkv, n, d) for _ in range(nl)] for _ in "kv"] for k in decoders}
         h1 = torch.randn(1, config.hidden_size)
-        head1 = median_times({"head": lambda: model.lm_head(h1)})["head"]
+        head1 = median_times({k: head_call(k, h1) for k in decoders})
         pre = median_times({k: layers_call(dec, n, 0, caches[k]) for k, dec in decoders.items()})
         for k, t in pre.items():
-            results["prefill"][k] = {"ms": (t + head1) * 1e3, "tokens_per_s": n / (t + head1)}
-            print(
-                f"prefill {n} tokens, {k:>6s}: {(t + head1) * 1e3:8.1f} ms, {n / (t + head1):6.1f} tokens/s"
-            )
+            total = t + head1[k]
+            results["prefill"][k] = {"ms": total * 1e3, "tokens_per_s": n / total}
+            print(f"prefill {n} tokens, {k:>6s}: {total * 1e3:8.1f} ms, {n / total:6.1f} tokens/s")
         print(f"load after: {os.getloadavg()}")
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=1))

@@ -161,3 +161,17 @@ def suite_split(split: str, limit: int | None = None, path: str | Path | None = 
     """A split of a suite (``DEFAULT_SUITE`` when ``path`` is None), ``limit`` items per language (None:
     all), interleaved across languages (``interleave_languages``)."""
     return interleave_languages(load_suite(path, split=split, limit_per_language=limit))
+
+
+def cold_prompts(pair: str, tokens: int, count: int) -> list[list[int]]:
+    """``count`` different prompts of exactly ``tokens`` token ids of ``pair``'s tokenizer, for cold-prompt
+    timings: the suite's train prompts joined, each prompt cut from its own offset (997 tokens apart; the text
+    repeats where it runs out), so no two share a prefix."""
+    from engine.backends.weights import pair_tokenizer
+
+    tok = pair_tokenizer(pair)
+    text = " ".join(item["prompt"] for item in interleave_languages(load_suite(split="train")))
+    ids = tok.encode(text)
+    while len(ids) < 997 * (count - 1) + tokens:
+        ids = ids + ids
+    return [ids[k * 997 : k * 997 + tokens] for k in range(count)]

@@ -153,3 +153,14 @@ def test_interleaved_suite_prefixes_are_balanced(suite):
     for n in (4, 8, 12):
         assert Counter(item["language"] for item in mixed[:n]) == {lang: n // 4 for lang in LANGUAGES}
     assert [item["language"] for item in mixed[:4]] == list(LANGUAGES)
+
+
+@pytest.mark.slow
+def test_cold_prompts_have_the_length_asked_and_no_shared_prefix():
+    from envs.prompts import cold_prompts
+
+    for tokens, count in ((512, 3), (1500, 6)):
+        prompts = cold_prompts("qwen2.5-coder", tokens, count)
+        assert [len(p) for p in prompts] == [tokens] * count
+        # prefix caches must find nothing to reuse between them
+        assert len({tuple(p[:16]) for p in prompts}) == count
