@@ -36,8 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds a llama.cpp run may take")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    lengths = [int(t) for t in args.tokens.split(",")]
-    threads = [int(t) for t in args.threads.split(",")]
+    try:
+        lengths = [int(t) for t in args.tokens.split(",")]
+        threads = [int(t) for t in args.threads.split(",")]
+    except ValueError:
+        ap.error(
+            f"--tokens and --threads take comma-separated integers, got {args.tokens!r}, {args.threads!r}"
+        )
     if min(lengths) < 1 or min(threads) < 1 or args.repeats < 1:
         ap.error("--tokens, --threads and --repeats must be positive")
 

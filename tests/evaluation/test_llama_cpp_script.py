@@ -402,3 +402,20 @@ def test_a_cached_build_with_other_flags_is_stale(tmp_path, monkeypatch):
     assert "-DB=2 missing" in lcb.stale_build(tmp_path)
     info.write_text("{not json")
     assert lcb.stale_build(tmp_path) is None
+
+
+def test_prefill_peer_skips_without_binaries(tmp_path, capsys):
+    rc = load_benchmark("prefill_peer").main(["--llama-bin", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert out.count("\n") == 1 and out.startswith("skipped: no llama.cpp binaries") and str(tmp_path) in out
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--tokens", "0"], ["--tokens", "512,x"], ["--threads", "0"], ["--repeats", "0"], ["--pair", "nope"]],
+)
+def test_prefill_peer_refuses_bad_arguments(tmp_path, extra, capsys):
+    with pytest.raises(SystemExit) as err:
+        load_benchmark("prefill_peer").main(["--llama-bin", str(tmp_path), *extra])
+    assert err.value.code == 2 and "error:" in capsys.readouterr().err
