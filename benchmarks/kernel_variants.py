@@ -6,6 +6,7 @@ not from the last-level cache. Prints the median time of one layer's products pe
 effective weight bandwidth; checks that every variant gives bitwise the same outputs.
 
     python benchmarks/kernel_variants.py --variant KQ_PREFETCH=0 --variant KQ_PREFETCH=2048
+    python benchmarks/kernel_variants.py --variant '' --against main --rows 1,4   # this checkout against main
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from engine.backends import native
 from engine.backends.kquant import quantize_k4, quantize_k6, tiled_parts
+from evaluation.kernel_revisions import revision_sources
 
 # one layer of the default target (hidden 1536, MLP 8960; q/k/v as one product, gate/up as one) and a
 # quarter of its LM head (151936 x 1536, k6)
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--variant",
         action="append",
-        required=True,
+        default=[],
         help="comma-separated NAME=VALUE defines of one build (repeat the flag for each variant; '' = as is)",
     )
     ap.add_argument("--rows", default="1,2,4,8", help="activation rows per product")
@@ -55,10 +57,16 @@ def main(argv: list[str] | None = None) -> int:
         "--copies", type=int, default=6, help="weight copies per shape (larger than the L3 cache)"
     )
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--against", help="a git revision whose kernels (its sources, as they are) run too")
     args = ap.parse_args(argv)
+    if not args.variant:
+        ap.error("name at least one --variant ('' = the sources as they are)")
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         modules = {v: build(v, Path(tmp)) for v in args.variant}
+        if args.against:
+            sources = revision_sources(args.against, Path(tmp) / "rev")
+            modules[args.against] = native.build("kqv_revision", Path(tmp) / "kqv_revision", sources=sources)
         torch.manual_seed(0)
         weights = {}
         for name, n, k, kind in SHAPES:

@@ -13,10 +13,11 @@ product's wall time counts whatever else ran on its cores; wall medians are reco
 2. Products: our kernels (``k4_matmul`` / ``k6_matmul``) at 1, 4, 16, 64, 256, 1024 rows on random-weight k4
    (Q4_K) and k6 (Q6_K) tiles of the real shapes (target Qwen2.5-1.5B: hidden 1536, MLP 8960, q/o
    1536x1536, k/v 256x1536, LM head 151936x1536; draft Qwen2.5-0.5B: hidden 896, MLP 4864), next to torch's
-   bf16 and fp32 ``F.linear`` on the same shapes in the same run, interleaved; optionally a git revision's
+   bf16 and fp32 ``F.linear`` and its int8 dynamic-quantisation linear (``int8_peer``) on the same shapes in the
+   same run, interleaved; optionally a git revision's
    kernels (``--against main``: the sources of that revision, built alone) for before/after. Rates are
    2 * M * N * K / time (operations of the product, whatever the path computes) and each is printed as a share
-   of the roof of its kind: int8 products of the int8 peak, bf16/fp32 ones of the fp32 FMA peak (a CPU with
+   of the roof of its kind: int8 products (ours and torch's) of the int8 peak, bf16/fp32 ones of the fp32 FMA peak (a CPU with
    AVX-512 BF16 also gets the bf16 peak).
 
 The LM head is timed on a slice of ``--head-rows`` of its 151936 outputs (the rate is per operation: a slice
@@ -93,6 +94,14 @@ def peaks(threads: int, reps: int) -> dict:
     return out
 
 
+def int8_peer(w: torch.Tensor):
+    """torch's int8 linear as dynamic quantisation runs it (``quantized::linear_dynamic``: int8 weights with one
+    scale, the activations quantised to uint8 per call, ``torch.backends.quantized.engine``'s GEMM -- fbgemm or
+    oneDNN on x86): a tuned int8 GEMM of the same shape, without the K-quant format's group scales and mins."""
+    scale = float(w.abs().max()) / 127 or 1.0
+    return torch.ops.quantized.linear_prepack(torch.quantize_per_tensor(w, scale, 0, torch.qint8), None)
+
+
 def amx_state() -> str:
     flags = native.cpu_signature().split("|")[2].split()
     if "amx_int8" not in flags:
@@ -161,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             w = torch.randn(n_run, k) * 0.02
             parts = tiled_parts(quantize_k4(w) if kind == "k4" else quantize_k6(w), k)
             w32, w16 = w.contiguous(), w.to(torch.bfloat16).contiguous()
+            w8 = None if args.no_torch else int8_peer(w)
             for m in rows:
                 x = torch.randn(m, k)
                 x16 = x.to(torch.bfloat16)
@@ -178,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.no_torch:
                     calls["torch-bf16"] = partial(F.linear, x16, w16)
                     calls["torch-fp32"] = partial(F.linear, x, w32)
+                    calls["torch-int8"] = partial(torch.ops.quantized.linear_dynamic, x, w8)
                 for fn in calls.values():
                     fn()
                 times = {key: [] for key in calls}
@@ -198,11 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                 for key, ts in times.items():
                     med = statistics.median(ts)
                     gops = ops / med / 1e9
-                    roof_of = (
-                        int8_roof
-                        if key not in ("torch-bf16", "torch-fp32")
-                        else (bf16_roof if key == "torch-bf16" else fp32_roof)
-                    )
+                    roof_of = {"torch-bf16": bf16_roof, "torch-fp32": fp32_roof}.get(key, int8_roof)
                     line[key] = {
                         "ms": med * 1e3,
                         "wall_ms": statistics.median(walls[key]) * 1e3,

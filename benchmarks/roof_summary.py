@@ -1,7 +1,7 @@
 """Sums ``benchmarks/roof.py --against REV --out FILE.json`` into per-model tables (docs/results): for each group
 of products and row count, the products' median ms added up for the revision and for this checkout, the
 speedup, and GOPS (the group's operations over that time) as a share of the int8 roof measured in the same
-run (and, in brackets, of ``--reference-roof``).
+run (and, in brackets, of ``--reference-roof``); where the run timed torch's int8 linear, its GOPS and share too.
 
     python benchmarks/roof_summary.py roof.json [--against main] [--reference-roof 332] > summary.md
 """
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         f"and of {ref_roof:.0f} in brackets\n"
     )
     for title, model, names in GROUPS:
-        rows = defaultdict(lambda: {"ref": 0.0, "ours": 0.0, "ops": 0.0})
+        rows = defaultdict(lambda: {"ref": 0.0, "ours": 0.0, "ops": 0.0, "int8": 0.0})
         for p in data["products"]:
             if p["model"] != model or p["name"] not in names:
                 continue
@@ -46,17 +46,22 @@ def main(argv: list[str] | None = None) -> int:
             row["ref"] += p[args.against]["ms"]
             row["ours"] += p["ours"]["ms"]
             row["ops"] += ops
+            row["int8"] += p["torch-int8"]["ms"] if "torch-int8" in p else float("nan")
         print(title)
         print(
-            f"| rows | {args.against} ms | branch ms | speedup | {args.against} GOPS (roof) | branch GOPS (roof) |"
+            f"| rows | {args.against} ms | branch ms | speedup | {args.against} GOPS (roof) | branch GOPS (roof) "
+            "| torch int8 GOPS (roof) |"
         )
-        print("|---:|---:|---:|---:|---:|---:|")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
         for m in sorted(rows):
             r = rows[m]
             g_ref, g_ours = r["ops"] / r["ref"] / 1e6, r["ops"] / r["ours"] / 1e6
             shares = [f"{g:.0f} ({100 * g / roof:.0f}% [{100 * g / ref_roof:.0f}%])" for g in (g_ref, g_ours)]
+            g8 = r["ops"] / r["int8"] / 1e6  # nan where the run had no torch int8 column
+            peer = "-" if g8 != g8 else f"{g8:.0f} ({100 * g8 / roof:.0f}%)"
             print(
-                f"| {m} | {r['ref']:.2f} | {r['ours']:.2f} | {r['ref'] / r['ours']:.2f}x | {shares[0]} | {shares[1]} |"
+                f"| {m} | {r['ref']:.2f} | {r['ours']:.2f} | {r['ref'] / r['ours']:.2f}x | {shares[0]} | {shares[1]} "
+                f"| {peer} |"
             )
         print()
     return 0
