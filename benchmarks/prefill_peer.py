@@ -2,8 +2,8 @@
 
 For each prompt length (``--tokens``) and thread count (``--threads``), ``--repeats`` times, interleaved with
 the order alternating: our engine's prefill of a prompt of exactly that many tokens
-(``SpeculativeEngine.generate(ids, 1).prefill_s``: the path a server request's prompt takes, target and
-draft, nothing cached) and llama.cpp's ``prompt eval time`` of the same text (``llama-completion -n 1``, its
+(``SpeculativeEngine.generate(ids, 1).prefill_s``: the target's prefill in the native decoder's 65-row chunks,
+as a server request's prompt is prefilled; the draft's waits for a first drafting cycle; nothing cached) and llama.cpp's ``prompt eval time`` of the same text (``llama-completion -n 1``, its
 own tokenisation of that text: its token count is printed). Each repeat uses another prompt (the suite's
 train prompts from another offset), the same one for both. Prints prompt tokens per second for each, their
 ratio per repeat (ours / llama.cpp) with its median and range, and the machine's load.
@@ -21,9 +21,23 @@ import os
 import platform
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 from engine.cli import ArgumentParser
+
+
+def ours_times(engine, ids: list[int]) -> dict:
+    """Our engine's cold prefill of ``ids``."""
+    return {"ours_s": engine.generate(ids, 1).prefill_s}
+
+
+def llama_times(binaries, text: str, target: Path, opts: dict) -> dict:
+    """llama.cpp's prompt evaluation of ``text`` (one generated token)."""
+    from peers.llama_cpp import AUTOREGRESSIVE, run_llama_cpp
+
+    run = run_llama_cpp(binaries, AUTOREGRESSIVE, text, target, **opts)
+    return {"llama_s": run["prompt_s"], "llama_tokens": run["prompt_tokens"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine.backends.weights import DEFAULT_PAIRS, fetch_gguf, pair_tokenizer
     from envs.prompts import cold_prompts
-    from peers.llama_cpp import AUTOREGRESSIVE, LlamaCppRunError, run_llama_cpp
+    from peers.llama_cpp import LlamaCppRunError
     from peers.llama_cpp_build import default_bin_dir, find_binaries
 
     if args.pair not in DEFAULT_PAIRS:
@@ -78,21 +92,21 @@ def main(argv: list[str] | None = None) -> int:
         for t in threads:
             torch.set_num_threads(t)
             opts = dict(max_new_tokens=1, threads=t, ctx_size=n + 64, timeout=args.timeout)
-            engine.generate(prompts[0][:32], 1)  # warm-up, both sides
-            run_llama_cpp(binaries, AUTOREGRESSIVE, tokenizer.decode(prompts[0][:32]), target, **opts)
+            ours_times(engine, prompts[0][:32])  # warm-up, both sides
+            llama_times(binaries, tokenizer.decode(prompts[0][:32]), target, opts)
             for r, ids in enumerate(prompts):
                 text = tokenizer.decode(ids)
                 row = {"tokens": n, "threads": t, "repeat": r}
-                for side in ("ours", "llama.cpp")[:: 1 if r % 2 == 0 else -1]:
-                    if side == "ours":
-                        row["ours_s"] = engine.generate(ids, 1).prefill_s
-                    else:
-                        try:
-                            run = run_llama_cpp(binaries, AUTOREGRESSIVE, text, target, **opts)
-                        except LlamaCppRunError as err:
-                            print(f"skipped: llama.cpp failed: {err}")
-                            return 0
-                        row["llama_s"], row["llama_tokens"] = run["prompt_s"], run["prompt_tokens"]
+                sides = [
+                    partial(ours_times, engine, ids),
+                    partial(llama_times, binaries, text, target, opts),
+                ]
+                try:
+                    for side in sides[:: 1 if r % 2 == 0 else -1]:
+                        row.update(side())
+                except LlamaCppRunError as err:
+                    print(f"skipped: llama.cpp failed: {err}")
+                    return 0
                 row["ours_tok_s"] = n / row["ours_s"]
                 row["llama_tok_s"] = row["llama_tokens"] / row["llama_s"]
                 row["ratio"] = row["ours_tok_s"] / row["llama_tok_s"]
